@@ -1,0 +1,72 @@
+#include "commlib/env.hpp"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "commlib/errors.hpp"
+
+namespace commlib::env {
+
+const std::vector<Knob>& knobs() {
+  static const std::vector<Knob> table = {
+      {"COMMLIB_TIMEOUT_MS", "0",
+       "Bound on every wait for a peer (host and device), in ms; 0 uses the communicator's timeout "
+       "(init_process_group's timeout, 300 s by default)."},
+      {"COMMLIB_SHM_SLOT_BYTES", "4194304",
+       "Bytes of each rank's shared-memory slot per buffer (two buffers per rank); larger "
+       "messages go in chunks of this size."},
+      {"COMMLIB_HOST_TREE_THRESHOLD", "262144",
+       "CPU all_reduce: messages of at least this many bytes use tree (reduce-scatter + "
+       "all-gather), smaller ones flat."},
+      {"COMMLIB_ALLREDUCE_ALGO", "auto",
+       "Force the all-reduce algorithm: auto, flat, tree or nccl."},
+      {"COMMLIB_FLAT_MAX_BYTES", "0",
+       "GPU all_reduce: largest message for flat (one-shot); 0 uses the built-in or tuned table."},
+      {"COMMLIB_TREE_MAX_BYTES", "0",
+       "GPU all_reduce: largest message for tree (two-shot); larger go to NCCL where attached; "
+       "0 uses the built-in or tuned table."},
+      {"COMMLIB_GPU_WORKSPACE_BYTES", "67108864",
+       "Bytes of each rank's symmetric GPU workspace used for copy-in of non-symmetric tensors."},
+      {"COMMLIB_TUNE_FILE", "",
+       "Path of the crossover cache written by commlib-tune; empty: ~/.cache/commlib/tune.json "
+       "when it exists, else the built-in table."},
+      {"COMMLIB_FUSED_NUM_SMS", "0",
+       "CTAs of the fused all-reduce + RMSNorm kernel; 0 chooses by size."},
+      {"COMMLIB_ENABLE_MULTICAST", "0",
+       "Opt in to NVLink multicast (NVLS multimem) kernels. Refused whenever "
+       "COMMLIB_DISABLE_MULTICAST=1, NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 or "
+       "NVSHMEM_DISABLE_NVLS=1 is set."},
+      {"COMMLIB_DISABLE_MULTICAST", "0", "Kill switch: refuse every NVLink multicast path."},
+      {"COMMLIB_DEBUG", "0", "Log algorithm choices and set-up steps to stderr."},
+  };
+  return table;
+}
+
+static const Knob& find(const char* name) {
+  for (const Knob& knob : knobs()) {
+    if (std::strcmp(knob.name, name) == 0) return knob;
+  }
+  throw InvalidArgument(detail::concat("env: undeclared knob ", name));
+}
+
+std::string get(const char* name) {
+  const Knob& knob = find(name);
+  const char* value = std::getenv(name);
+  return value != nullptr && *value != '\0' ? std::string(value) : std::string(knob.default_value);
+}
+
+int64_t get_int(const char* name) {
+  std::string value = get(name);
+  char* end = nullptr;
+  long long parsed = std::strtoll(value.c_str(), &end, 0);
+  COMMLIB_CHECK(end != nullptr && *end == '\0' && !value.empty(), InvalidArgument, "env: ", name, "='", value,
+                "' is not an integer");
+  return parsed;
+}
+
+bool get_bool(const char* name) {
+  std::string value = get(name);
+  return value == "1" || value == "true" || value == "yes" || value == "on";
+}
+
+}  // namespace commlib::env

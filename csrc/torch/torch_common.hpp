@@ -1,0 +1,69 @@
+// Shared by the torch layer: dtype mapping, tensor argument checks, the c10d Store adapter.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <memory>
+#include <string>
+
+#include "commlib/communicator.hpp"
+#include "commlib/errors.hpp"
+#include "commlib/store.hpp"
+#include "commlib/types.hpp"
+
+namespace commlib::torch_layer {
+
+// torch-style name of a dtype ("bfloat16", "int8").
+std::string dtype_str(at::ScalarType type);
+// Maps a torch dtype; throws TypeMismatch naming `what` for one commlib has no type for.
+DataType to_data_type(at::ScalarType type, const char* what);
+// Reducible dtypes only (float32, float16, bfloat16).
+DataType reducible_type(const at::Tensor& t, const char* what);
+
+void check_cpu_or_cuda(const at::Tensor& t, const char* what, const char* arg);
+void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* what);
+void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* what);
+
+// Runs `body` on a contiguous view of `t` and copies back when `t` was not contiguous.
+template <typename F>
+void with_contiguous(at::Tensor& t, F&& body) {
+  if (t.is_contiguous()) {
+    body(t);
+    return;
+  }
+  at::Tensor work = t.contiguous();
+  body(work);
+  t.copy_(work);
+}
+
+class TorchStore final : public Store {
+ public:
+  explicit TorchStore(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
+  void set(const std::string& key, const std::vector<uint8_t>& value) override { store_->set(key, value); }
+  std::vector<uint8_t> get(const std::string& key) override { return store_->get(key); }
+  int64_t add(const std::string& key, int64_t delta) override { return store_->add(key, delta); }
+  bool check(const std::string& key) override { return store_->check({key}); }
+  void erase(const std::string& key) override { store_->deleteKey(key); }
+  const c10::intrusive_ptr<c10d::Store>& torch_store() const { return store_; }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+};
+
+// ---- tensor-level collectives shared by the Python API and the c10d backend ----
+void all_reduce(Communicator& comm, at::Tensor& t, ReduceOp op, Algorithm algo);
+void reduce_scatter(Communicator& comm, at::Tensor& out, const at::Tensor& in, ReduceOp op);
+void all_gather(Communicator& comm, at::Tensor& out, const at::Tensor& in);
+void broadcast(Communicator& comm, at::Tensor& t, int src);
+void all_to_all(Communicator& comm, at::Tensor& out, const at::Tensor& in);
+// Splits are counts along dim 0 (host lists); empty lists mean equal splits.
+void all_to_all_v(Communicator& comm, at::Tensor& out, const at::Tensor& in, const std::vector<int64_t>& out_splits,
+                  const std::vector<int64_t>& in_splits);
+
+#if defined(COMMLIB_TORCH_CUDA)
+// GPU implementations (csrc/torch/cuda_ops.cpp), on the current stream of the tensor's device.
+void all_reduce_cuda(Communicator& comm, at::Tensor& t, ReduceOp op, Algorithm algo);
+#endif
+
+}  // namespace commlib::torch_layer

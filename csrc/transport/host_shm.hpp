@@ -1,0 +1,93 @@
+// POSIX shared-memory transport for CPU collectives.
+//
+// Note [host shm protocol]
+// One segment per communicator, created by rank 0 (name: "/commlib-<prefix hash>-<random>",
+// mode 0600), opened by the others, and shm_unlink()ed by every rank as soon as all have mapped
+// it: afterwards nothing is left in /dev/shm, even if a rank is killed. Layout:
+//   [RankControl x world][slot(rank 0, buf 0)][slot(0, 1)][slot(1, 0)] ...
+// A collective is a sequence of rounds. Each round writes into this rank's slot of one buffer,
+// then barrier(), then reads the peers' slots of that buffer. Rounds alternate buffers, so no
+// trailing barrier is needed: a rank cannot write a buffer again before every peer has passed
+// the next round's barrier, which a peer reaches only after finishing its reads of this one.
+// barrier() stores a monotonically increasing sequence number (never reset) with release
+// semantics and waits with acquire for every peer to reach it, bounded by the timeout; it also
+// compares an OpTag so that mismatched collectives raise PeerError on every rank instead of
+// corrupting memory.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace commlib {
+
+class Bootstrap;
+
+// What a rank is doing in a round; every rank must agree.
+struct OpTag {
+  uint32_t op = 0;
+  uint32_t dtype = 0;
+  uint64_t size = 0;
+  uint64_t extra = 0;
+  bool operator==(const OpTag&) const = default;
+};
+
+enum class HostOp : uint32_t {
+  kAllReduceFlat = 1,
+  kAllReduceTree,
+  kReduceScatter,
+  kAllGather,
+  kBroadcast,
+  kAllToAllV,
+  kBarrier,
+  kFused,
+  kUser,  // extensions (EP, fused) tag their own rounds as kUser + n
+};
+
+class HostShm {
+ public:
+  HostShm(Bootstrap& bootstrap, size_t slot_bytes, std::chrono::milliseconds timeout,
+          std::vector<int64_t> peer_pids);
+  ~HostShm();
+  HostShm(const HostShm&) = delete;
+  HostShm& operator=(const HostShm&) = delete;
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  size_t slot_bytes() const { return slot_bytes_; }
+
+  // Starts a round: returns the buffer (0 or 1) whose slots this round uses.
+  int next_buffer() { return static_cast<int>(round_++ & 1); }
+  uint8_t* slot(int rank, int buffer) const;
+
+  // Publishes this rank's writes of the round and waits for every peer (see the Note).
+  // `what` names the operation and `phase` the step, for error messages.
+  void barrier(const char* what, const char* phase, const OpTag& tag);
+
+  // Throws PeerError if an earlier wait failed: the ranks' sequence numbers no longer agree.
+  void check_usable(const char* what) const;
+
+ private:
+  struct RankControl;
+  RankControl& control(int rank) const;
+  void wait_for(int peer, uint64_t seq, const char* what, const char* phase);
+  bool peer_alive(int peer) const;
+
+  int rank_;
+  int world_size_;
+  size_t slot_bytes_;
+  std::chrono::milliseconds timeout_;
+  std::vector<int64_t> peer_pids_;
+  uint8_t* base_ = nullptr;
+  size_t total_bytes_ = 0;
+  size_t control_bytes_ = 0;
+  uint64_t seq_ = 0;
+  uint64_t round_ = 0;
+  bool broken_ = false;
+  std::string broken_reason_;
+};
+
+}  // namespace commlib

@@ -1,0 +1,86 @@
+// Communicator: one rank's membership in a group of processes on one node.
+//
+// Created collectively: every rank of the group constructs it with the same store, name and
+// world size (the constructor exchanges through the store and throws PeerError on any rank whose
+// view disagrees). All collective methods must be called by every rank in the same order with
+// matching arguments; a mismatch found at run time raises PeerError on every rank.
+// Methods are not thread-safe: one thread drives a communicator at a time.
+//
+// Ownership: close() (or the destructor) unmaps shared memory and frees GPU memory; it is not
+// collective and never blocks on peers.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "commlib/store.hpp"
+#include "commlib/types.hpp"
+
+namespace commlib {
+
+class HostShm;
+class CudaComm;  // GPU state (csrc/core/cuda_comm.hpp), created on first GPU use.
+
+struct CommunicatorOptions {
+  std::chrono::milliseconds timeout{std::chrono::seconds(300)};
+  size_t shm_slot_bytes = 0;  // 0: COMMLIB_SHM_SLOT_BYTES
+};
+
+class Communicator {
+ public:
+  Communicator(std::shared_ptr<Store> store, int rank, int world_size, std::string name,
+               CommunicatorOptions options = {});
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  const std::string& name() const { return name_; }
+  // The store-key prefix of this communicator (unique per (store, name, creation order)).
+  const std::string& prefix() const { return prefix_; }
+  std::chrono::milliseconds timeout() const { return options_.timeout; }
+  Store& store() { return *store_; }
+  const std::vector<int64_t>& peer_pids() const { return peer_pids_; }
+  bool closed() const { return closed_; }
+  void close();
+
+  // ---- CPU collectives over POSIX shared memory (csrc/host). Collective. ----
+  // In place on `data` (count elements). Reduction in fp32, ranks in order 0..n-1.
+  void all_reduce_host(void* data, size_t count, DataType dtype, ReduceOp op, Algorithm algo);
+  // `in` holds world_size * count elements; `out` receives this rank's reduced count elements.
+  void reduce_scatter_host(void* out, const void* in, size_t count, DataType dtype, ReduceOp op);
+  // `out` receives world_size blocks of `bytes`, block r from rank r.
+  void all_gather_host(void* out, const void* in, size_t bytes);
+  void broadcast_host(void* data, size_t bytes, int root);
+  // in_bytes[r]: bytes this rank sends to rank r (blocks packed in rank order in `in`);
+  // out_bytes[r]: bytes it receives from rank r (packed in rank order in `out`).
+  void all_to_all_v_host(void* out, const void* in, const std::vector<size_t>& in_bytes,
+                         const std::vector<size_t>& out_bytes);
+  void barrier_host();
+  HostShm& host();
+
+  // ---- GPU state: created on first use for `device` (all ranks must call collectively). ----
+  CudaComm& cuda(int device);
+  bool has_cuda() const { return cuda_ != nullptr; }
+
+ private:
+  void check_open(const char* what) const;
+
+  std::shared_ptr<Store> store_;
+  int rank_;
+  int world_size_;
+  std::string name_;
+  std::string prefix_;
+  CommunicatorOptions options_;
+  std::vector<int64_t> peer_pids_;
+  bool closed_ = false;
+  std::unique_ptr<HostShm> host_;
+  std::unique_ptr<CudaComm, void (*)(CudaComm*)> cuda_;
+};
+
+}  // namespace commlib

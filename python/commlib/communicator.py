@@ -1,0 +1,181 @@
+"""The direct API: a communicator over a torch ``Store``."""
+from __future__ import annotations
+
+import atexit
+import weakref
+from datetime import timedelta
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+
+_OPS = ("sum", "avg", "min", "max", "prod")
+_ALGOS = ("auto", "flat", "tree", "nccl")
+_live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+
+
+def _op_name(what: str, op) -> str:
+    """Accepts "sum" ... or a ``torch.distributed.ReduceOp``; returns the lower-case name."""
+    if isinstance(op, str):
+        name = op.lower()
+    else:
+        mapping = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MIN: "min",
+                   dist.ReduceOp.MAX: "max", dist.ReduceOp.PRODUCT: "prod"}
+        name = mapping.get(op)
+        if name is None:
+            raise ValueError(f"{what}: op {op} not supported; supported: {', '.join(_OPS)}")
+    if name not in _OPS:
+        raise ValueError(f"{what}: op '{op}' not supported; supported: {', '.join(_OPS)}")
+    return name
+
+
+def _check_tensor(what: str, arg: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+
+
+class Communicator:
+    """One rank's membership in a group of processes on one node.
+
+    Created collectively: every rank calls ``Communicator(store, rank, world_size, name)`` with the
+    same store, name and world size (keys are prefixed by ``name``). Collective methods must be
+    called by every rank in the same order with matching arguments; a mismatch raises
+    ``commlib.PeerError`` on every rank. A wait for a peer longer than ``timeout`` raises
+    ``commlib.TimeoutError``; a peer that exits raises ``commlib.PeerError``.
+
+    CPU tensors go through POSIX shared memory; CUDA tensors through peer GPU memory, on the
+    caller's current stream. ``close()`` releases everything; it also runs at interpreter exit and
+    when the object is collected.
+    """
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, name: str = "default",
+                 timeout: timedelta = timedelta(seconds=300)):
+        if not isinstance(store, dist.Store):
+            raise TypeError(f"Communicator: store must be a torch.distributed.Store, got {type(store).__name__}")
+        if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+            raise ValueError(f"Communicator: timeout must be a positive timedelta, got {timeout!r}")
+        self._comm = _C.Communicator(store, int(rank), int(world_size), str(name), timeout.total_seconds())
+        self._store = store
+        _live.add(self)
+
+    @classmethod
+    def from_group(cls, group: Optional[dist.ProcessGroup] = None, name: Optional[str] = None) -> "Communicator":
+        """A communicator over the ranks of an initialised process group (default: the world)."""
+        if not dist.is_initialized():
+            raise ValueError("Communicator.from_group: torch.distributed is not initialised; "
+                             "call init_process_group first")
+        group = group if group is not None else dist.group.WORLD
+        from torch.distributed import distributed_c10d as c10d
+        group_name = c10d._get_process_group_name(group) if hasattr(c10d, "_get_process_group_name") else "world"
+        store = dist.PrefixStore(f"commlib/group/{group_name}", c10d._get_default_store())
+        timeout = c10d._get_default_timeout(dist.get_backend(group)) if hasattr(c10d, "_get_default_timeout") \
+            else timedelta(seconds=300)
+        return cls(store, dist.get_rank(group), dist.get_world_size(group), name or f"group-{group_name}", timeout)
+
+    # ---- properties ----
+    @property
+    def rank(self) -> int:
+        return self._comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._comm.world_size
+
+    @property
+    def name(self) -> str:
+        return self._comm.name
+
+    @property
+    def closed(self) -> bool:
+        return self._comm.closed
+
+    @property
+    def native(self):
+        """The ``commlib._C.Communicator`` (for extensions)."""
+        return self._comm
+
+    def close(self) -> None:
+        """Releases shared and GPU memory. Not collective; idempotent."""
+        self._comm.close()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        comm = getattr(self, "_comm", None)
+        if comm is not None:
+            comm.close()
+
+    def __repr__(self) -> str:
+        return f"commlib.Communicator(name={self.name!r}, rank={self.rank}, world_size={self.world_size})"
+
+    # ---- collectives ----
+    def all_reduce(self, tensor: torch.Tensor, op="sum", algo: str = "auto") -> torch.Tensor:
+        """Reduces ``tensor`` across ranks in place and returns it.
+
+        ``op``: sum, avg, min, max, prod (CUDA: sum and avg). ``algo``: ``auto`` (by size),
+        ``flat`` (one-shot), ``tree`` (reduce-scatter + all-gather), ``nccl`` (CUDA only, where an
+        NCCL engine is attached). Every algorithm reduces in fp32 in rank order, so all give the same
+        bits on every rank. dtypes: float32, float16, bfloat16.
+        """
+        _check_tensor("all_reduce", "tensor", tensor)
+        if algo not in _ALGOS:
+            raise ValueError(f"all_reduce: algo '{algo}' not supported; supported: {', '.join(_ALGOS)}")
+        self._comm.all_reduce(tensor, _op_name("all_reduce", op), algo)
+        return tensor
+
+    all_reduce_ = all_reduce
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op="sum") -> torch.Tensor:
+        """``output`` (n elements) receives this rank's slice of the reduction of ``input`` (world × n)."""
+        _check_tensor("reduce_scatter", "output", output)
+        _check_tensor("reduce_scatter", "input", input)
+        self._comm.reduce_scatter(output, input, _op_name("reduce_scatter", op))
+        return output
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+        """``output`` (world × n elements) receives every rank's ``input`` in rank order."""
+        _check_tensor("all_gather", "output", output)
+        _check_tensor("all_gather", "input", input)
+        self._comm.all_gather(output, input)
+        return output
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Copies rank ``src``'s ``tensor`` into every rank's ``tensor``."""
+        _check_tensor("broadcast", "tensor", tensor)
+        self._comm.broadcast(tensor, int(src))
+        return tensor
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+        """Equal-split all-to-all along dim 0: block r of ``input`` goes to rank r."""
+        return self.all_to_all_v(output, input, None, None)
+
+    def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor,
+                     input_splits: Optional[Sequence[int]] = None,
+                     output_splits: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """All-to-all with per-rank row counts along dim 0 (``None``: equal splits).
+
+        ``input_splits[r]`` rows go to rank r; ``output_splits[q]`` rows arrive from rank q. Host
+        sequences for CPU tensors; on CUDA also device tensors (no host read).
+        """
+        _check_tensor("all_to_all", "output", output)
+        _check_tensor("all_to_all", "input", input)
+        ins = [int(x) for x in input_splits] if input_splits is not None else []
+        outs = [int(x) for x in output_splits] if output_splits is not None else []
+        self._comm.all_to_all_v(output, input, outs, ins)
+        return output
+
+    def barrier(self) -> None:
+        """Returns once every rank has entered the barrier."""
+        self._comm.barrier()
+
+
+@atexit.register
+def _close_all() -> None:
+    for comm in list(_live):
+        comm.close()

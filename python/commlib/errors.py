@@ -1,0 +1,22 @@
+"""commlib's exceptions.
+
+Bad arguments raise the built-in ``ValueError`` (a value: size, op, algorithm) or ``TypeError``
+(a dtype or device). Failures of the communication itself raise the classes below, which derive
+from ``torch.distributed.DistBackendError`` so code written for NCCL catches them unchanged.
+"""
+import torch.distributed as dist
+
+
+class CommError(dist.DistBackendError):
+    """A collective failed (CUDA error, peer failure). The message names operation, rank and peer."""
+
+
+class TimeoutError(CommError):  # noqa: A001 - mirrors torch's naming; also a RuntimeError
+    """A bounded wait for a peer expired; the message names the rank, the peer and the phase."""
+
+
+class PeerError(CommError):
+    """Ranks disagreed (world size, collective, sizes) or a peer process exited."""
+
+
+__all__ = ["CommError", "TimeoutError", "PeerError"]

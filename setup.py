@@ -1,0 +1,73 @@
+"""Thin driver: runs CMake against the installed torch and packages python/commlib.
+
+    pip install --no-build-isolation -e .     # torch must already be installed
+
+Environment: CUDA_HOME (default /usr/local/cuda) locates nvcc; COMMLIB_NO_CUDA=1 skips the CUDA
+sources; MAX_JOBS caps the build's parallelism.
+"""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+def find_nvcc():
+    if os.environ.get("COMMLIB_NO_CUDA") == "1":
+        return None
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and (Path(home) / "bin" / "nvcc").exists():
+            return Path(home) / "bin" / "nvcc"
+    return None
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext):
+        import torch
+
+        out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        build_dir = Path(os.environ.get("COMMLIB_BUILD_DIR", ROOT / "build" / "cmake"))
+        build_dir.mkdir(parents=True, exist_ok=True)
+        nvcc = find_nvcc()
+        torch_root = Path(torch.__file__).parent
+        args = [
+            f"-DPython3_EXECUTABLE={sys.executable}",
+            f"-DCOMMLIB_OUTPUT_DIR={out_dir}",
+            f"-DCOMMLIB_TORCH_INCLUDE_DIRS={torch_root / 'include'};{torch_root / 'include/torch/csrc/api/include'}",
+            f"-DCOMMLIB_TORCH_LIBRARY_DIR={torch_root / 'lib'}",
+            f"-DCOMMLIB_TORCH_HAS_CUDA={'ON' if torch.version.cuda else 'OFF'}",
+            f"-DCOMMLIB_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+            f"-DCOMMLIB_WITH_CUDA={'ON' if nvcc else 'OFF'}",
+            "-DCMAKE_BUILD_TYPE=Release",
+        ]
+        if nvcc:
+            args.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
+        if shutil.which("ninja"):
+            args.append("-GNinja")
+        subprocess.check_call(["cmake", "-S", str(ROOT), "-B", str(build_dir), *args])
+        jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 2))
+        subprocess.check_call(["cmake", "--build", str(build_dir), "--target", "_C", "-j", jobs])
+
+
+setup(
+    name="commlib",
+    version="0.1.0",
+    description="Direct-data-access collectives for LLM inference over NVLink peer memory",
+    package_dir={"": "python"},
+    packages=find_packages("python"),
+    ext_modules=[Extension("commlib._C", sources=[])],
+    cmdclass={"build_ext": CMakeBuild},
+    python_requires=">=3.10",
+    entry_points={
+        "console_scripts": [
+            "commlib-perf=commlib.perf.__main__:main",
+            "commlib-tune=commlib.tune:main",
+        ],
+        "torch.backends": ["ddacomm=commlib._autoload:register"],
+    },
+)

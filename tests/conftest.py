@@ -1,0 +1,218 @@
+"""The one multi-process launcher of the test suite.
+
+``ranks(n)`` (fixture factory) returns a pool of n worker processes that stays up for the whole
+session: ``pool.run(fn, *args)`` calls ``fn(ctx, *args)`` on every rank at once and returns the
+per-rank results (re-raising the first rank's failure with its traceback). ``fn`` must be a
+module-level function of a test module. ``ctx`` has ``rank``, ``world_size``, ``store`` (a
+TCPStore shared by the ranks), ``comm`` (a default ``commlib.Communicator``, created on first
+use), ``gloo()`` (a gloo process group over the same store, for reference results) and
+``new_comm(name, **kw)``. A pool whose worker died or timed out is replaced on next use.
+
+GPU tests are marked ``gpu`` and skip unless at least 2 CUDA devices are visible.
+"""
+from __future__ import annotations
+
+import glob
+import multiprocessing as mp
+import os
+import sys
+import traceback
+from datetime import timedelta
+
+import pytest
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("COMMLIB_TEST_TIMEOUT_S", "600"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs >= 2 CUDA GPUs (skipped otherwise)")
+
+
+def num_gpus() -> int:
+    try:
+        import torch
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def pytest_collection_modifyitems(config, items):
+    if num_gpus() >= 2:
+        return
+    skip = pytest.mark.skip(reason="needs >= 2 CUDA GPUs")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+class RankContext:
+    def __init__(self, rank: int, world_size: int, store, device: int | None):
+        self.rank = rank
+        self.world_size = world_size
+        self.store = store
+        self.device = device
+        self._comm = None
+        self._gloo = None
+        self._names = 0
+        self.scratch: dict = {}
+
+    @property
+    def comm(self):
+        if self._comm is None or self._comm.closed:
+            self._comm = self.new_comm("test-default")
+        return self._comm
+
+    def new_comm(self, name: str | None = None, **kwargs):
+        import commlib
+        if name is None:
+            self._names += 1
+            name = f"test-{self._names}"
+        return commlib.Communicator(self.store, self.rank, self.world_size, name, **kwargs)
+
+    def gloo(self):
+        import torch.distributed as dist
+        if self._gloo is None:
+            if not dist.is_initialized():
+                dist.init_process_group("gloo", store=dist.PrefixStore("gloo", self.store), rank=self.rank,
+                                        world_size=self.world_size, timeout=timedelta(seconds=120))
+            self._gloo = dist.group.WORLD
+        return self._gloo
+
+
+def _worker(rank, world_size, port, sys_path, conn, env):
+    sys.path[:] = sys_path
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+    torch.manual_seed(1234 + rank)
+    device = None
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        device = rank
+        torch.cuda.set_device(device)
+    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=timedelta(seconds=120))
+    ctx = RankContext(rank, world_size, store, device)
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        fn, args, kwargs = msg
+        try:
+            conn.send(("ok", fn(ctx, *args, **kwargs)))
+        except BaseException as e:  # noqa: BLE001 - report everything to the parent
+            conn.send(("err", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}", type(e).__name__))
+    if ctx._comm is not None:
+        ctx._comm.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class RankFailure(Exception):
+    """A rank raised: ``.errors`` maps rank -> (exception type name, formatted message)."""
+
+    def __init__(self, errors: dict):
+        self.errors = errors
+        rank, (_, text) = sorted(errors.items())[0]
+        super().__init__(text)
+
+
+class RankPool:
+    def __init__(self, world_size: int, env: dict | None = None):
+        import torch.distributed as dist
+        self.world_size = world_size
+        self.store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, timeout=timedelta(seconds=120),
+                                   wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(rank, world_size, self.store.port, list(sys.path), child,
+                                                  dict(env or {})), daemon=True)
+            p.start()
+            self.conns.append(parent)
+            self.procs.append(p)
+        self.broken = False
+
+    def run(self, fn, *args, timeout: float = DEFAULT_TIMEOUT_S, **kwargs):
+        """Runs fn(ctx, *args, **kwargs) on every rank; returns the results in rank order."""
+        for conn in self.conns:
+            conn.send((fn, args, kwargs))
+        return self.collect(timeout)
+
+    def run_on(self, per_rank_args: list, fn, timeout: float = DEFAULT_TIMEOUT_S):
+        """Like run, with different positional arguments per rank."""
+        for conn, args in zip(self.conns, per_rank_args):
+            conn.send((fn, tuple(args), {}))
+        return self.collect(timeout)
+
+    def collect(self, timeout: float):
+        results, errors = [None] * self.world_size, {}
+        for rank, conn in enumerate(self.conns):
+            if not conn.poll(timeout):
+                self.broken = True
+                raise TimeoutError(f"rank {rank} did not answer within {timeout} s")
+            try:
+                msg = conn.recv()
+            except EOFError:
+                self.broken = True
+                errors[rank] = ("EOFError", f"rank {rank} exited")
+                continue
+            if msg[0] == "ok":
+                results[rank] = msg[1]
+            else:
+                errors[rank] = (msg[2], msg[1])
+        if errors:
+            raise RankFailure(errors)
+        return results
+
+    def kill(self, rank: int):
+        self.procs[rank].kill()
+        self.procs[rank].join()
+        self.broken = True
+
+    def close(self):
+        for conn, p in zip(self.conns, self.procs):
+            if p.is_alive():
+                try:
+                    conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+_pools: dict = {}
+
+
+@pytest.fixture(scope="session")
+def ranks():
+    """ranks(n, env=None) -> a RankPool of n processes (reused while healthy)."""
+    def get(world_size: int, env: dict | None = None) -> RankPool:
+        key = (world_size, tuple(sorted((env or {}).items())))
+        pool = _pools.get(key)
+        if pool is None or pool.broken:
+            if pool is not None:
+                pool.close()
+            pool = _pools[key] = RankPool(world_size, env)
+        return pool
+    yield get
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()
+
+
+def shm_segments() -> list:
+    return sorted(glob.glob("/dev/shm/commlib-*"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaked_shm(ranks):
+    before = set(shm_segments())
+    yield
+    for pool in list(_pools.values()):
+        pool.close()
+    _pools.clear()
+    leaked = sorted(set(shm_segments()) - before)
+    assert not leaked, f"shared-memory segments left behind: {leaked}"
