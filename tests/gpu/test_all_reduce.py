@@ -94,7 +94,9 @@ def test_random_odd_sizes_and_empty(ranks):
 def _against_nccl(ctx):
     import torch.distributed as dist
     ctx.gloo()
-    nccl = ctx.scratch.get("nccl") or ctx.scratch.setdefault("nccl", dist.new_group(backend="nccl"))
+    if "nccl" not in ctx.scratch:
+        ctx.scratch["nccl"] = dist.new_group(backend="nccl")
+    nccl = ctx.scratch["nccl"]
     dev = torch.device("cuda", ctx.device)
     for dtype in DTYPES.values():
         for count in (3, 4096, 262147, 4 << 20):
