@@ -343,3 +343,21 @@ def _ll_timeout(ctx):
 
 def test_ll_wait_times_out_with_a_clear_error(ranks):
     assert all(ranks(2, env=LL_ENV).run(_ll_timeout, timeout=120))
+
+
+# ---- more ranks (the generic world-size path for 3, the 4/8 specialisations); need that many GPUs ----
+def _few_sizes(ctx):
+    for dtype in DTYPES.values():
+        for count in (1, 9, 4097, 300_001):
+            for algo in ("flat", "tree"):
+                for op in ("sum", "avg"):
+                    _run_case(ctx, ctx.comm, count, dtype, op, algo, pad=1)
+    return True
+
+
+@pytest.mark.parametrize("world", [3, 4, 8])
+def test_more_ranks(ranks, world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    assert all(ranks(world).run(_few_sizes))
+    assert all(ranks(world, env=LL_ENV).run(_few_sizes))
