@@ -21,7 +21,7 @@ def sizes_for(dtype):
 def rank_input(rank, count, dtype, salt=0):
     g = torch.Generator().manual_seed(1000003 * rank + 7919 * count + salt)
     # Values away from 0 so prod/min/max are meaningful and sums are not trivially exact.
-    return (torch.rand(count, generator=g, dtype=torch.float64) * 2 + 0.5).to(dtype)
+    return (torch.rand(count, generator=g) * 2 + 0.5).to(dtype)
 
 
 def ordered_reference(inputs, op, world_size):
