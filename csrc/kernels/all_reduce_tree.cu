@@ -43,29 +43,28 @@ __global__ void __launch_bounds__(kTreeThreads) all_reduce_tree_kernel(AllReduce
   const size_t slice_packs = (num_packs + world - 1) / world;
   const size_t per_block = (slice_packs + gridDim.x - 1) / gridDim.x;
 
-  const T* srcs[kCap];
-  if constexpr (kSource == AllReduceSource::kWorkspace) {
-    const size_t half = (call.call & 1) * half_bytes;
-#pragma unroll
-    for (int r = 0; r < kCap; ++r) {
-      if (kWorldSize > 0 || r < world) srcs[r] = reinterpret_cast<const T*>(p.workspace.peer<char>(r) + half);
-    }
-  } else {
-#pragma unroll
-    for (int r = 0; r < kCap; ++r) {
-      if (kWorldSize > 0 || r < world) srcs[r] = p.source.peer<const T>(r);
-    }
-  }
   // With the workspace, sources hold whole packs (full-width reads); a symmetric tensor is read
   // element-exact in its tail.
   const size_t src_count = kSource == AllReduceSource::kWorkspace ? num_packs * N : p.count;
   T* out = static_cast<T*>(p.output);
   const bool out_aligned = (reinterpret_cast<uintptr_t>(out) & 15u) == 0;
+  // Rank-indexed sources come from the parameter (runtime indices into srcs would use local memory).
+  const size_t half = kSource == AllReduceSource::kWorkspace ? (call.call & 1) * half_bytes : 0;
+  auto source_of = [&](int r) -> T* {
+    if constexpr (kSource == AllReduceSource::kWorkspace) return reinterpret_cast<T*>(p.workspace.peer<char>(r) + half);
+    return p.source.peer<T>(r);
+  };
+
+  const T* srcs[kCap];  // for reduce_pack, indexed only by unrolled constants
+#pragma unroll
+  for (int r = 0; r < kCap; ++r) {
+    if (kWorldSize > 0 || r < world) srcs[r] = source_of(r);
+  }
 
   if constexpr (kSource == AllReduceSource::kWorkspace) {
     const T* in = static_cast<const T*>(p.input);
     const bool in_aligned = (reinterpret_cast<uintptr_t>(in) & 15u) == 0;
-    T* mine = const_cast<T*>(srcs[rank]);
+    T* mine = source_of(rank);
     for (int q = 0; q < world; ++q) {
       const Range part = part_of(q, slice_packs, per_block, num_packs);
       for (size_t v = part.begin + threadIdx.x; v < part.end; v += blockDim.x) {
@@ -77,7 +76,7 @@ __global__ void __launch_bounds__(kTreeThreads) all_reduce_tree_kernel(AllReduce
 
   {
     const Range part = part_of(rank, slice_packs, per_block, num_packs);
-    T* mine = const_cast<T*>(srcs[rank]);
+    T* mine = source_of(rank);
     for (size_t v = part.begin + threadIdx.x; v < part.end; v += blockDim.x) {
       const Pack<T> x = reduce_pack<T, kWorldSize, kOp>(srcs, world, v, src_count, true);
       if constexpr (kSource == AllReduceSource::kWorkspace) x.store(mine + v * N);
@@ -91,7 +90,7 @@ __global__ void __launch_bounds__(kTreeThreads) all_reduce_tree_kernel(AllReduce
     const int q = (rank + i) % world;  // staggered so the ranks do not all read one peer at once
     const Range part = part_of(q, slice_packs, per_block, num_packs);
     for (size_t v = part.begin + threadIdx.x; v < part.end; v += blockDim.x) {
-      store_pack(out, v, p.count, out_aligned, load_pack(srcs[q], v, src_count, true));
+      store_pack(out, v, p.count, out_aligned, load_pack<T>(source_of(q), v, src_count, true));
     }
   }
   if constexpr (kSource == AllReduceSource::kSymmetricInput) {
