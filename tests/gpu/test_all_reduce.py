@@ -361,3 +361,15 @@ def test_more_ranks(ranks, world):
         pytest.skip(f"needs {world} GPUs")
     assert all(ranks(world).run(_few_sizes))
     assert all(ranks(world, env=LL_ENV).run(_few_sizes))
+
+
+NO_LL_ENV = {"COMMLIB_FLAT_LL_MAX_BYTES": "0"}  # the barrier flat kernel at every size
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_flat_without_ll_matches_references(ranks, dtype_name):
+    assert all(ranks(2, env=NO_LL_ENV).run(_vs_references, dtype_name, "avg"))
+
+
+def test_flat_without_ll_graph_replays(ranks):
+    assert all(ranks(2, env=NO_LL_ENV).run(_graph_replay, "flat", False))
