@@ -36,10 +36,15 @@ SMALL = ["-b", "1K", "-e", "64K", "-f", "8", "-n", "3", "-w", "1", "-np", "2"]
 
 
 def test_all_reduce_table_json_csv(tmp_path):
-    js, cs = tmp_path / "r.json", tmp_path / "r.csv"
+    js, cs, png = tmp_path / "r.json", tmp_path / "r.csv", tmp_path / "p.png"
     r = run_cli("commlib.perf", "all_reduce", *SMALL, "-d", "float,bfloat16", "-o", "sum,max",
-                "--json", str(js), "--csv", str(cs))
+                "--json", str(js), "--csv", str(cs), "--plot", str(png))
     assert r.returncode == 0, r.stdout + r.stderr
+    try:
+        import matplotlib  # noqa: F401
+        assert png.exists() and png.stat().st_size > 0
+    except ImportError:
+        assert "--plot" in r.stderr and "matplotlib is not installed" in r.stderr and not png.exists()
     rows = table_rows(r.stdout)
     # 2 dtypes x 2 redops x 3 sizes (1K, 8K, 64K) x 2 backends
     assert len(rows) == 24, r.stdout
@@ -67,31 +72,33 @@ def test_all_reduce_table_json_csv(tmp_path):
     assert len(recs) == 24 and all(rec["oop_wrong"] == "0" and rec["ip_wrong"] == "0" for rec in recs)
 
 
-@pytest.mark.parametrize("op", ["reduce_scatter", "all_gather", "all_to_all", "broadcast"])
-def test_other_collectives(op):
-    r = run_cli("commlib.perf", op, *SMALL, "-d", "half", "--backend", "ddacomm", "gloo")
+def test_other_collectives():
+    ops = ["reduce_scatter", "all_gather", "all_to_all", "broadcast"]
+    r = run_cli("commlib.perf", *ops, *SMALL, "-d", "half", "--backend", "ddacomm", "gloo")
     assert r.returncode == 0, r.stdout + r.stderr
     rows = table_rows(r.stdout)
-    assert len(rows) == 6, r.stdout
-    for row in rows:
-        assert row[3] == "half"
-        assert row[5] == ("0" if op == "broadcast" else "-1")
-        assert row[9] == "0", r.stdout  # out-of-place #wrong
-        if op == "all_to_all":
-            assert row[10] == "n/a"  # no in-place form
-        else:
-            assert row[13] == "0", r.stdout
+    assert len(rows) == 6 * len(ops), r.stdout
+    for i, op in enumerate(ops):
+        assert f"# {op}" in r.stdout
+        for row in rows[6 * i:6 * (i + 1)]:
+            assert row[3] == "half"
+            assert row[5] == ("0" if op == "broadcast" else "-1")
+            assert row[9] == "0", r.stdout  # out-of-place #wrong
+            if op == "all_to_all":
+                assert row[10] == "n/a"  # no in-place form
+            else:
+                assert row[13] == "0", r.stdout
 
 
-@pytest.mark.parametrize("op", ["all_reduce", "all_gather"])
-def test_planted_wrong_result_is_reported(op):
-    r = run_cli("commlib.perf", op, "-b", "4K", "-e", "4K", "-n", "2", "-w", "0", "-np", "2",
-                "--backend", "ddacomm", "--corrupt-rank", "1")
+def test_planted_wrong_result_is_reported():
+    r = run_cli("commlib.perf", "all_reduce", "all_gather", "-b", "4K", "-e", "4K", "-n", "2", "-w", "0",
+                "-np", "2", "--backend", "ddacomm", "--corrupt-rank", "1")
     assert r.returncode == 1, r.stdout + r.stderr
     rows = table_rows(r.stdout)
-    assert len(rows) == 1
-    assert rows[0][9] == "1" and rows[0][13] == "1", r.stdout  # one damaged element, both modes
-    assert "# Out of bounds values : 2 FAILED" in r.stdout
+    assert len(rows) == 2
+    for row in rows:
+        assert row[9] == "1" and row[13] == "1", r.stdout  # one damaged element, both modes
+    assert "# Out of bounds values : 4 FAILED" in r.stdout
 
 
 @pytest.mark.parametrize("args, message", [
@@ -105,17 +112,6 @@ def test_planted_wrong_result_is_reported(op):
 def test_bad_arguments(args, message):
     r = run_cli("commlib.perf", *args)
     assert r.returncode == 2 and message in r.stderr, r.stderr
-
-
-def test_plot_without_matplotlib_or_with(tmp_path):
-    png = tmp_path / "p.png"
-    r = run_cli("commlib.perf", "-b", "1K", "-e", "2K", "-n", "2", "-w", "0", "--plot", str(png))
-    assert r.returncode == 0, r.stdout + r.stderr
-    try:
-        import matplotlib  # noqa: F401
-        assert png.exists() and png.stat().st_size > 0
-    except ImportError:
-        assert "matplotlib is not installed" in r.stderr and not png.exists()
 
 
 def test_tuner_writes_and_reads_back(tmp_path):
