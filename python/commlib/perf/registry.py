@@ -19,6 +19,7 @@ being imported before ``commlib.perf.main`` runs); a backend that lacks the oper
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 from dataclasses import dataclass, field
@@ -111,11 +112,16 @@ def names() -> List[str]:
 # ---------------------------------------------------------------------------------------------
 # Inputs, references, comparison
 
-def rank_input(rank: int, count: int, dtype: torch.dtype, salt: int, device: torch.device) -> torch.Tensor:
-    """Rank ``rank``'s input: uniform in [0.5, 2.5) (never zero; prod/min/max stay meaningful)."""
+@functools.lru_cache(maxsize=9)
+def _cpu_input(rank: int, count: int, dtype: torch.dtype, salt: int) -> torch.Tensor:
     g = torch.Generator().manual_seed((1000003 * (rank + 1) + 7919 * count + 104729 * salt) & 0x7FFFFFFF)
-    x = (torch.rand(count, generator=g, dtype=torch.float32) * 2 + 0.5).to(dtype)
-    return x.to(device)
+    return (torch.rand(count, generator=g, dtype=torch.float32) * 2 + 0.5).to(dtype)
+
+
+def rank_input(rank: int, count: int, dtype: torch.dtype, salt: int, device: torch.device) -> torch.Tensor:
+    """Rank ``rank``'s input (a fresh copy): uniform in [0.5, 2.5) (never zero; prod/min/max stay
+    meaningful). Every rank can regenerate every peer's input for its reference."""
+    return _cpu_input(rank, count, dtype, salt).to(device, copy=True)
 
 
 def poison(t: torch.Tensor) -> torch.Tensor:
