@@ -128,6 +128,8 @@ class SymmMem(Backend):
         self.algo = algo
         self.group = dist.group.WORLD
         self.group_name = self.group.group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older torch, a no-op later
+            symm_mem.enable_symm_mem_for_group(self.group_name)
         self.device = device
         self.buf: Optional[torch.Tensor] = None
         self.rendezvous_done = False
