@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -159,24 +160,35 @@ def host_flat_max_bytes(world_size: int) -> Optional[int]:
     return _host_cache[ck]
 
 
+def _threshold(sizes: List[int], below: list, above: list) -> int:
+    """The size t minimising the summed log-slowdown of "``below`` up to t, ``above`` past t"
+    against the per-size best: one threshold fitted to all sizes, so a single noisy point does not
+    move it. Returns 0 when ``below`` should never be used. None times count as very slow."""
+    best = [min([t for t in (a, b) if t is not None] or [1.0]) for a, b in zip(below, above)]
+
+    def slow(t, b):
+        return math.log(t / b) if t is not None and b > 0 else 30.0
+
+    costs = [sum(slow(below[i], best[i]) for i in range(k)) + sum(slow(above[i], best[i]) for i in range(k, len(sizes)))
+             for k in range(len(sizes) + 1)]
+    k = min(range(len(costs)), key=lambda j: (costs[j], -j))
+    return sizes[k - 1] if k > 0 else 0
+
+
 def crossovers(sizes: List[int], times: dict) -> dict:
-    """From per-size times {"flat": [...], "tree": [...], ("nccl": [...])}: flat_max_bytes is the
-    largest size at which flat is fastest (0 if never), tree_max_bytes the largest at which flat
-    or tree beats NCCL (the largest size when there is no NCCL)."""
+    """From per-size times {"flat": [...], "tree": [...], ("nccl": [...])}: flat_max_bytes (flat up
+    to it, 0: never) and tree_max_bytes (flat/tree up to it, NCCL above; the largest size when there
+    is no NCCL), each the single threshold that fits all measured sizes best."""
     flat, tree, nccl = times["flat"], times["tree"], times.get("nccl")
-    flat_max = 0
-    tree_max = sizes[-1] if sizes else 0
-    for i, s in enumerate(sizes):
-        others = [tree[i]] + ([nccl[i]] if nccl else [])
-        if flat[i] is not None and all(o is None or flat[i] <= o for o in others):
-            flat_max = s
+    if not sizes:
+        return {"flat_max_bytes": 0, "tree_max_bytes": 0}
+    others = [min([t for t in (tr, nc) if t is not None] or [None]) if nccl else tr
+              for tr, nc in zip(tree, nccl or [None] * len(sizes))]
+    flat_max = _threshold(sizes, flat, others)
+    tree_max = sizes[-1]
     if nccl:
-        tree_max = 0
-        for i, s in enumerate(sizes):
-            ours = [t for t in (flat[i], tree[i]) if t is not None]
-            if ours and (nccl[i] is None or min(ours) <= nccl[i]):
-                tree_max = s
-        tree_max = max(tree_max, flat_max)
+        ours = [min([t for t in (f, t2) if t is not None] or [None]) for f, t2 in zip(flat, tree)]
+        tree_max = max(_threshold(sizes, ours, nccl), flat_max)
     return {"flat_max_bytes": int(flat_max), "tree_max_bytes": int(tree_max)}
 
 
@@ -199,13 +211,13 @@ def measure(device: str, np_: int, minbytes: str, maxbytes: str, iters: int) -> 
               "-np", str(np_), "--device", device, "-d", "bfloat16" if device == "cuda" else "float"]
     if device == "cuda":
         common += ["-G", "10"]
-    times, sizes = {}, []
-    runs = [("flat", ["--backend", "ddacomm", "--algo", "flat"]), ("tree", ["--backend", "ddacomm", "--algo", "tree"])]
-    if device == "cuda":
-        runs.append(("nccl", ["--backend", "nccl"]))
-    for algo, extra in runs:
-        result = _run_perf(common + extra)
-        rows = result["results"]
+    # One run, every algorithm timed side by side per size: robust to load that drifts over time.
+    algos = ["flat", "tree"] + (["nccl"] if device == "cuda" else [])
+    result = _run_perf(common + ["--backend", *[a if a == "nccl" else f"ddacomm:{a}" for a in algos]])
+    times = {}
+    for algo in algos:
+        label = algo if algo == "nccl" else f"ddacomm:{algo}"
+        rows = [r for r in result["results"] if r["backend"] == label]
         sizes = [r["bytes"] for r in rows]
         times[algo] = [(r.get("ip") or {}).get("time_us") for r in rows]
     return sizes, times

@@ -160,6 +160,11 @@ def test_crossovers():
         {"flat_max_bytes": 2, "tree_max_bytes": 8}
     assert crossovers(sizes, {"flat": [1, 3, 5, 9], "tree": [2, 2, 4, 8], "nccl": [5, 5, 5, 5]}) == \
         {"flat_max_bytes": 1, "tree_max_bytes": 4}
+    # One noisy point (flat wins at 32 alone) does not move the fitted threshold.
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128]
+    assert crossovers(sizes, {"flat": [1, 1, 1, 9, 9, 7, 9, 9], "tree": [2, 2, 2, 4, 4, 8, 4, 4]}) == \
+        {"flat_max_bytes": 4, "tree_max_bytes": 128}
+    assert crossovers(sizes, {"flat": [9] * 8, "tree": [1] * 8})["flat_max_bytes"] == 0
 
 
 def _auto_follows_tune_file(ctx, flat_max):

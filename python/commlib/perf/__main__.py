@@ -15,7 +15,7 @@ import sys
 from typing import List, Optional
 
 from . import registry
-from .backends import BACKENDS
+from .backends import ALGOS, BACKENDS, split_name
 
 
 def parse_size(text: str) -> int:
@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="tensor device (default cuda with >= 2 GPUs, else cpu)")
     p.add_argument("--backend", nargs="+", default=None, metavar="NAME",
-                   help=f"one or several of {', '.join(BACKENDS)} (also comma-separated); the first is the "
+                   help=f"one or several of {', '.join(BACKENDS)} (also comma-separated; ddacomm:flat, "
+                        "ddacomm:tree ... time several algorithms side by side); the first is the "
                         "subject, the second the baseline of the ratio column (default: ddacomm gloo on CPU, "
                         "ddacomm nccl on GPU)")
     p.add_argument("--algo", choices=("auto", "flat", "tree"), default="auto",
@@ -118,9 +119,14 @@ def resolve(argv: Optional[List[str]] = None) -> argparse.Namespace:
     opts.redops = redops
     backends = _split(opts.backend) if opts.backend else (["ddacomm", "nccl"] if opts.device == "cuda"
                                                           else ["ddacomm", "gloo"])
-    for b in backends:
+    for spec in backends:
+        b, algo = split_name(spec)
         if b not in BACKENDS:
-            parser.error(f"--backend {b} not known; valid: {', '.join(BACKENDS)}")
+            parser.error(f"--backend {b} not known; valid: {', '.join(BACKENDS)} (ddacomm and symm also as "
+                         f"NAME:ALGO, ALGO one of {', '.join(ALGOS)})")
+        if algo is not None and (b not in ("ddacomm", "symm") or algo not in ALGOS):
+            parser.error(f"--backend {spec}: only ddacomm and symm take an algorithm; valid: "
+                         f"{', '.join(ALGOS)}")
         if opts.device == "cpu" and b in ("nccl", "symm"):
             parser.error(f"--backend {b} needs CUDA tensors; valid on CPU: ddacomm, gloo")
     if len(set(backends)) != len(backends):

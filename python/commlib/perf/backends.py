@@ -49,8 +49,8 @@ class DDAComm(Backend):
     def __init__(self, store, rank: int, world_size: int, algo: str):
         import commlib
         self.algo = algo
-        self.comm = commlib.Communicator(dist.PrefixStore("commlib-perf/ddacomm", store), rank, world_size,
-                                         name="perf")
+        self.comm = commlib.Communicator(dist.PrefixStore(f"commlib-perf/ddacomm-{algo}", store), rank, world_size,
+                                         name=f"perf-{algo}")
 
     def label(self) -> str:
         return self.name if self.algo == "auto" else f"{self.name}:{self.algo}"
@@ -158,7 +158,20 @@ class SymmMem(Backend):
             t.view(-1).copy_(staged)
 
 
-def make(name: str, *, store, rank: int, world_size: int, algo: str, device: torch.device) -> Backend:
+ALGOS = ("auto", "flat", "tree")
+
+
+def split_name(spec: str) -> tuple:
+    """"ddacomm:flat" -> ("ddacomm", "flat"); "gloo" -> ("gloo", None)."""
+    name, _, algo = spec.partition(":")
+    return name, (algo or None)
+
+
+def make(spec: str, *, store, rank: int, world_size: int, algo: str, device: torch.device) -> Backend:
+    """A backend from its spec: a name of BACKENDS, optionally ":algo" for ddacomm and symm
+    (overrides --algo, so that several algorithms can be timed side by side)."""
+    name, own_algo = split_name(spec)
+    algo = own_algo or algo
     if name == "ddacomm":
         return DDAComm(store, rank, world_size, algo)
     if name == "gloo":

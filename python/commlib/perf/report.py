@@ -78,8 +78,8 @@ class Table:
         ratio_sub = f" {'oop':>7} {'ip':>7}" if len(self.backends) > 1 else ""
         self.p("#")
         self.p(f"# {op}")
-        self.p(f"#{'':>11} {'':>12} {'':>12} {'':>8} {'':>6} {'':>5}  {'out-of-place':>31}  {'in-place':>31}")
-        self.p(f"#{'backend':>11} {'size':>12} {'count':>12} {'type':>8} {'redop':>6} {'root':>5}  "
+        self.p(f"#{'':>13} {'':>12} {'':>12} {'':>8} {'':>6} {'':>5}  {'out-of-place':>31}  {'in-place':>31}")
+        self.p(f"#{'backend':>13} {'size':>12} {'count':>12} {'type':>8} {'redop':>6} {'root':>5}  "
                f"{'time':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>6}  {'time':>9} {'algbw':>7} {'busbw':>7} "
                f"{'#wrong':>6}{ratio_hdr}")
         self.p(f"#{'':>11} {'(B)':>12} {'(elements)':>12} {'':>8} {'':>6} {'':>5}  "
@@ -97,7 +97,7 @@ class Table:
                                             if b and t and b.get("time_us") and t.get("time_us") else None)
             ratio = f" {_ratio(base and base.get('oop'), row.get('oop'))} {_ratio(base and base.get('ip'), row.get('ip'))}" \
                 if base is not None else ""
-            self.p(f" {row['backend']:>11} {row['bytes']:>12d} {row['count']:>12d} {row['type']:>8} "
+            self.p(f" {row['backend']:>13} {row['bytes']:>12d} {row['count']:>12d} {row['type']:>8} "
                    f"{row['redop']:>6} {row['root']:>5d}  {_cell(row.get('oop'), self.check)}  "
                    f"{_cell(row.get('ip'), self.check)}{ratio}")
             for mode in MODES:
