@@ -46,20 +46,24 @@ void Communicator::all_reduce_host(void* data, size_t count, DataType dtype, Red
     const size_t len = std::min(chunk_elems, count - offset);
     uint8_t* user = byte_ptr(data) + offset * esize;
     const int buf = shm.next_buffer();
-    std::memcpy(shm.slot(rank_, buf), user, len * esize);
+    uint8_t* mine = shm.slot(rank_, buf);
     if (algo == Algorithm::kFlat) {
+      std::memcpy(mine, user, len * esize);
       shm.barrier(what, "flat", tag);
       for (int r = 0; r < n; ++r) srcs[r] = shm.slot(r, buf);
       host::reduce(user, srcs.data(), n, len, dtype, op, n);
     } else {
-      // Slice r of every slot is reduced by rank r into its own slot, then gathered by all.
+      // Slice r of every slot is reduced by rank r into its own slot, then gathered by all. A rank
+      // reads its own slice straight from the user buffer, so only the peers' slices are copied in.
       const size_t slice = std::max(kSliceAlign / esize, align_down((len + n - 1) / n + kSliceAlign / esize - 1,
                                                                       kSliceAlign / esize));
       auto slice_begin = [&](int r) { return std::min(len, slice * r); };
-      shm.barrier(what, "tree reduce-scatter", tag);
       const size_t lo = slice_begin(rank_), hi = slice_begin(rank_ + 1);
-      for (int r = 0; r < n; ++r) srcs[r] = shm.slot(r, buf) + lo * esize;
-      host::reduce(shm.slot(rank_, buf) + lo * esize, srcs.data(), n, hi - lo, dtype, op, n);
+      std::memcpy(mine, user, lo * esize);
+      std::memcpy(mine + hi * esize, user + hi * esize, (len - hi) * esize);
+      shm.barrier(what, "tree reduce-scatter", tag);
+      for (int r = 0; r < n; ++r) srcs[r] = r == rank_ ? user + lo * esize : shm.slot(r, buf) + lo * esize;
+      host::reduce(mine + lo * esize, srcs.data(), n, hi - lo, dtype, op, n);
       shm.barrier(what, "tree all-gather", tag);
       for (int r = 0; r < n; ++r) {
         const size_t a = slice_begin(r), b = slice_begin(r + 1);

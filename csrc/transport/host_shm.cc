@@ -1,19 +1,23 @@
 #include "transport/host_shm.hpp"
 
 #include <fcntl.h>
+#include <linux/futex.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
+
+#include <climits>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <thread>
 #include <fstream>
 #include <functional>
 #include <random>
-#include <thread>
 
 #include "bootstrap/bootstrap.hpp"
 #include "commlib/errors.hpp"
@@ -27,9 +31,17 @@
 
 namespace commlib {
 
+// Note [host shm waiting]
+// A waiter spins briefly (the peer is usually a few microseconds away when cores are free), then
+// sleeps on a futex on the low 32 bits of the peer's `arrived` word. Spinning longer, or
+// sched_yield(), loses badly when ranks share cores with other work: the spinning rank burns the
+// time slice its peer needs. Lost-wakeup freedom (Dekker): the waiter increments `sleepers` and
+// then re-reads `arrived`; the arriver stores `arrived` and then reads `sleepers`; both seq_cst,
+// so at least one sees the other. FUTEX_WAIT also re-checks the word atomically.
 struct alignas(128) HostShm::RankControl {
-  std::atomic<uint64_t> arrived;  // last barrier sequence number this rank reached
-  OpTag tags[2];                  // tag of barrier seq, indexed by seq & 1 (a peer is at most one ahead)
+  std::atomic<uint64_t> arrived;   // last barrier sequence number this rank reached
+  std::atomic<uint32_t> sleepers;  // peers asleep (or about to sleep) on `arrived`
+  OpTag tags[2];                   // tag of barrier seq, indexed by seq & 1 (a peer is at most one ahead)
 };
 
 namespace {
@@ -46,6 +58,21 @@ std::string segment_name(const std::string& prefix, uint64_t uid) {
 }
 
 std::string errno_text() { return std::strerror(errno); }
+
+static_assert(sizeof(std::atomic<uint64_t>) == 8 && std::atomic<uint64_t>::is_always_lock_free);
+
+// The low 32 bits of a little-endian 64-bit atomic, as a futex word.
+uint32_t* futex_word(std::atomic<uint64_t>& word) { return reinterpret_cast<uint32_t*>(&word); }
+
+void futex_wait(uint32_t* addr, uint32_t expected, std::chrono::microseconds timeout) {
+  timespec ts{static_cast<time_t>(timeout.count() / 1000000), static_cast<long>(timeout.count() % 1000000) * 1000};
+  ::syscall(SYS_futex, addr, FUTEX_WAIT, expected, &ts, nullptr, 0);  // EAGAIN/ETIMEDOUT/EINTR: caller re-checks
+}
+
+void futex_wake_all(uint32_t* addr) { ::syscall(SYS_futex, addr, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0); }
+
+constexpr auto kSpinTime = std::chrono::microseconds(50);
+constexpr auto kSleepSlice = std::chrono::microseconds(20000);  // liveness and timeout checks between sleeps
 
 }  // namespace
 
@@ -131,29 +158,30 @@ bool HostShm::peer_alive(int peer) const {
 }
 
 void HostShm::wait_for(int peer, uint64_t seq, const char* what, const char* phase) {
-  std::atomic<uint64_t>& arrived = control(peer).arrived;
+  RankControl& theirs = control(peer);
+  std::atomic<uint64_t>& arrived = theirs.arrived;
   if (arrived.load(std::memory_order_acquire) >= seq) return;
   const auto start = std::chrono::steady_clock::now();
   auto next_liveness_check = start + std::chrono::milliseconds(50);
-  // Spin while the peer is likely running on another core; once ranks outnumber cores, or the
-  // wait is long, give the core away (a yield, then short sleeps), so the awaited rank can run.
-  const uint64_t spin_limit = oversubscribed_ ? 16 : 4096;
   for (uint64_t spins = 1;; ++spins) {
     if (arrived.load(std::memory_order_acquire) >= seq) return;
-    if (spins < spin_limit) {
+    if ((spins & 63) != 0) {
       COMMLIB_CPU_RELAX();
       continue;
     }
-    if (spins < spin_limit + 256) {
-      ::sched_yield();
-    } else {
-      ::usleep(20);
-    }
-    if ((spins & 15) != 0) continue;
     const auto now = std::chrono::steady_clock::now();
-    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - start);
-    if (now >= next_liveness_check) {
-      next_liveness_check = now + std::chrono::milliseconds(50);
+    if (oversubscribed_ || now - start >= kSpinTime) {
+      // Sleep until the peer arrives (Note [host shm waiting]).
+      theirs.sleepers.fetch_add(1, std::memory_order_seq_cst);
+      const uint64_t seen = arrived.load(std::memory_order_seq_cst);
+      if (seen < seq) futex_wait(futex_word(arrived), static_cast<uint32_t>(seen), kSleepSlice);
+      theirs.sleepers.fetch_sub(1, std::memory_order_relaxed);
+      if (arrived.load(std::memory_order_acquire) >= seq) return;
+    }
+    const auto after = std::chrono::steady_clock::now();
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(after - start);
+    if (after >= next_liveness_check) {
+      next_liveness_check = after + std::chrono::milliseconds(50);
       if (!peer_alive(peer)) {
         broken_ = true;
         broken_reason_ = detail::concat("rank ", peer, " (pid ", peer_pids_[peer], ") exited");
@@ -176,9 +204,10 @@ void HostShm::barrier(const char* what, const char* phase, const OpTag& tag) {
   const uint64_t seq = ++seq_;
   RankControl& mine = control(rank_);
   mine.tags[seq & 1] = tag;
-  // Release: makes this rank's slot writes of the round and its tag visible to every peer that
-  // acquires `arrived` >= seq.
-  mine.arrived.store(seq, std::memory_order_release);
+  // Publishes the round's slot writes and tag to every peer that acquires `arrived` >= seq; seq_cst
+  // (not only release) so that it is ordered before the read of `sleepers` (Note [host shm waiting]).
+  mine.arrived.store(seq, std::memory_order_seq_cst);
+  if (mine.sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(futex_word(mine.arrived));
   for (int peer = 0; peer < world_size_; ++peer) {
     if (peer != rank_) wait_for(peer, seq, what, phase);
   }

@@ -126,6 +126,8 @@ class Communicator:
         _check_tensor("all_reduce", "tensor", tensor)
         if algo not in _ALGOS:
             raise ValueError(f"all_reduce: algo '{algo}' not supported; supported: {', '.join(_ALGOS)}")
+        if algo == "auto" and tensor.device.type == "cpu":
+            algo = self._host_auto_algo(tensor.numel() * tensor.element_size())
         self._comm.all_reduce(tensor, _op_name("all_reduce", op), algo)
         return tensor
 
@@ -163,6 +165,17 @@ class Communicator:
         """
         if hasattr(self._comm, "check_gpu_error"):
             self._comm.check_gpu_error()
+
+    def _host_auto_algo(self, nbytes: int) -> str:
+        """CPU auto selection: the commlib-tune cache's flat limit when it has an entry for this
+        machine (and COMMLIB_HOST_TREE_THRESHOLD is unset), else "auto" (the built-in threshold)."""
+        flat_max = getattr(self, "_tuned_flat_max", False)
+        if flat_max is False:
+            from .tune import host_flat_max_bytes
+            flat_max = self._tuned_flat_max = host_flat_max_bytes(self.world_size)
+        if flat_max is None:
+            return "auto"
+        return "flat" if nbytes <= flat_max else "tree"
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op="sum") -> torch.Tensor:
         """``output`` (n elements) receives this rank's slice of the reduction of ``input`` (world × n)."""

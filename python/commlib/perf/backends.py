@@ -1,0 +1,189 @@
+"""Backends commlib-perf times side by side: one small adapter per library, same verbs.
+
+* ``ddacomm``: commlib's direct API (``commlib.Communicator``), CPU tensors over shared memory,
+  CUDA tensors over peer memory on the current stream; ``--algo`` picks flat / tree / auto.
+* ``gloo`` / ``nccl``: ``torch.distributed`` on a process group of that backend.
+* ``symm``: torch symmetric memory (CUDA, all_reduce sum only): the input is copied into a
+  symmetric buffer, then one-shot (``--algo flat``) or two-shot (``tree``; ``auto`` picks by size).
+  Never the multimem (NVLink multicast) variants.
+
+Every verb is blocking on CPU and stream-ordered on CUDA. A verb a backend lacks raises
+``Unsupported``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .registry import Unsupported
+
+BACKENDS = ("ddacomm", "nccl", "gloo", "symm")
+
+_DIST_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "max": dist.ReduceOp.MAX,
+             "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.AVG}
+
+
+class Backend:
+    name = "?"
+    capturable = False  # may run inside CUDA-graph capture
+
+    def label(self) -> str:
+        return self.name
+
+    def all_reduce(self, t, redop): raise Unsupported(f"{self.name}: all_reduce not available")
+    def reduce_scatter(self, out, inp, redop): raise Unsupported(f"{self.name}: reduce_scatter not available")
+    def all_gather(self, out, inp): raise Unsupported(f"{self.name}: all_gather not available")
+    def all_to_all(self, out, inp): raise Unsupported(f"{self.name}: all_to_all not available")
+    def broadcast(self, t, root): raise Unsupported(f"{self.name}: broadcast not available")
+
+    def close(self) -> None:
+        pass
+
+
+class DDAComm(Backend):
+    name = "ddacomm"
+    capturable = True
+
+    def __init__(self, store, rank: int, world_size: int, algo: str):
+        import commlib
+        self.algo = algo
+        self.comm = commlib.Communicator(dist.PrefixStore(f"commlib-perf/ddacomm-{algo}", store), rank, world_size,
+                                         name=f"perf-{algo}")
+
+    def label(self) -> str:
+        return self.name if self.algo == "auto" else f"{self.name}:{self.algo}"
+
+    def _call(self, fn, *args):
+        try:
+            return fn(*args)
+        except TypeError as e:  # e.g. CUDA tensors for an op this build only has on CPU
+            raise Unsupported(f"{self.name}: {e}") from e
+
+    def all_reduce(self, t, redop):
+        self._call(self.comm.all_reduce, t, redop, self.algo)
+
+    def reduce_scatter(self, out, inp, redop):
+        self._call(self.comm.reduce_scatter, out, inp, redop)
+
+    def all_gather(self, out, inp):
+        self._call(self.comm.all_gather, out, inp)
+
+    def all_to_all(self, out, inp):
+        self._call(self.comm.all_to_all, out, inp)
+
+    def broadcast(self, t, root):
+        self._call(self.comm.broadcast, t, root)
+
+    def close(self) -> None:
+        self.comm.close()
+
+
+class TorchDist(Backend):
+    """torch.distributed on its own process group of backend ``name`` (gloo or nccl)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.capturable = name == "nccl"
+        self.group = dist.new_group(backend=name)
+        self.world_size = dist.get_world_size(self.group)
+
+    def all_reduce(self, t, redop):
+        if self.name == "gloo" and redop == "avg":
+            raise Unsupported("gloo: all_reduce op avg not supported by gloo")
+        dist.all_reduce(t, op=_DIST_OPS[redop], group=self.group)
+
+    def reduce_scatter(self, out, inp, redop):
+        if self.name == "gloo" and redop == "avg":
+            raise Unsupported("gloo: reduce_scatter op avg not supported by gloo")
+        try:
+            dist.reduce_scatter_tensor(out, inp, op=_DIST_OPS[redop], group=self.group)
+        except (RuntimeError, NotImplementedError) as e:
+            if "not supported" not in str(e).lower() and "not implemented" not in str(e).lower():
+                raise
+            raise Unsupported(f"{self.name}: reduce_scatter_tensor: {str(e).splitlines()[0]}") from e
+
+    def all_gather(self, out, inp):
+        dist.all_gather_into_tensor(out, inp, group=self.group)
+
+    def all_to_all(self, out, inp):
+        dist.all_to_all_single(out, inp, group=self.group)
+
+    def broadcast(self, t, root):
+        dist.broadcast(t, src=dist.get_global_rank(self.group, root), group=self.group)
+
+
+class SymmMem(Backend):
+    """torch symmetric memory one-shot / two-shot all-reduce (CUDA, sum)."""
+    name = "symm"
+    capturable = True
+    _TWO_SHOT_MIN_BYTES = 256 << 10  # auto: two-shot from here on (DESIGN.md's measured table)
+
+    def __init__(self, algo: str, device: torch.device):
+        if device.type != "cuda":
+            raise Unsupported("symm: torch symmetric memory needs CUDA tensors")
+        import torch.distributed._symmetric_memory as symm_mem
+        self.symm_mem = symm_mem
+        self.algo = algo
+        self.group = dist.group.WORLD
+        self.group_name = self.group.group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older torch, a no-op later
+            symm_mem.enable_symm_mem_for_group(self.group_name)
+        self.device = device
+        self.buf: Optional[torch.Tensor] = None
+        self.rendezvous_done = False
+
+    def label(self) -> str:
+        return self.name if self.algo == "auto" else f"{self.name}:{self.algo}"
+
+    def reserve(self, nbytes: int) -> None:
+        """Collective: allocates the symmetric buffer once for the largest size (before timing)."""
+        self.buf = self.symm_mem.empty(max(nbytes, 16), dtype=torch.uint8, device=self.device)
+        self.symm_mem.rendezvous(self.buf, self.group_name)
+
+    def all_reduce(self, t, redop):
+        if redop != "sum":
+            raise Unsupported(f"symm: op {redop} not supported; supported: sum")
+        if self.buf is None or t.numel() * t.element_size() > self.buf.numel():
+            raise Unsupported("symm: symmetric buffer not reserved for this size")
+        staged = self.buf[: t.numel() * t.element_size()].view(t.dtype)
+        staged.copy_(t.reshape(-1))
+        nbytes = t.numel() * t.element_size()
+        algo = self.algo if self.algo != "auto" else ("tree" if nbytes >= self._TWO_SHOT_MIN_BYTES else "flat")
+        if algo == "flat":
+            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, t.view(-1))
+        else:
+            torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", self.group_name)
+            t.view(-1).copy_(staged)
+
+
+ALGOS = ("auto", "flat", "tree")
+
+
+def split_name(spec: str) -> tuple:
+    """"ddacomm:flat" -> ("ddacomm", "flat"); "gloo" -> ("gloo", None)."""
+    name, _, algo = spec.partition(":")
+    return name, (algo or None)
+
+
+def make(spec: str, *, store, rank: int, world_size: int, algo: str, device: torch.device) -> Backend:
+    """A backend from its spec: a name of BACKENDS, optionally ":algo" for ddacomm and symm
+    (overrides --algo, so that several algorithms can be timed side by side)."""
+    name, own_algo = split_name(spec)
+    algo = own_algo or algo
+    if name == "ddacomm":
+        return DDAComm(store, rank, world_size, algo)
+    if name == "gloo":
+        return TorchDist("gloo")
+    if name == "nccl":
+        if device.type != "cuda":
+            raise ValueError("commlib-perf: backend nccl needs CUDA tensors; use --device cuda on a GPU machine "
+                             "(valid backends on CPU: ddacomm, gloo)")
+        return TorchDist("nccl")
+    if name == "symm":
+        if device.type != "cuda":
+            raise ValueError("commlib-perf: backend symm (torch symmetric memory) needs CUDA tensors "
+                             "(valid backends on CPU: ddacomm, gloo)")
+        return SymmMem(algo, device)
+    raise ValueError(f"commlib-perf: backend '{name}' not known; valid: {', '.join(BACKENDS)}")

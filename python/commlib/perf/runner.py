@@ -1,0 +1,308 @@
+"""The per-rank benchmark loop and the process launcher of commlib-perf.
+
+Timing (per rank; the table shows the slowest rank):
+* CPU: the median of per-op wall times over ``iters`` calls (every call is blocking).
+* CUDA, eager: CUDA events around ``iters`` calls on the current stream, divided by ``iters``
+  (nccl-tests' average); with ``-z 1`` the host synchronises after every call.
+* CUDA, ``-G N``: ``iters`` calls captured in one CUDA graph, replayed N times; the median replay
+  time divided by ``iters``.
+Correctness: after timing, every (backend, mode) runs once more on fresh random inputs into
+poisoned outputs and counts wrong elements against an fp64 reference (``registry``).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import backends as _backends
+from . import registry
+from .registry import Case, Unsupported
+from .report import Table, machine_description, today
+
+DIST_TIMEOUT = timedelta(seconds=600)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_cpu(fn, iters: int) -> float:
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def _time_cuda_eager(fn, iters: int, blocking: bool, device) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+        if blocking:
+            torch.cuda.synchronize(device)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def _time_cuda_graph(fn, iters: int, launches: int, device) -> float:
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()  # first replay uploads the graph
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(launches):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / iters)
+    del graph
+    return statistics.median(times)
+
+
+def _agree(ok: bool, reason: Optional[str]) -> Optional[str]:
+    """Every rank learns whether any rank could not run the case (so all skip it together)."""
+    flags: List = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, (ok, reason))
+    for rank_ok, rank_reason in flags:
+        if not rank_ok:
+            return rank_reason or "unsupported"
+    return None
+
+
+def measure(desc, backend, case: Case, opts) -> dict:
+    """One (backend, mode) cell on this rank: {'time_us', 'wrong'} or {'reason'}."""
+    device = case.device
+    reason = None
+    try:
+        bufs = desc.setup(case)
+        fn = lambda: desc.run(backend, bufs, case)  # noqa: E731
+        fn()  # first call: raises Unsupported before any communication when the backend lacks it
+    except Unsupported as e:
+        reason = str(e)
+    reason = _agree(reason is None, reason)
+    if reason:
+        return {"reason": reason}
+    for _ in range(opts.warmup):
+        fn()
+    _sync(device)
+    dist.barrier()
+    if device.type == "cuda" and opts.graph_launches > 0:
+        if not backend.capturable:
+            return {"reason": f"{backend.name}: not CUDA-graph capturable (-G)"}
+        t_us = _time_cuda_graph(fn, opts.iters, opts.graph_launches, device)
+    elif device.type == "cuda":
+        t_us = _time_cuda_eager(fn, opts.iters, bool(opts.blocking), device)
+    else:
+        t_us = _time_cpu(fn, opts.iters)
+    wrong = 0
+    if opts.check:
+        check_case = Case(**{**case.__dict__, "salt": case.salt + 1,
+                             "corrupt": case.rank == opts.corrupt_rank})
+        bufs = desc.setup(check_case)
+        _sync(device)
+        desc.run(backend, bufs, check_case)
+        _sync(device)
+        wrong = desc.check(bufs, check_case)
+    return {"time_us": t_us, "wrong": wrong}
+
+
+def _sizes(opts) -> List[int]:
+    sizes, s = [], opts.minbytes
+    while s <= opts.maxbytes:
+        sizes.append(s)
+        nxt = int(s * opts.stepfactor) if opts.stepfactor > 1 else s + max(opts.stepbytes, 1)
+        s = nxt if nxt > s else s + 1
+    return sizes
+
+
+def run_rank(opts, rank: int, world_size: int, store, local_rank: int) -> int:
+    """The benchmark on one rank (the default process group is initialised). Returns the exit code."""
+    device = torch.device("cuda", local_rank) if opts.device == "cuda" else torch.device("cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # n processes share the machine's cores; no intra-op oversubscription
+    out = sys.stdout if rank == 0 else open(os.devnull, "w")
+    meta = {"version": _version(), "command": opts.command_line, "machine": machine_description(device.type),
+            "date": today(), "world_size": world_size, "device": device.type, "iters": opts.iters,
+            "warmup": opts.warmup,
+            "timing": ("median of per-op wall time" if device.type == "cpu" else
+                       f"CUDA graph of {opts.iters} ops x {opts.graph_launches} replays, median"
+                       if opts.graph_launches > 0 else f"CUDA events, mean of {opts.iters} ops"
+                       + (", blocking" if opts.blocking else ""))}
+    backends = []
+    try:
+        for name in opts.backends:
+            backends.append(_backends.make(name, store=store, rank=rank, world_size=world_size, algo=opts.algo,
+                                           device=device))
+        for be in backends:
+            if isinstance(be, _backends.SymmMem):
+                be.reserve(opts.maxbytes)
+        labels = [be.label() for be in backends]
+        table = Table(out, meta, labels, bool(opts.check))
+        table.header()
+        for op in opts.ops:
+            desc = registry.get(op)
+            table.section(op)
+            for type_name in opts.dtypes:
+                dtype = registry.DTYPES[type_name]
+                esize = torch.tensor([], dtype=dtype).element_size()
+                for redop in (opts.redops if desc.has_redop else ["none"]):
+                    for nbytes in _sizes(opts):
+                        count = desc.count(nbytes, esize, world_size)
+                        actual = count * esize
+                        rows = []
+                        for be in backends:
+                            row = {"op": op, "backend": be.label(), "bytes": actual, "count": count,
+                                   "type": type_name, "redop": redop, "root": opts.root if desc.has_root else -1}
+                            for mode, in_place in (("oop", False), ("ip", True)):
+                                case = Case(rank=rank, world_size=world_size, nbytes=actual, dtype=dtype,
+                                            redop=redop if desc.has_redop else "sum", root=opts.root,
+                                            device=device, in_place=in_place)
+                                m = measure(desc, be, case, opts)
+                                row[mode] = m
+                            rows.append(row)
+                        _gather_rows(rows, desc, world_size)
+                        if rank == 0:
+                            table.add_size(rows)
+        wrong = _broadcast_int(table.total_wrong() if rank == 0 else 0)
+        if rank == 0:
+            table.footer()
+            _write_outputs(table, opts)
+        return 1 if wrong else 0
+    finally:
+        for be in backends:
+            be.close()
+        if out is not sys.stdout:
+            out.close()
+
+
+def _gather_rows(rows: List[dict], desc, world_size: int) -> None:
+    """Slowest rank's time and every rank's wrong elements, into rank 0's rows."""
+    mine = [[(r[m].get("time_us"), r[m].get("wrong")) for m in ("oop", "ip")] for r in rows]
+    everyone: List = [None] * world_size
+    dist.all_gather_object(everyone, mine)
+    for i, row in enumerate(rows):
+        for j, mode in enumerate(("oop", "ip")):
+            if row[mode].get("time_us") is None:
+                continue
+            t = max(rank_rows[i][j][0] for rank_rows in everyone)
+            row[mode]["time_us"] = t
+            row[mode]["wrong"] = sum(rank_rows[i][j][1] for rank_rows in everyone)
+            row[mode]["algbw"], row[mode]["busbw"] = registry.busbw_gbps(desc, row["bytes"], t, world_size)
+
+
+def _broadcast_int(value: int) -> int:
+    obj = [value]
+    dist.broadcast_object_list(obj, src=0)
+    return int(obj[0])
+
+
+def _write_outputs(table: Table, opts) -> None:
+    for path, text in ((opts.json, table.to_json if opts.json else None),
+                       (opts.csv, table.to_csv if opts.csv else None)):
+        if not path:
+            continue
+        if path == "-":
+            print(text(), flush=True)
+        else:
+            with open(path, "w") as f:
+                f.write(text())
+            print(f"# wrote {path}", flush=True)
+    if opts.plot:
+        err = table.plot(opts.plot)
+        print(err if err else f"# wrote {opts.plot}", file=sys.stderr if err else sys.stdout, flush=True)
+
+
+def _version() -> str:
+    try:
+        import commlib
+        return commlib.__version__
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes
+
+def _init_pg(rank: int, world_size: int, store) -> None:
+    dist.init_process_group("gloo", store=dist.PrefixStore("commlib-perf/pg", store), rank=rank,
+                            world_size=world_size, timeout=DIST_TIMEOUT)
+
+
+def _worker(opts, rank: int, world_size: int, port: int) -> None:
+    code = 2
+    try:
+        if opts.device == "cuda":
+            torch.cuda.set_device(rank)
+        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=DIST_TIMEOUT)
+        _init_pg(rank, world_size, store)
+        code = run_rank(opts, rank, world_size, store, rank)
+        dist.destroy_process_group()
+    except (ValueError, TypeError) as e:
+        if rank == 0:
+            print(f"commlib-perf: error: {e}", file=sys.stderr, flush=True)
+    except BaseException:  # noqa: BLE001
+        print(f"commlib-perf: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def launch(opts) -> int:
+    """Runs the benchmark: under torchrun (RANK/WORLD_SIZE set) in this process, else on -np spawned
+    local processes. Returns the exit code (0 ok, 1 wrong results, 2 error)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        if opts.device == "cuda":
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size, timeout=DIST_TIMEOUT)
+        from torch.distributed import distributed_c10d as c10d
+        try:
+            return run_rank(opts, rank, world_size, c10d._get_default_store(), local_rank)
+        finally:
+            dist.destroy_process_group()
+    world_size = opts.np
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, timeout=DIST_TIMEOUT,
+                          wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(opts, r, world_size, store.port)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    failed_at = None
+    while any(p.is_alive() for p in procs):
+        time.sleep(0.05)
+        if failed_at is None and any(p.exitcode not in (None, 0, 1) for p in procs):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > 10:
+            for p in procs:  # a rank failed and the others are stuck waiting for it
+                if p.is_alive():
+                    p.kill()
+    for p in procs:
+        p.join()
+    codes = [p.exitcode for p in procs]
+    if any(c not in (0, 1) for c in codes):
+        return 2
+    return max(codes)

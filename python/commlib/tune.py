@@ -1,0 +1,258 @@
+"""commlib-tune: measures this machine's all_reduce crossovers and caches them.
+
+    commlib-tune                 # CPU: flat vs tree over shared memory, 2 processes
+    commlib-tune -np 2 --device cuda   # GPU: flat vs tree vs NCCL (and, once it lands, fused SMs)
+
+The cache (``COMMLIB_TUNE_FILE``, default ``~/.cache/commlib/tune.json``) holds one entry per
+(device model, world size, link type, library version)::
+
+    {"version": 1,
+     "entries": [{"key": {"device": "NVIDIA H200", "world_size": 2, "link": "nvlink", "version": "0.1.0"},
+                  "all_reduce": {"flat_max_bytes": 262144, "tree_max_bytes": 33554432},
+                  "fused_num_sms": null}]}
+
+all_reduce with ``algo="auto"`` uses flat up to ``flat_max_bytes`` (inclusive), tree up to
+``tree_max_bytes``, and NCCL above where an NCCL engine is attached (tree otherwise; on CPU there
+is no NCCL, so ``tree_max_bytes`` is the largest size measured). ``fused_num_sms`` is ``null``
+until measured. Explicit ``COMMLIB_*`` knobs win over the cache; without a matching entry the
+built-in table applies.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import List, Optional
+
+FORMAT_VERSION = 1
+
+
+def cache_path(path: Optional[str] = None) -> Path:
+    """``path``, else ``$COMMLIB_TUNE_FILE``, else ``~/.cache/commlib/tune.json``."""
+    if path:
+        return Path(path)
+    env = os.environ.get("COMMLIB_TUNE_FILE")
+    return Path(env) if env else Path.home() / ".cache" / "commlib" / "tune.json"
+
+
+def _library_version() -> str:
+    from . import __version__
+    return __version__
+
+
+def cpu_model() -> str:
+    from .perf.report import cpu_model as _cpu_model
+    return _cpu_model()
+
+
+def gpu_link(num_devices: int) -> str:
+    """nvlink when NVML reports an active NVLink on device 0; p2p with peer access; else pcie."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            for link in range(18):
+                try:
+                    if pynvml.nvmlDeviceGetNvLinkState(handle, link):
+                        return "nvlink"
+                except pynvml.NVMLError:
+                    break
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - NVML is optional
+        pass
+    try:
+        import torch
+        if num_devices >= 2 and torch.cuda.can_device_access_peer(0, 1):
+            return "p2p"
+    except Exception:  # noqa: BLE001
+        pass
+    return "pcie"
+
+
+def make_key(device_type: str, world_size: int, link: Optional[str] = None) -> dict:
+    """The cache key of this machine for ``device_type`` ("cpu" or "cuda") and ``world_size``."""
+    if device_type == "cuda":
+        import torch
+        device = torch.cuda.get_device_name(0)
+        link = link or gpu_link(torch.cuda.device_count())
+    elif device_type == "cpu":
+        device, link = cpu_model(), link or "shm"
+    else:
+        raise ValueError(f"commlib.tune: device type '{device_type}' not supported; supported: cpu, cuda")
+    return {"device": device, "world_size": int(world_size), "link": link, "version": _library_version()}
+
+
+def _validate(data, path) -> dict:
+    if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION or not isinstance(data.get("entries"), list):
+        raise ValueError(f"commlib.tune: {path} is not a version-{FORMAT_VERSION} tune file "
+                         f"(expected {{\"version\": 1, \"entries\": [...]}})")
+    for i, entry in enumerate(data["entries"]):
+        ar = entry.get("all_reduce") if isinstance(entry, dict) else None
+        if not isinstance(entry, dict) or not isinstance(entry.get("key"), dict) or not isinstance(ar, dict):
+            raise ValueError(f"commlib.tune: {path}: entry {i} needs 'key' and 'all_reduce' objects")
+        for field in ("flat_max_bytes", "tree_max_bytes"):
+            if not isinstance(ar.get(field), int) or ar[field] < 0:
+                raise ValueError(f"commlib.tune: {path}: entry {i}: all_reduce.{field} must be an integer >= 0, "
+                                 f"got {ar.get(field)!r}")
+    return data
+
+
+def read_file(path: Optional[str] = None) -> dict:
+    """The whole cache (an empty one when the file does not exist); raises ValueError if malformed."""
+    p = cache_path(path)
+    if not p.exists():
+        return {"version": FORMAT_VERSION, "entries": []}
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"commlib.tune: {p} is not valid JSON: {e}") from None
+    return _validate(data, p)
+
+
+def load(key: dict, path: Optional[str] = None) -> Optional[dict]:
+    """The cached entry whose key equals ``key`` (see ``make_key``), or None."""
+    for entry in read_file(path)["entries"]:
+        if entry["key"] == key:
+            return entry
+    return None
+
+
+def save(entry: dict, path: Optional[str] = None) -> Path:
+    """Adds ``entry`` to the cache, replacing one with the same key; writes atomically."""
+    p = cache_path(path)
+    data = read_file(path)
+    data["entries"] = [e for e in data["entries"] if e["key"] != entry["key"]] + [entry]
+    _validate(data, p)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tune-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, p)
+    return p
+
+
+_host_cache: dict = {}
+
+
+def host_flat_max_bytes(world_size: int) -> Optional[int]:
+    """CPU all_reduce auto selection: the tuned flat limit for this machine, or None (use the
+    built-in threshold). ``COMMLIB_HOST_TREE_THRESHOLD`` set explicitly wins over the cache.
+    Cached per process; a malformed file is ignored with a warning."""
+    if os.environ.get("COMMLIB_HOST_TREE_THRESHOLD"):
+        return None
+    ck = (str(cache_path()), world_size)
+    if ck not in _host_cache:
+        value = None
+        try:
+            entry = load(make_key("cpu", world_size))
+            if entry is not None:
+                value = int(entry["all_reduce"]["flat_max_bytes"])
+        except (ValueError, OSError) as e:
+            print(f"commlib: ignoring tune file: {e}", file=sys.stderr)
+        _host_cache[ck] = value
+    return _host_cache[ck]
+
+
+def _threshold(sizes: List[int], below: list, above: list) -> int:
+    """The size t minimising the summed log-slowdown of "``below`` up to t, ``above`` past t"
+    against the per-size best: one threshold fitted to all sizes, so a single noisy point does not
+    move it. Returns 0 when ``below`` should never be used. None times count as very slow."""
+    best = [min([t for t in (a, b) if t is not None] or [1.0]) for a, b in zip(below, above)]
+
+    def slow(t, b):
+        return math.log(t / b) if t is not None and b > 0 else 30.0
+
+    costs = [sum(slow(below[i], best[i]) for i in range(k)) + sum(slow(above[i], best[i]) for i in range(k, len(sizes)))
+             for k in range(len(sizes) + 1)]
+    k = min(range(len(costs)), key=lambda j: (costs[j], -j))
+    return sizes[k - 1] if k > 0 else 0
+
+
+def crossovers(sizes: List[int], times: dict) -> dict:
+    """From per-size times {"flat": [...], "tree": [...], ("nccl": [...])}: flat_max_bytes (flat up
+    to it, 0: never) and tree_max_bytes (flat/tree up to it, NCCL above; the largest size when there
+    is no NCCL), each the single threshold that fits all measured sizes best."""
+    flat, tree, nccl = times["flat"], times["tree"], times.get("nccl")
+    if not sizes:
+        return {"flat_max_bytes": 0, "tree_max_bytes": 0}
+    others = [min([t for t in (tr, nc) if t is not None] or [None]) if nccl else tr
+              for tr, nc in zip(tree, nccl or [None] * len(sizes))]
+    flat_max = _threshold(sizes, flat, others)
+    tree_max = sizes[-1]
+    if nccl:
+        ours = [min([t for t in (f, t2) if t is not None] or [None]) for f, t2 in zip(flat, tree)]
+        tree_max = max(_threshold(sizes, ours, nccl), flat_max)
+    return {"flat_max_bytes": int(flat_max), "tree_max_bytes": int(tree_max)}
+
+
+def _run_perf(argv: List[str]) -> dict:
+    from .perf.__main__ import resolve
+    from .perf.runner import launch
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "r.json")
+        opts = resolve(argv + ["--json", out])
+        code = launch(opts)
+        if code != 0:
+            raise RuntimeError(f"commlib-tune: measurement {' '.join(argv)} failed (exit code {code})")
+        with open(out) as f:
+            return json.load(f)
+
+
+def measure(device: str, np_: int, minbytes: str, maxbytes: str, iters: int) -> tuple:
+    """Runs the all_reduce sweep per algorithm; returns (sizes, {algo: [time_us per size]})."""
+    common = ["all_reduce", "-b", minbytes, "-e", maxbytes, "-f", "2", "-n", str(iters), "-w", "3",
+              "-np", str(np_), "--device", device, "-d", "bfloat16" if device == "cuda" else "float"]
+    if device == "cuda":
+        common += ["-G", "10"]
+    # One run, every algorithm timed side by side per size: robust to load that drifts over time.
+    algos = ["flat", "tree"] + (["nccl"] if device == "cuda" else [])
+    result = _run_perf(common + ["--backend", *[a if a == "nccl" else f"ddacomm:{a}" for a in algos]])
+    times = {}
+    for algo in algos:
+        label = algo if algo == "nccl" else f"ddacomm:{algo}"
+        rows = [r for r in result["results"] if r["backend"] == label]
+        sizes = [r["bytes"] for r in rows]
+        times[algo] = [(r.get("ip") or {}).get("time_us") for r in rows]
+    return sizes, times
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="commlib-tune", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-np", "--nprocs", dest="np", type=int, default=None, help="processes (default: GPUs, or 2)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default cuda with >= 2 GPUs, else cpu")
+    p.add_argument("-b", "--minbytes", default="1K")
+    p.add_argument("-e", "--maxbytes", default="64M")
+    p.add_argument("-n", "--iters", type=int, default=20)
+    p.add_argument("--file", default=None, help="cache path (default $COMMLIB_TUNE_FILE or ~/.cache/commlib/tune.json)")
+    p.add_argument("--show", action="store_true", help="print the cache and exit")
+    opts = p.parse_args(argv)
+    if opts.show:
+        print(json.dumps(read_file(opts.file), indent=1))
+        return 0
+    from .perf.__main__ import _num_gpus
+    gpus = _num_gpus()
+    device = opts.device or ("cuda" if gpus >= 2 else "cpu")
+    np_ = opts.np or (gpus if device == "cuda" else 2)
+    sizes, times = measure(device, np_, opts.minbytes, opts.maxbytes, opts.iters)
+    if not sizes:
+        p.error("no sizes measured; check -b/-e")
+    key = make_key(device, np_)
+    entry = {"key": key, "all_reduce": crossovers(sizes, times), "fused_num_sms": None}
+    print(f"# {'bytes':>12} " + " ".join(f"{a + ' (us)':>12}" for a in times))
+    for i, s in enumerate(sizes):
+        print(f"  {s:>12d} " + " ".join(f"{times[a][i]:12.2f}" if times[a][i] else f"{'n/a':>12}" for a in times))
+    path = save(entry, opts.file)
+    print(f"# wrote {path}: {json.dumps(entry)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""commlib-perf and commlib-tune on 2 CPU processes (small sizes, few iterations).
+
+Reference: the CLI checks every result against an fp64 / exact reference itself (#wrong); these
+tests check the table is well formed, that a planted wrong element is reported with a non-zero
+exit code, that --json/--csv agree with the table, and that the tune cache round-trips.
+The CLI starts its own processes (it is the product under test), so these tests run it as a
+subprocess rather than through the ranks() launcher.
+"""
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_cli(module, *args, env=None, timeout=300):
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + e.get("PYTHONPATH", "")
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=e,
+                          timeout=timeout, cwd=ROOT)
+
+
+def table_rows(stdout):
+    return [line.split() for line in stdout.splitlines() if line.strip() and not line.startswith("#")
+            and not line.startswith("{")]
+
+
+SMALL = ["-b", "1K", "-e", "64K", "-f", "8", "-n", "3", "-w", "1", "-np", "2"]
+
+
+def test_all_reduce_table_json_csv(tmp_path):
+    js, cs, png = tmp_path / "r.json", tmp_path / "r.csv", tmp_path / "p.png"
+    r = run_cli("commlib.perf", "all_reduce", *SMALL, "-d", "float,bfloat16", "-o", "sum,max",
+                "--json", str(js), "--csv", str(cs), "--plot", str(png))
+    assert r.returncode == 0, r.stdout + r.stderr
+    try:
+        import matplotlib  # noqa: F401
+        assert png.exists() and png.stat().st_size > 0
+    except ImportError:
+        assert "--plot" in r.stderr and "matplotlib is not installed" in r.stderr and not png.exists()
+    rows = table_rows(r.stdout)
+    # 2 dtypes x 2 redops x 3 sizes (1K, 8K, 64K) x 2 backends
+    assert len(rows) == 24, r.stdout
+    for row in rows:
+        backend, size, count, typ, redop, root = row[:6]
+        assert backend in ("ddacomm", "gloo")
+        assert int(size) == int(count) * (4 if typ == "float" else 2)
+        assert redop in ("sum", "max") and root == "-1"
+        oop_t, _, _, oop_wrong, ip_t, _, _, ip_wrong, ratio_oop, ratio_ip = row[6:]
+        assert float(oop_t) > 0 and float(ip_t) > 0
+        assert oop_wrong == "0" and ip_wrong == "0"
+        if backend == "gloo":
+            assert float(ratio_oop) == pytest.approx(1.0) and float(ratio_ip) == pytest.approx(1.0)
+    assert "# Out of bounds values : 0 OK" in r.stdout
+    assert r.stdout.count("# Avg bus bandwidth") == 2
+    data = json.loads(js.read_text())
+    assert data["wrong"] == 0 and data["meta"]["world_size"] == 2 and data["backends"] == ["ddacomm", "gloo"]
+    assert len(data["results"]) == 24
+    assert {res["bytes"] for res in data["results"]} == {1024, 8192, 65536}
+    for res in data["results"]:
+        for mode in ("oop", "ip"):
+            assert res[mode]["wrong"] == 0 and res[mode]["time_us"] > 0
+            assert res[mode]["busbw"] == pytest.approx(res[mode]["algbw"])  # 2(n-1)/n = 1 for n = 2
+    recs = list(csv.DictReader(io.StringIO(cs.read_text())))
+    assert len(recs) == 24 and all(rec["oop_wrong"] == "0" and rec["ip_wrong"] == "0" for rec in recs)
+
+
+def test_other_collectives():
+    ops = ["reduce_scatter", "all_gather", "all_to_all", "broadcast"]
+    r = run_cli("commlib.perf", *ops, *SMALL, "-d", "half", "--backend", "ddacomm", "gloo")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = table_rows(r.stdout)
+    assert len(rows) == 6 * len(ops), r.stdout
+    for i, op in enumerate(ops):
+        assert f"# {op}" in r.stdout
+        for row in rows[6 * i:6 * (i + 1)]:
+            assert row[3] == "half"
+            assert row[5] == ("0" if op == "broadcast" else "-1")
+            assert row[9] == "0", r.stdout  # out-of-place #wrong
+            if op == "all_to_all":
+                assert row[10] == "n/a"  # no in-place form
+            else:
+                assert row[13] == "0", r.stdout
+
+
+def test_planted_wrong_result_is_reported():
+    r = run_cli("commlib.perf", "all_reduce", "all_gather", "-b", "4K", "-e", "4K", "-n", "2", "-w", "0",
+                "-np", "2", "--backend", "ddacomm", "--corrupt-rank", "1")
+    assert r.returncode == 1, r.stdout + r.stderr
+    rows = table_rows(r.stdout)
+    assert len(rows) == 2
+    for row in rows:
+        assert row[9] == "1" and row[13] == "1", r.stdout  # one damaged element, both modes
+    assert "# Out of bounds values : 4 FAILED" in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-d", "int8"], "-d int8 not supported; supported: float, half, bfloat16"),
+    (["--backend", "nccl"], "--backend nccl needs CUDA tensors; valid on CPU: ddacomm, gloo"),
+    (["--backend", "mpi"], "--backend mpi not known; valid: ddacomm, nccl, gloo, symm"),
+    (["-o", "xor"], "-o xor not supported"),
+    (["all_reduce_fancy"], "operation 'all_reduce_fancy' not known"),
+    (["-b", "1M", "-e", "1K"], "is larger than -e"),
+])
+def test_bad_arguments(args, message):
+    r = run_cli("commlib.perf", *args)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_tuner_writes_and_reads_back(tmp_path):
+    cache = tmp_path / "sub" / "tune.json"
+    r = run_cli("commlib.tune", "-b", "1K", "-e", "16K", "-n", "3", "--file", str(cache))
+    assert r.returncode == 0, r.stdout + r.stderr
+    sys.path.insert(0, str(ROOT / "python"))
+    from commlib import tune
+    data = tune.read_file(str(cache))
+    assert data["version"] == 1 and len(data["entries"]) == 1
+    entry = data["entries"][0]
+    key = tune.make_key("cpu", 2)
+    assert entry["key"] == key and key["link"] == "shm" and key["world_size"] == 2
+    ar = entry["all_reduce"]
+    assert ar["flat_max_bytes"] in (0, 1024, 2048, 4096, 8192, 16384)
+    assert ar["tree_max_bytes"] == 16384 and entry["fused_num_sms"] is None
+    assert tune.load(key, str(cache)) == entry
+    assert tune.load({**key, "world_size": 3}, str(cache)) is None
+    # A second entry is added beside it; the same key is replaced, not duplicated.
+    other = {"key": {**key, "world_size": 4}, "all_reduce": {"flat_max_bytes": 1, "tree_max_bytes": 2},
+             "fused_num_sms": 8}
+    tune.save(other, str(cache))
+    tune.save({**entry, "all_reduce": {"flat_max_bytes": 5, "tree_max_bytes": 6}}, str(cache))
+    data = tune.read_file(str(cache))
+    assert len(data["entries"]) == 2
+    assert tune.load(key, str(cache))["all_reduce"] == {"flat_max_bytes": 5, "tree_max_bytes": 6}
+    assert tune.load(other["key"], str(cache))["fused_num_sms"] == 8
+
+
+def test_tune_file_malformed_raises(tmp_path):
+    sys.path.insert(0, str(ROOT / "python"))
+    from commlib import tune
+    bad = tmp_path / "t.json"
+    bad.write_text('{"version": 1, "entries": [{"key": {}, "all_reduce": {"flat_max_bytes": -1}}]}')
+    with pytest.raises(ValueError, match="all_reduce.flat_max_bytes must be an integer >= 0"):
+        tune.read_file(str(bad))
+    bad.write_text("not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        tune.read_file(str(bad))
+
+
+def test_crossovers():
+    from commlib.tune import crossovers
+    sizes = [1, 2, 4, 8]
+    assert crossovers(sizes, {"flat": [1, 1, 5, 9], "tree": [2, 2, 4, 8]}) == \
+        {"flat_max_bytes": 2, "tree_max_bytes": 8}
+    assert crossovers(sizes, {"flat": [1, 3, 5, 9], "tree": [2, 2, 4, 8], "nccl": [5, 5, 5, 5]}) == \
+        {"flat_max_bytes": 1, "tree_max_bytes": 4}
+    # One noisy point (flat wins at 32 alone) does not move the fitted threshold.
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128]
+    assert crossovers(sizes, {"flat": [1, 1, 1, 9, 9, 7, 9, 9], "tree": [2, 2, 2, 4, 4, 8, 4, 4]}) == \
+        {"flat_max_bytes": 4, "tree_max_bytes": 128}
+    assert crossovers(sizes, {"flat": [9] * 8, "tree": [1] * 8})["flat_max_bytes"] == 0
+
+
+def _auto_follows_tune_file(ctx, flat_max):
+    """all_reduce auto on CPU picks flat/tree from the cache: both give the ordered fp32 result,
+    and the choice is visible in the selection helper."""
+    import torch
+    comm = ctx.new_comm()
+    try:
+        chosen = [comm._host_auto_algo(n) for n in (flat_max, flat_max + 1)]
+        g = torch.Generator().manual_seed(ctx.rank)
+        x = torch.rand(flat_max // 4 + 5, generator=g) + 0.5
+        ref = x.clone()
+        ctx.comm.all_reduce(ref, algo="tree")
+        comm.all_reduce(x)
+        assert torch.equal(x, ref)
+        return chosen
+    finally:
+        comm.close()
+
+
+def test_cpu_auto_honours_tune_file(ranks, tmp_path):
+    sys.path.insert(0, str(ROOT / "python"))
+    from commlib import tune
+    cache = tmp_path / "tune.json"
+    key = tune.make_key("cpu", 2)
+    tune.save({"key": key, "all_reduce": {"flat_max_bytes": 4096, "tree_max_bytes": 1 << 20},
+               "fused_num_sms": None}, str(cache))
+    out = ranks(2, env={"COMMLIB_TUNE_FILE": str(cache)}).run(_auto_follows_tune_file, 4096)
+    assert out == [["flat", "tree"]] * 2
+    out = ranks(2, env={"COMMLIB_TUNE_FILE": str(tmp_path / "missing.json")}).run(_auto_follows_tune_file, 4096)
+    assert out == [["auto", "auto"]] * 2  # no entry: the built-in threshold (C++) decides
