@@ -11,11 +11,10 @@
 //         product), broadcast / all_gather / all_to_all (any dtype commlib moves as bytes),
 //         barrier -> commlib shm;  gather, scatter, send/recv, sparse, other dtypes/ops -> gloo.
 //   CUDA: all_reduce (sum/avg, float32/float16/bfloat16, contiguous, <= the GPU workspace) ->
-//         torch_layer::all_reduce_cuda once it is linked in (a weak reference, so the build works
-//         before csrc/torch/cuda_ops.cpp exists); everything else -> NCCL.
+//         torch_layer::all_reduce_cuda when COMMLIB_BACKEND_CUDA_ALL_REDUCE is 1 (once
+//         csrc/torch/cuda_ops.cpp is merged); everything else -> NCCL.
 #include "torch/backend.hpp"
 
-#include <ATen/SparseTensorUtils.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/utils/pybind.h>
@@ -30,7 +29,7 @@
 #include "torch/torch_common.hpp"
 
 #if defined(COMMLIB_TORCH_CUDA)
-#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -38,9 +37,19 @@
 #include <unordered_map>
 
 namespace commlib::torch_layer {
-// Defined by csrc/torch/cuda_ops.cpp (the GPU all-reduce); null until that file is built in.
-void all_reduce_cuda(Communicator& comm, at::Tensor& t, ReduceOp op, Algorithm algo) __attribute__((weak));
+// A weak stand-in for the GPU all-reduce of csrc/torch/cuda_ops.cpp (branch gpu-allreduce), which
+// torch_common.cpp already calls: it keeps the extension loadable until that file is linked in,
+// and its strong definition replaces this one without an edit here.
+__attribute__((weak)) void all_reduce_cuda(Communicator& comm, at::Tensor& t, ReduceOp op, Algorithm algo) {
+  throw Error("all_reduce_cuda: commlib's GPU all-reduce is not built into this extension");
+}
 }  // namespace commlib::torch_layer
+#endif
+
+// The one switch for CUDA all_reduce through the backend: 0 sends it to NCCL; set it to 1 once
+// csrc/torch/cuda_ops.cpp is merged (see DdaBackend::route_cuda_all_reduce).
+#ifndef COMMLIB_BACKEND_CUDA_ALL_REDUCE
+#define COMMLIB_BACKEND_CUDA_ALL_REDUCE 0
 #endif
 
 namespace py = pybind11;
@@ -120,6 +129,34 @@ class CompletedWork final : public c10d::Work {
 };
 
 #if defined(COMMLIB_TORCH_CUDA)
+// A timing-free CUDA event (ATen's CUDAEvent pulls in the cuBLAS/cuSPARSE headers).
+class StreamEvent {
+ public:
+  StreamEvent() { C10_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming)); }
+  ~StreamEvent() {
+    if (event_ != nullptr) C10_CUDA_CHECK_WARN(cudaEventDestroy(event_));
+  }
+  StreamEvent(const StreamEvent&) = delete;
+  StreamEvent& operator=(const StreamEvent&) = delete;
+  void record(const c10::cuda::CUDAStream& stream) { C10_CUDA_CHECK(cudaEventRecord(event_, stream.stream())); }
+  // Makes `stream` wait for the work recorded so far (no host wait).
+  void block(const c10::cuda::CUDAStream& stream) const {
+    C10_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), event_, 0));
+  }
+  bool query() const {
+    const cudaError_t err = cudaEventQuery(event_);
+    if (err == cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    C10_CUDA_CHECK(err);
+    return true;
+  }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
 // A CUDA call enqueued on a stream; `end_` is recorded after its last kernel. wait() makes the
 // caller's current stream wait for it (it does not block the host), as NCCL's Work does.
 class CudaWork final : public c10d::Work {
@@ -146,7 +183,7 @@ class CudaWork final : public c10d::Work {
  private:
   std::vector<at::Tensor> outputs_;
   c10::Device device_;
-  at::cuda::CUDAEvent end_;
+  StreamEvent end_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 #endif
@@ -284,7 +321,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::route_cuda_all_reduce(std::vector<at:
 #if defined(COMMLIB_TORCH_CUDA)
   at::Tensor& t = tensors[0];
   const auto op = to_reduce_op(opts.reduceOp);
-  const bool linked = &torch_layer::all_reduce_cuda != nullptr;
+  constexpr bool linked = COMMLIB_BACKEND_CUDA_ALL_REDUCE != 0;
   // Every rank sees the same dtype, op and byte count (a matching collective), so this decision
   // is the same everywhere (Note [ddacomm routing]).
   const bool eligible = linked && comm_ && !shut_down_ && op && (*op == ReduceOp::kSum || *op == ReduceOp::kAvg) &&
@@ -302,7 +339,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::route_cuda_all_reduce(std::vector<at:
     // async_op: the internal stream starts after the caller's pending work, and the caller's
     // allocator must not reuse `t` before the internal stream is done with it.
     c10::cuda::CUDAStream internal = cuda_state_->stream_for(device);
-    at::cuda::CUDAEvent start;
+    StreamEvent start;
     start.record(current);
     start.block(internal);
     {
