@@ -144,7 +144,7 @@ def _every_op_vs_nccl(ctx):
         # coalesced
         xs = [rand(r, c, torch.bfloat16, salt=7) for c in (3, 4097)]
         refs = [t.clone() for t in xs]
-        with dist._coalescing_manager(group=world, device=torch.device("cuda", ctx.device)):
+        with dist._coalescing_manager(group=world):  # ends in allreduce_coalesced (NCCL underneath)
             for t in xs:
                 dist.all_reduce(t)
         for t, ref in zip(xs, refs):
