@@ -69,5 +69,6 @@ setup(
             "commlib-tune=commlib.tune:main",
         ],
         "torch.backends": ["ddacomm=commlib._autoload:register"],
+        "torch.distributed.backends": ["ddacomm=commlib._autoload:register"],
     },
 )

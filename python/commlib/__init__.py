@@ -7,6 +7,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from . import _C
 from .communicator import Communicator
 from .errors import CommError, PeerError, TimeoutError
+from .backend_registration import register_backend
 
 __version__ = "0.1.0"
 
@@ -16,4 +17,9 @@ def knobs():
     return list(_C.knobs())
 
 
-__all__ = ["Communicator", "CommError", "PeerError", "TimeoutError", "knobs", "__version__"]
+try:  # "ddacomm" for torch.distributed; registration must never make `import commlib` fail
+    register_backend()
+except Exception:  # noqa: BLE001
+    pass
+
+__all__ = ["register_backend", "Communicator", "CommError", "PeerError", "TimeoutError", "knobs", "__version__"]

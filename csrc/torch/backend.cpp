@@ -1,0 +1,660 @@
+// DdaBackend (see backend.hpp) and its Python binding commlib._C.DdaBackend.
+//
+// Note [ddacomm routing]
+// A call takes commlib's path only when every rank is sure to decide the same way from what all
+// ranks share: the device type, the dtype, the reduce op, the number of tensors and whether the
+// group is on one host (decided once at creation, collectively, in backend_registration.py).
+// Nothing rank-local (contiguity, a size threshold on one rank's tensor) may change the route,
+// or the ranks would meet in different libraries and hang. Anything not taken goes, with its
+// original arguments, to the inner backend of the tensors' device:
+//   CPU:  all_reduce / reduce / reduce_scatter (float32, float16, bfloat16; sum, avg, min, max,
+//         product), broadcast / all_gather / all_to_all (any dtype commlib moves as bytes),
+//         barrier -> commlib shm;  gather, scatter, send/recv, sparse, other dtypes/ops -> gloo.
+//   CUDA: all_reduce (sum/avg, float32/float16/bfloat16, contiguous, <= the GPU workspace) ->
+//         torch_layer::all_reduce_cuda when COMMLIB_BACKEND_CUDA_ALL_REDUCE is 1 (once
+//         csrc/torch/cuda_ops.cpp is merged); everything else -> NCCL.
+#include "torch/backend.hpp"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/csrc/utils/pybind.h>
+
+#include <pybind11/chrono.h>
+
+#include <optional>
+
+#include "commlib/env.hpp"
+#include "commlib/errors.hpp"
+#include "torch/bindings.hpp"
+#include "torch/torch_common.hpp"
+
+#if defined(COMMLIB_TORCH_CUDA)
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <unordered_map>
+
+namespace commlib::torch_layer {
+// A weak stand-in for the GPU all-reduce of csrc/torch/cuda_ops.cpp (branch gpu-allreduce), which
+// torch_common.cpp already calls: it keeps the extension loadable until that file is linked in,
+// and its strong definition replaces this one without an edit here.
+__attribute__((weak)) void all_reduce_cuda(Communicator& comm, at::Tensor& t, ReduceOp op, Algorithm algo) {
+  throw Error("all_reduce_cuda: commlib's GPU all-reduce is not built into this extension");
+}
+}  // namespace commlib::torch_layer
+#endif
+
+// The one switch for CUDA all_reduce through the backend: 0 sends it to NCCL; set it to 1 once
+// csrc/torch/cuda_ops.cpp is merged (see DdaBackend::route_cuda_all_reduce).
+#ifndef COMMLIB_BACKEND_CUDA_ALL_REDUCE
+#define COMMLIB_BACKEND_CUDA_ALL_REDUCE 0
+#endif
+
+namespace py = pybind11;
+
+namespace commlib::torch_layer {
+namespace {
+
+// Runs `body`, turning commlib's typed errors into torch's (one error currency per layer).
+template <typename F>
+void translate_errors(F&& body) {
+  try {
+    body();
+  } catch (const InvalidArgument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  } catch (const TypeMismatch& e) {
+    TORCH_CHECK_TYPE(false, e.what());
+  } catch (const Error& e) {
+    C10_THROW_ERROR(DistBackendError, e.what());
+  }
+}
+
+std::optional<ReduceOp> to_reduce_op(const c10d::ReduceOp& op) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM: return ReduceOp::kSum;
+    case c10d::ReduceOp::AVG: return ReduceOp::kAvg;
+    case c10d::ReduceOp::PRODUCT: return ReduceOp::kProd;
+    case c10d::ReduceOp::MIN: return ReduceOp::kMin;
+    case c10d::ReduceOp::MAX: return ReduceOp::kMax;
+    default: return std::nullopt;
+  }
+}
+
+bool is_reducible_type(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
+
+// dtypes commlib moves (as bytes): the DataType set of torch_common.cpp's to_data_type.
+bool is_movable_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: case at::kHalf: case at::kBFloat16: case at::kDouble: case at::kInt: case at::kLong:
+    case at::kByte: case at::kChar: case at::kBool:
+      return true;
+    default:
+      return false;
+  }
+}
+
+bool all_of(const std::vector<at::Tensor>& ts, bool (*pred)(at::ScalarType)) {
+  for (const auto& t : ts) {
+    if (!pred(t.scalar_type())) return false;
+  }
+  return true;
+}
+
+at::Device device_of(const std::vector<at::Tensor>& ts, const char* what) {
+  TORCH_CHECK_VALUE(!ts.empty() && ts[0].defined(), what, ": expected at least one defined tensor");
+  return ts[0].device();
+}
+
+// A Work that finished before it was returned (CPU calls run synchronously).
+class CompletedWork final : public c10d::Work {
+ public:
+  CompletedWork(int rank, c10d::OpType op, std::vector<at::Tensor> outputs)
+      : Work(rank, op),
+        outputs_(std::move(outputs)),
+        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+  bool isCompleted() override { return true; }
+  bool isSuccess() const override { return true; }
+  bool wait(std::chrono::milliseconds /*timeout*/) override { return true; }
+  void synchronize() override {}
+  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+#if defined(COMMLIB_TORCH_CUDA)
+// A timing-free CUDA event (ATen's CUDAEvent pulls in the cuBLAS/cuSPARSE headers).
+class StreamEvent {
+ public:
+  StreamEvent() { C10_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming)); }
+  ~StreamEvent() {
+    if (event_ != nullptr) C10_CUDA_CHECK_WARN(cudaEventDestroy(event_));
+  }
+  StreamEvent(const StreamEvent&) = delete;
+  StreamEvent& operator=(const StreamEvent&) = delete;
+  void record(const c10::cuda::CUDAStream& stream) { C10_CUDA_CHECK(cudaEventRecord(event_, stream.stream())); }
+  // Makes `stream` wait for the work recorded so far (no host wait).
+  void block(const c10::cuda::CUDAStream& stream) const {
+    C10_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), event_, 0));
+  }
+  bool query() const {
+    const cudaError_t err = cudaEventQuery(event_);
+    if (err == cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    C10_CUDA_CHECK(err);
+    return true;
+  }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
+// A CUDA call enqueued on a stream; `end_` is recorded after its last kernel. wait() makes the
+// caller's current stream wait for it (it does not block the host), as NCCL's Work does.
+class CudaWork final : public c10d::Work {
+ public:
+  CudaWork(int rank, c10d::OpType op, std::vector<at::Tensor> outputs, c10::cuda::CUDAStream stream)
+      : Work(rank, op), outputs_(std::move(outputs)), device_(stream.device()) {
+    end_.record(stream);
+    c10::cuda::CUDAStreamGuard guard(stream);
+    // The future's value is usable once the work's stream reached this point.
+    future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                       std::vector<c10::Device>{device_});
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+  bool isCompleted() override { return end_.query(); }
+  bool isSuccess() const override { return true; }
+  bool wait(std::chrono::milliseconds /*timeout*/) override {
+    end_.block(c10::cuda::getCurrentCUDAStream(device_.index()));
+    return true;
+  }
+  void synchronize() override { wait(kNoTimeout); }
+  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  c10::Device device_;
+  StreamEvent end_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+#endif
+
+}  // namespace
+
+#if defined(COMMLIB_TORCH_CUDA)
+struct DdaBackend::CudaState {
+  // One internal stream per device for async_op=True calls.
+  std::unordered_map<int, c10::cuda::CUDAStream> streams;
+  c10::cuda::CUDAStream stream_for(int device) {
+    auto it = streams.find(device);
+    if (it == streams.end()) {
+      it = streams.emplace(device, c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device)).first;
+    }
+    return it->second;
+  }
+};
+#endif
+
+DdaBackend::DdaBackend(int rank, int size, std::shared_ptr<Communicator> comm, c10::intrusive_ptr<c10d::Backend> gloo,
+                       InnerFactory nccl_factory, Config config)
+    : Backend(rank, size),
+      comm_(std::move(comm)),
+      gloo_(std::move(gloo)),
+      nccl_factory_(std::move(nccl_factory)),
+      config_(std::move(config)) {
+  TORCH_CHECK_VALUE(gloo_, "ddacomm: the inner gloo backend is required");
+  TORCH_CHECK_VALUE(!comm_ || (comm_->rank() == rank && comm_->world_size() == size), "ddacomm: communicator is rank ",
+                    comm_ ? comm_->rank() : -1, " of ", comm_ ? comm_->world_size() : -1, " but the group is rank ",
+                    rank, " of ", size);
+#if defined(COMMLIB_TORCH_CUDA)
+  cuda_state_ = std::make_unique<CudaState>();
+#endif
+  init();
+}
+
+DdaBackend::~DdaBackend() {
+  if (comm_) comm_->close();
+}
+
+c10::intrusive_ptr<c10d::Backend::Options> DdaBackend::getBackendOptions() {
+  auto options = c10::make_intrusive<Options>("ddacomm", config_.timeout);
+  options->group_name = config_.group_name;
+  options->global_ranks_in_group = config_.global_ranks_in_group;
+  return options;
+}
+
+void DdaBackend::setTimeout(std::chrono::milliseconds timeout) {
+  config_.timeout = timeout;
+  gloo_->setTimeout(timeout);
+  if (nccl_) nccl_->setTimeout(timeout);
+}
+
+void DdaBackend::setBoundDeviceId(std::optional<at::Device> device) {
+  Backend::setBoundDeviceId(device);
+  if (nccl_) nccl_->setBoundDeviceId(device);
+}
+
+void DdaBackend::shutdown() {
+  if (shut_down_) return;
+  shut_down_ = true;
+  // Closing the communicator is local (never waits for peers), so destroy_process_group is prompt.
+  if (comm_) comm_->close();
+  if (nccl_) nccl_->shutdown();
+  gloo_->shutdown();
+}
+
+void DdaBackend::abort() {
+  shut_down_ = true;
+  if (comm_) comm_->close();
+  if (nccl_) nccl_->abort();
+  gloo_->abort();
+}
+
+c10d::Backend& DdaBackend::nccl(const char* what) {
+  std::lock_guard<std::mutex> lock(nccl_mutex_);
+  if (!nccl_) {
+    TORCH_CHECK_TYPE(static_cast<bool>(nccl_factory_), what,
+                     ": CUDA tensors need the NCCL backend, which this torch build or machine lacks; "
+                     "supported here: cpu tensors");
+    nccl_ = nccl_factory_();
+    TORCH_CHECK(nccl_, what, ": creating the inner NCCL backend failed");
+    if (auto device = getBoundDeviceId()) nccl_->setBoundDeviceId(device);
+  }
+  return *nccl_;
+}
+
+c10d::Backend& DdaBackend::inner(const at::Device& device, const char* what) {
+  TORCH_CHECK(!shut_down_, what, ": the ddacomm process group was shut down");
+  if (device.is_cuda()) {
+    cuda_used_ = true;
+    return nccl(what);
+  }
+  TORCH_CHECK_TYPE(device.is_cpu(), what, ": tensors on device ", device.str(),
+                   " are not supported; supported: cpu, cuda");
+  return *gloo_;
+}
+
+bool DdaBackend::cpu_fast(const std::vector<at::Tensor>& tensors) const {
+  if (!comm_ || shut_down_ || tensors.empty()) return false;
+  for (const auto& t : tensors) {
+    if (!t.defined() || !t.device().is_cpu() || t.layout() != at::kStrided) return false;
+  }
+  return true;
+}
+
+c10::intrusive_ptr<c10d::Work> DdaBackend::fallback(c10::intrusive_ptr<c10d::Work> work) {
+  ++num_fallback_calls_;
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> DdaBackend::completed(c10d::OpType op, std::vector<at::Tensor> outputs) {
+  ++num_fast_calls_;
+  return c10::make_intrusive<CompletedWork>(getRank(), op, std::move(outputs));
+}
+
+// ---- all-reduce family ----
+
+c10::intrusive_ptr<c10d::Work> DdaBackend::allreduce(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceOptions& opts) {
+  const auto op = to_reduce_op(opts.reduceOp);
+  if (tensors.size() == 1 && op && cpu_fast(tensors) && all_of(tensors, is_reducible_type)) {
+    translate_errors([&] { all_reduce(*comm_, tensors[0], *op, Algorithm::kAuto); });
+    return completed(c10d::OpType::ALLREDUCE, tensors);
+  }
+  const at::Device device = device_of(tensors, "allreduce");
+  if (device.is_cuda() && tensors.size() == 1) return route_cuda_all_reduce(tensors, opts);
+  return fallback(inner(device, "allreduce").allreduce(tensors, opts));
+}
+
+c10::intrusive_ptr<c10d::Work> DdaBackend::route_cuda_all_reduce(std::vector<at::Tensor>& tensors,
+                                                                 const c10d::AllreduceOptions& opts) {
+  cuda_used_ = true;
+#if defined(COMMLIB_TORCH_CUDA)
+  at::Tensor& t = tensors[0];
+  const auto op = to_reduce_op(opts.reduceOp);
+  constexpr bool linked = COMMLIB_BACKEND_CUDA_ALL_REDUCE != 0;
+  // Every rank sees the same dtype, op and byte count (a matching collective), so this decision
+  // is the same everywhere (Note [ddacomm routing]).
+  const bool eligible = linked && comm_ && !shut_down_ && op && (*op == ReduceOp::kSum || *op == ReduceOp::kAvg) &&
+                        is_reducible_type(t.scalar_type()) && t.layout() == at::kStrided &&
+                        t.numel() * t.element_size() <= env::get_int("COMMLIB_GPU_WORKSPACE_BYTES");
+  if (eligible && t.is_contiguous()) {
+    const int device = t.device().index();
+    c10::cuda::CUDAGuard device_guard(device);
+    const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device);
+    if (!opts.asyncOp) {
+      translate_errors([&] { torch_layer::all_reduce_cuda(*comm_, t, *op, Algorithm::kAuto); });
+      ++num_fast_calls_;
+      return c10::make_intrusive<CudaWork>(getRank(), c10d::OpType::ALLREDUCE, tensors, current);
+    }
+    // async_op: the internal stream starts after the caller's pending work, and the caller's
+    // allocator must not reuse `t` before the internal stream is done with it.
+    c10::cuda::CUDAStream internal = cuda_state_->stream_for(device);
+    StreamEvent start;
+    start.record(current);
+    start.block(internal);
+    {
+      c10::cuda::CUDAStreamGuard stream_guard(internal);
+      translate_errors([&] { torch_layer::all_reduce_cuda(*comm_, t, *op, Algorithm::kAuto); });
+    }
+    t.record_stream(internal);
+    ++num_fast_calls_;
+    return c10::make_intrusive<CudaWork>(getRank(), c10d::OpType::ALLREDUCE, tensors, internal);
+  }
+#endif
+  return fallback(nccl("allreduce").allreduce(tensors, opts));
+}
+
+c10::intrusive_ptr<c10d::Work> DdaBackend::allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                            const c10d::AllreduceOptions& opts) {
+  return fallback(inner(device_of(tensors, "allreduce_sparse"), "allreduce_sparse").allreduce_sparse(tensors, opts));
+}
+
+c10::intrusive_ptr<c10d::Work> DdaBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                               const c10d::AllreduceCoalescedOptions& opts) {
+  const auto op = to_reduce_op(opts.reduceOp);
+  if (op && cpu_fast(tensors) && all_of(tensors, is_reducible_type)) {
+    translate_errors([&] {
+      for (auto& t : tensors) all_reduce(*comm_, t, *op, Algorithm::kAuto);
+    });
+    return completed(c10d::OpType::ALLREDUCE_COALESCED, tensors);
+  }
+  const at::Device device = device_of(tensors, "allreduce_coalesced");
+  return fallback(inner(device, "allreduce_coalesced").allreduce_coalesced(tensors, opts));
+}
+
+c10::intrusive_ptr<c10d::Work> DdaBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
+  const auto op = to_reduce_op(opts.reduceOp);
+  if (tensors.size() == 1 && op && cpu_fast(tensors) && all_of(tensors, is_reducible_type)) {
+    TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < getSize(), "reduce: root rank ", opts.rootRank,
+                      " out of range; valid: 0..", getSize() - 1);
+    // An all-reduce: the root keeps the result; the other ranks' tensors stay unchanged.
+    translate_errors([&] {
+      if (opts.rootRank == getRank()) {
+        all_reduce(*comm_, tensors[0], *op, Algorithm::kAuto);
+      } else {
+        at::Tensor scratch = tensors[0].clone(at::MemoryFormat::Contiguous);
+        all_reduce(*comm_, scratch, *op, Algorithm::kAuto);
+      }
+    });
+    return completed(c10d::OpType::REDUCE, tensors);
+  }
+  return fallback(inner(device_of(tensors, "reduce"), "reduce").reduce(tensors, opts));
+}
+
+// ---- broadcast / all-gather ----
+
+c10::intrusive_ptr<c10d::Work> DdaBackend::broadcast(std::vector<at::Tensor>& tensors,
+                                                     const c10d::BroadcastOptions& opts) {
+  if (tensors.size() == 1 && cpu_fast(tensors) && all_of(tensors, is_movable_type)) {
+    TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < getSize(), "broadcast: root rank ", opts.rootRank,
+                      " out of range; valid: 0..", getSize() - 1);
+    translate_errors([&] { torch_layer::broadcast(*comm_, tensors[0], static_cast<int>(opts.rootRank)); });
+    return completed(c10d::OpType::BROADCAST, tensors);
+  }
+  return fallback(inner(device_of(tensors, "broadcast"), "broadcast").broadcast(tensors, opts));
+}
+
+c10::intrusive_ptr<c10d::Work> DdaBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) {
+  if (inputs.size() == 1 && outputs.size() == 1 && cpu_fast(inputs) && cpu_fast(outputs[0]) &&
+      all_of(inputs, is_movable_type)) {
+    const at::Tensor& in = inputs[0];
+    std::vector<at::Tensor>& outs = outputs[0];
+    TORCH_CHECK_VALUE(static_cast<int>(outs.size()) == getSize(), "allgather: got ", outs.size(),
+                      " output tensors; expected world_size = ", getSize());
+    for (size_t r = 0; r < outs.size(); ++r) {
+      TORCH_CHECK_TYPE(outs[r].scalar_type() == in.scalar_type(), "allgather: output ", r, " is ",
+                       dtype_str(outs[r].scalar_type()), " but input is ", dtype_str(in.scalar_type()));
+      TORCH_CHECK_VALUE(outs[r].numel() == in.numel(), "allgather: output ", r, " has ", outs[r].numel(),
+                        " elements but input has ", in.numel(), "; they must match");
+    }
+    translate_errors([&] {
+      at::Tensor flat = at::empty({getSize(), in.numel()}, in.options());
+      all_gather(*comm_, flat, in);
+      for (int r = 0; r < getSize(); ++r) outs[r].copy_(flat[r].view(outs[r].sizes()));
+    });
+    return completed(c10d::OpType::ALLGATHER, outputs[0]);
+  }
+  return fallback(inner(device_of(inputs, "allgather"), "allgather").allgather(outputs, inputs, opts));
+}
+
+c10::intrusive_ptr<c10d::Work> DdaBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                           const c10d::AllgatherOptions& opts) {
+  std::vector<at::Tensor> both{output, input};
+  if (cpu_fast(both) && all_of(both, is_movable_type)) {
+    translate_errors([&] { all_gather(*comm_, output, input); });
+    return completed(c10d::OpType::_ALLGATHER_BASE, {output});
+  }
+  return fallback(inner(input.device(), "all_gather_into_tensor")._allgather_base(output, input, opts));
+}
+
+c10::intrusive_ptr<c10d::Work> DdaBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                               std::vector<at::Tensor>& inputs,
+                                                               const c10d::AllgatherOptions& opts) {
+  return fallback(inner(device_of(inputs, "allgather_coalesced"), "allgather_coalesced")
+                      .allgather_coalesced(outputs, inputs, opts));
+}
+
+c10::intrusive_ptr<c10d::Work> DdaBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                           std::vector<at::Tensor>& inputs,
+                                                                           const c10d::AllgatherOptions& opts) {
+  if (outputs.size() == inputs.size() && cpu_fast(inputs) && cpu_fast(outputs) && all_of(inputs, is_movable_type) &&
+      all_of(outputs, is_movable_type)) {
+    translate_errors([&] {
+      for (size_t i = 0; i < inputs.size(); ++i) all_gather(*comm_, outputs[i], inputs[i]);
+    });
+    return completed(c10d::OpType::COALESCED, outputs);
+  }
+  return fallback(inner(device_of(inputs, "all_gather_into_tensor_coalesced"), "all_gather_into_tensor_coalesced")
+                      .allgather_into_tensor_coalesced(outputs, inputs, opts));
+}
+
+c10::intrusive_ptr<c10d::Work> DdaBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                  std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
+  return fallback(inner(device_of(inputs, "gather"), "gather").gather(outputs, inputs, opts));
+}
+
+c10::intrusive_ptr<c10d::Work> DdaBackend::scatter(std::vector<at::Tensor>& outputs,
+                                                   std::vector<std::vector<at::Tensor>>& inputs,
+                                                   const c10d::ScatterOptions& opts) {
+  return fallback(inner(device_of(outputs, "scatter"), "scatter").scatter(outputs, inputs, opts));
+}
+
+// ---- reduce-scatter ----
+
+c10::intrusive_ptr<c10d::Work> DdaBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                          std::vector<std::vector<at::Tensor>>& inputs,
+                                                          const c10d::ReduceScatterOptions& opts) {
+  const auto op = to_reduce_op(opts.reduceOp);
+  if (outputs.size() == 1 && inputs.size() == 1 && op && cpu_fast(outputs) && cpu_fast(inputs[0]) &&
+      all_of(outputs, is_reducible_type)) {
+    at::Tensor& out = outputs[0];
+    const std::vector<at::Tensor>& ins = inputs[0];
+    TORCH_CHECK_VALUE(static_cast<int>(ins.size()) == getSize(), "reduce_scatter: got ", ins.size(),
+                      " input tensors; expected world_size = ", getSize());
+    std::vector<at::Tensor> flat_inputs;
+    flat_inputs.reserve(ins.size());
+    for (size_t r = 0; r < ins.size(); ++r) {
+      TORCH_CHECK_TYPE(ins[r].scalar_type() == out.scalar_type(), "reduce_scatter: input ", r, " is ",
+                       dtype_str(ins[r].scalar_type()), " but output is ", dtype_str(out.scalar_type()));
+      TORCH_CHECK_VALUE(ins[r].numel() == out.numel(), "reduce_scatter: input ", r, " has ", ins[r].numel(),
+                        " elements but output has ", out.numel(), "; they must match");
+      flat_inputs.push_back(ins[r].reshape({-1}));
+    }
+    translate_errors([&] { torch_layer::reduce_scatter(*comm_, out, at::cat(flat_inputs), *op); });
+    return completed(c10d::OpType::REDUCE_SCATTER, outputs);
+  }
+  return fallback(
+      inner(device_of(outputs, "reduce_scatter"), "reduce_scatter").reduce_scatter(outputs, inputs, opts));
+}
+
+c10::intrusive_ptr<c10d::Work> DdaBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                                const c10d::ReduceScatterOptions& opts) {
+  const auto op = to_reduce_op(opts.reduceOp);
+  std::vector<at::Tensor> both{output, input};
+  if (op && cpu_fast(both) && all_of(both, is_reducible_type)) {
+    translate_errors([&] { torch_layer::reduce_scatter(*comm_, output, input, *op); });
+    return completed(c10d::OpType::_REDUCE_SCATTER_BASE, {output});
+  }
+  return fallback(inner(input.device(), "reduce_scatter_tensor")._reduce_scatter_base(output, input, opts));
+}
+
+c10::intrusive_ptr<c10d::Work> DdaBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                           std::vector<at::Tensor>& inputs,
+                                                                           const c10d::ReduceScatterOptions& opts) {
+  const auto op = to_reduce_op(opts.reduceOp);
+  if (op && outputs.size() == inputs.size() && cpu_fast(outputs) && cpu_fast(inputs) &&
+      all_of(outputs, is_reducible_type) && all_of(inputs, is_reducible_type)) {
+    translate_errors([&] {
+      for (size_t i = 0; i < inputs.size(); ++i) torch_layer::reduce_scatter(*comm_, outputs[i], inputs[i], *op);
+    });
+    return completed(c10d::OpType::COALESCED, outputs);
+  }
+  return fallback(inner(device_of(inputs, "reduce_scatter_tensor_coalesced"), "reduce_scatter_tensor_coalesced")
+                      .reduce_scatter_tensor_coalesced(outputs, inputs, opts));
+}
+
+// ---- all-to-all ----
+
+c10::intrusive_ptr<c10d::Work> DdaBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                         std::vector<int64_t>& output_split_sizes,
+                                                         std::vector<int64_t>& input_split_sizes,
+                                                         const c10d::AllToAllOptions& opts) {
+  std::vector<at::Tensor> both{output, input};
+  if (cpu_fast(both) && all_of(both, is_movable_type)) {
+    translate_errors([&] { all_to_all_v(*comm_, output, input, output_split_sizes, input_split_sizes); });
+    return completed(c10d::OpType::ALLTOALL_BASE, {output});
+  }
+  return fallback(inner(input.device(), "all_to_all_single")
+                      .alltoall_base(output, input, output_split_sizes, input_split_sizes, opts));
+}
+
+c10::intrusive_ptr<c10d::Work> DdaBackend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                                    const c10d::AllToAllOptions& opts) {
+  if (cpu_fast(outputs) && cpu_fast(inputs) && all_of(outputs, is_movable_type) && all_of(inputs, is_movable_type)) {
+    const int n = getSize();
+    TORCH_CHECK_VALUE(static_cast<int>(inputs.size()) == n && static_cast<int>(outputs.size()) == n,
+                      "all_to_all: got ", inputs.size(), " inputs and ", outputs.size(),
+                      " outputs; expected world_size = ", n, " of each");
+    // Every block travels as bytes: one packed buffer each way, split by byte counts.
+    std::vector<at::Tensor> in_bytes;
+    std::vector<int64_t> in_splits(n), out_splits(n);
+    for (int r = 0; r < n; ++r) {
+      TORCH_CHECK_TYPE(inputs[r].scalar_type() == inputs[0].scalar_type() &&
+                           outputs[r].scalar_type() == inputs[0].scalar_type(),
+                       "all_to_all: every input and output must have the same dtype; input 0 is ",
+                       dtype_str(inputs[0].scalar_type()), ", input ", r, " is ", dtype_str(inputs[r].scalar_type()),
+                       ", output ", r, " is ", dtype_str(outputs[r].scalar_type()));
+      in_bytes.push_back(inputs[r].contiguous().reshape({-1}).view(at::kByte));
+      in_splits[r] = in_bytes.back().numel();
+      out_splits[r] = outputs[r].numel() * outputs[r].element_size();
+    }
+    translate_errors([&] {
+      at::Tensor packed_in = at::cat(in_bytes);
+      int64_t total_out = 0;
+      for (int64_t s : out_splits) total_out += s;
+      at::Tensor packed_out = at::empty({total_out}, packed_in.options());
+      all_to_all_v(*comm_, packed_out, packed_in, out_splits, in_splits);
+      int64_t offset = 0;
+      for (int r = 0; r < n; ++r) {
+        at::Tensor block = packed_out.narrow(0, offset, out_splits[r]).view(outputs[r].scalar_type());
+        outputs[r].copy_(block.view(outputs[r].sizes()));
+        offset += out_splits[r];
+      }
+    });
+    return completed(c10d::OpType::ALLTOALL, outputs);
+  }
+  return fallback(inner(device_of(inputs, "all_to_all"), "all_to_all").alltoall(outputs, inputs, opts));
+}
+
+// ---- point-to-point and synchronisation: always the inner backend, except barrier ----
+
+c10::intrusive_ptr<c10d::Work> DdaBackend::send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) {
+  return fallback(inner(device_of(tensors, "send"), "send").send(tensors, dst_rank, tag));
+}
+
+c10::intrusive_ptr<c10d::Work> DdaBackend::recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) {
+  return fallback(inner(device_of(tensors, "recv"), "recv").recv(tensors, src_rank, tag));
+}
+
+c10::intrusive_ptr<c10d::Work> DdaBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  return fallback(inner(device_of(tensors, "recv"), "recv").recvAnysource(tensors, tag));
+}
+
+c10::intrusive_ptr<c10d::Work> DdaBackend::barrier(const c10d::BarrierOptions& opts) {
+  TORCH_CHECK(!shut_down_, "barrier: the ddacomm process group was shut down");
+  if (!comm_) return fallback(gloo_->barrier(opts));
+#if defined(COMMLIB_TORCH_CUDA)
+  // Like NCCL's barrier, the GPU work this rank queued before the barrier is finished after it.
+  if (cuda_used_) c10::cuda::device_synchronize();
+#endif
+  translate_errors([&] { comm_->barrier_host(); });
+  return completed(c10d::OpType::BARRIER, {});
+}
+
+void DdaBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
+  gloo_->monitoredBarrier(opts, wait_all_ranks);
+}
+
+uint64_t DdaBackend::getSequenceNumberForGroup() { return gloo_->getSequenceNumberForGroup(); }
+
+// ---- Python binding ----
+namespace {
+
+// Holds a Python callable; takes the GIL to call and to release it.
+DdaBackend::InnerFactory python_factory(py::object fn) {
+  if (fn.is_none()) return {};
+  std::shared_ptr<py::object> holder(new py::object(std::move(fn)), [](py::object* p) {
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      delete p;
+    } else {
+      p->release();  // the interpreter is gone: leak the reference rather than touch it
+      delete p;
+    }
+  });
+  return [holder]() -> c10::intrusive_ptr<c10d::Backend> {
+    py::gil_scoped_acquire gil;
+    return (*holder)().cast<c10::intrusive_ptr<c10d::Backend>>();
+  };
+}
+
+void bind_backend(py::module_& m) {
+  // torch's Backend must be registered with pybind11 before a class can derive from it.
+  py::module_::import("torch._C._distributed_c10d");
+  py::class_<DdaBackend, c10d::Backend, c10::intrusive_ptr<DdaBackend>>(
+      m, "DdaBackend", "The c10d backend of \"ddacomm\" (see commlib.backend_registration).")
+      .def(py::init([](int rank, int size, py::object comm, const c10::intrusive_ptr<c10d::Backend>& gloo,
+                       py::object nccl_factory, std::chrono::milliseconds timeout, std::string group_name,
+                       std::vector<uint64_t> global_ranks) {
+             DdaBackend::Config config;
+             config.timeout = timeout;
+             config.group_name = std::move(group_name);
+             config.global_ranks_in_group = std::move(global_ranks);
+             std::shared_ptr<Communicator> native = comm.is_none() ? nullptr : communicator_from_python(comm);
+             return c10::make_intrusive<DdaBackend>(rank, size, std::move(native), gloo,
+                                                    python_factory(std::move(nccl_factory)), std::move(config));
+           }),
+           py::arg("rank"), py::arg("size"), py::arg("comm"), py::arg("gloo"), py::arg("nccl_factory"),
+           py::arg("timeout"), py::arg("group_name"), py::arg("global_ranks_in_group"))
+      .def_property_readonly("has_fast_path", &DdaBackend::has_fast_path)
+      .def_property_readonly("nccl_created", &DdaBackend::nccl_created)
+      .def_property_readonly("num_fast_calls", &DdaBackend::num_fast_calls)
+      .def_property_readonly("num_fallback_calls", &DdaBackend::num_fallback_calls);
+}
+
+BindingRegistrar registrar("backend", bind_backend);
+
+}  // namespace
+}  // namespace commlib::torch_layer

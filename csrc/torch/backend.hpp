@@ -1,0 +1,136 @@
+// DdaBackend: the c10d::Backend behind `init_process_group(backend="ddacomm")`.
+//
+// One instance serves both devices of a process group (registered for "cpu" and "cuda"). Each
+// call takes commlib's fast path when it can and otherwise goes, unchanged, to an inner backend
+// built from the same store (Note [ddacomm routing]):
+//   CPU tensors  -> commlib's shared-memory collectives, else gloo;
+//   CUDA tensors -> commlib's GPU all-reduce where built in, else NCCL (created on first CUDA use,
+//                   so a CPU-only process never touches NCCL).
+// Semantics follow NCCL and gloo: CPU calls complete before they return (their Work and Future
+// are already completed); CUDA calls are ordered on the caller's current stream, and with
+// async_op=True run on an internal stream whose Work::wait() makes the current stream wait.
+//
+// Errors: invalid arguments raise c10::ValueError / c10::TypeError (Python ValueError /
+// TypeError) on the calling rank before any peer is involved, so the group stays usable; failures
+// of the communication raise c10::DistBackendError (torch.distributed.DistBackendError).
+// Thread-safety: like the communicator, one thread drives a backend at a time.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "commlib/communicator.hpp"
+
+namespace commlib::torch_layer {
+
+class DdaBackend final : public c10d::Backend {
+ public:
+  // Creates the NCCL backend on first CUDA use (Python side; see backend_registration.py).
+  using InnerFactory = std::function<c10::intrusive_ptr<c10d::Backend>()>;
+
+  struct Config {
+    std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+    std::string group_name;
+    std::vector<uint64_t> global_ranks_in_group;
+  };
+
+  // `comm` is null when the group spans several hosts: then every call goes to an inner backend.
+  // `gloo` must be a backend of the same ranks; `nccl_factory` may be empty (no CUDA).
+  DdaBackend(int rank, int size, std::shared_ptr<Communicator> comm, c10::intrusive_ptr<c10d::Backend> gloo,
+             InnerFactory nccl_factory, Config config);
+  ~DdaBackend() override;
+
+  const std::string getBackendName() const override { return "ddacomm"; }
+  c10::intrusive_ptr<Options> getBackendOptions() override;
+  void setTimeout(std::chrono::milliseconds timeout) override;
+  void setBoundDeviceId(std::optional<at::Device> device) override;
+  void shutdown() override;
+  void abort() override;
+
+  // What the Python side can inspect (tests, docs): is the shm path live; has NCCL been created.
+  bool has_fast_path() const { return comm_ != nullptr; }
+  bool nccl_created() const { return nccl_ != nullptr; }
+  // Number of calls served by commlib / by an inner backend (for tests of the routing rules).
+  int64_t num_fast_calls() const { return num_fast_calls_; }
+  int64_t num_fallback_calls() const { return num_fallback_calls_; }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_split_sizes,
+                                               std::vector<int64_t>& input_split_sizes,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
+  uint64_t getSequenceNumberForGroup() override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+ private:
+  // The inner backend for tensors on `device` (gloo for CPU, NCCL for CUDA).
+  c10d::Backend& inner(const at::Device& device, const char* what);
+  c10d::Backend& nccl(const char* what);
+  // True when `tensors` are all dense CPU tensors and commlib's shm path is live.
+  bool cpu_fast(const std::vector<at::Tensor>& tensors) const;
+  c10::intrusive_ptr<c10d::Work> fallback(c10::intrusive_ptr<c10d::Work> work);
+  c10::intrusive_ptr<c10d::Work> completed(c10d::OpType op, std::vector<at::Tensor> outputs);
+  // The one route for CUDA all-reduce: commlib's kernels where built in and eligible, else NCCL.
+  c10::intrusive_ptr<c10d::Work> route_cuda_all_reduce(std::vector<at::Tensor>& tensors,
+                                                       const c10d::AllreduceOptions& opts);
+
+  std::shared_ptr<Communicator> comm_;
+  c10::intrusive_ptr<c10d::Backend> gloo_;
+  c10::intrusive_ptr<c10d::Backend> nccl_;
+  InnerFactory nccl_factory_;
+  std::mutex nccl_mutex_;
+  Config config_;
+  int64_t num_fast_calls_ = 0;
+  int64_t num_fallback_calls_ = 0;
+  bool cuda_used_ = false;
+  bool shut_down_ = false;
+#if defined(COMMLIB_TORCH_CUDA)
+  struct CudaState;
+  std::unique_ptr<CudaState> cuda_state_;
+#endif
+};
+
+}  // namespace commlib::torch_layer

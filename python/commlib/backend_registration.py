@@ -1,0 +1,111 @@
+"""Registers the torch.distributed backend "ddacomm" (a drop-in for NCCL and gloo).
+
+``register_backend()`` is idempotent; ``import commlib`` calls it, and so does the
+``torch.backends`` entry point (``commlib._autoload``) after a plain ``import torch``.
+
+For each process group the creator builds, from the group's store:
+  * a commlib communicator (CPU shared-memory collectives, GPU fast paths) when every rank of the
+    group is on this host (decided collectively through the store), else none;
+  * an inner gloo backend for the CPU calls commlib does not take;
+  * an inner NCCL backend for the CUDA calls it does not take, created on first CUDA use only
+    (a CPU-only process never touches NCCL).
+See csrc/torch/backend.cpp, Note [ddacomm routing], for which calls take which path.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+BACKEND_NAME = "ddacomm"
+_registered = False
+
+
+def _host_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _single_host(store, rank: int, world_size: int) -> bool:
+    """True when every rank of the group runs on this host (collective over the store)."""
+    store.set(f"host/{rank}", _host_id())
+    mine = _host_id()
+    return all(store.get(f"host/{r}").decode() == mine for r in range(world_size))
+
+
+def _make_gloo(store, rank: int, world_size: int, timeout: timedelta, group_name: str, global_ranks):
+    from torch.distributed import ProcessGroupGloo
+    gloo = ProcessGroupGloo(store, rank, world_size, timeout)
+    try:
+        gloo.options.global_ranks_in_group = list(global_ranks)
+        gloo.options.group_name = group_name
+    except (AttributeError, TypeError):  # older torch: options are read-only or absent
+        pass
+    return gloo
+
+
+def _nccl_factory(store, rank: int, world_size: int, timeout: timedelta, group_name: str, global_ranks,
+                  backend_options):
+    """A callable creating the inner NCCL backend, or None without CUDA / NCCL."""
+    import torch
+    import torch.distributed as dist
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        return None
+
+    def create():
+        from torch.distributed import ProcessGroupNCCL
+        opts = backend_options if isinstance(backend_options, ProcessGroupNCCL.Options) else ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        opts.global_ranks_in_group = list(global_ranks)
+        opts.group_name = group_name
+        return ProcessGroupNCCL(store, rank, world_size, opts)
+
+    return create
+
+
+def _create_backend(dist_opts, backend_options=None):
+    """The creator torch calls (extended API) for every "ddacomm" process group."""
+    import torch.distributed as dist
+
+    from . import _C
+
+    store = dist_opts.store
+    rank, world_size = dist_opts.group_rank, dist_opts.group_size
+    timeout = dist_opts.timeout
+    group_name = str(dist_opts.group_id)
+    global_ranks = list(dist_opts.global_ranks_in_group) or list(range(world_size))
+
+    comm = None
+    if _single_host(dist.PrefixStore("ddacomm/", store), rank, world_size):
+        comm = _C.Communicator(dist.PrefixStore("ddacomm/commlib/", store), rank, world_size,
+                               f"ddacomm-{group_name}", timeout.total_seconds())
+    gloo = _make_gloo(dist.PrefixStore("ddacomm/gloo/", store), rank, world_size, timeout, group_name, global_ranks)
+    nccl = _nccl_factory(dist.PrefixStore("ddacomm/nccl/", store), rank, world_size, timeout, group_name,
+                         global_ranks, backend_options)
+    return _C.DdaBackend(rank, world_size, comm, gloo, nccl, timeout, group_name, global_ranks)
+
+
+def register_backend() -> bool:
+    """Registers "ddacomm" with torch.distributed (idempotent). Returns True once registered."""
+    global _registered
+    if _registered:
+        return True
+    import torch.distributed as dist
+    if not dist.is_available():
+        return False
+    if BACKEND_NAME.upper() not in getattr(dist.Backend, "_plugins", {}):
+        dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"])
+    _registered = True
+    return True
+
+
+def is_registered() -> bool:
+    import torch.distributed as dist
+    return BACKEND_NAME.upper() in getattr(dist.Backend, "_plugins", {})
+
+
+__all__ = ["BACKEND_NAME", "register_backend", "is_registered"]
