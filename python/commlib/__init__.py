@@ -6,6 +6,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C
 from .communicator import Communicator
+from .ep import EPBuffer, EPDispatchResult, EPHandle
 from .errors import CommError, PeerError, TimeoutError
 
 __version__ = "0.1.0"
@@ -16,4 +17,4 @@ def knobs():
     return list(_C.knobs())
 
 
-__all__ = ["Communicator", "CommError", "PeerError", "TimeoutError", "knobs", "__version__"]
+__all__ = ["Communicator", "EPBuffer", "EPDispatchResult", "EPHandle", "CommError", "PeerError", "TimeoutError", "knobs", "__version__"]

@@ -1,0 +1,376 @@
+// Expert-parallel dispatch / combine on symmetric memory: Note [EP GPU protocol] (ep_params.hpp)
+// implementing Note [EP layout] (include/commlib/ep.hpp). Four kernels: dispatch send / recv,
+// combine send / recv; the recv kernels carry the flag barrier (call_begin ... call_end).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "commlib/device/barrier.cuh"
+#include "commlib/device/dispatch.cuh"
+#include "commlib/device/vec.cuh"
+#include "kernels/ep_params.hpp"
+
+namespace commlib::kernels {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kMaxSendBlocks = 264;  // two per SM on H200; the send kernels use no barrier
+
+size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+__device__ __forceinline__ char* region(const EPParams& p, int r, size_t offset) {
+  return p.sym.peer<char>(r) + offset;
+}
+
+__device__ __forceinline__ bool aligned16(const void* a, const void* b, size_t bytes) {
+  return ((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b) | bytes) & 15u) == 0;
+}
+
+// Copies one row with the lanes of a warp: 16-byte packs when everything is aligned, else elements.
+template <typename T>
+__device__ __forceinline__ void copy_row(T* dst, const T* src, int64_t hidden, int lane) {
+  using V = device::Vec<T>;
+  if (aligned16(dst, src, hidden * sizeof(T))) {
+    const int64_t num_packs = hidden / V::kNumElems;
+    for (int64_t v = lane; v < num_packs; v += 32) V::load(src + v * V::kNumElems).store(dst + v * V::kNumElems);
+  } else {
+    for (int64_t i = lane; i < hidden; i += 32) dst[i] = src[i];
+  }
+}
+
+__device__ __forceinline__ uint32_t owner_bit(int32_t e, int64_t num_local) {
+  return e >= 0 ? (1u << static_cast<uint32_t>(e / num_local)) : 0u;
+}
+
+// ---- dispatch send: meta rows to every rank, each token once to each of its owner ranks ----
+template <typename T>
+__global__ void __launch_bounds__(kThreads) ep_dispatch_send_kernel(EPParams p) {
+  const EPConfig& c = p.config;
+  const int lane = threadIdx.x & 31;
+  const int64_t num_local = c.num_experts / p.world_size;
+  const size_t meta_row = static_cast<size_t>(c.topk);
+  if (blockIdx.x == 0 && threadIdx.x < p.world_size) {
+    reinterpret_cast<int32_t*>(region(p, threadIdx.x, p.layout.meta_num_tokens))[p.rank] =
+        static_cast<int32_t>(p.num_tokens);
+  }
+  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t t = blockIdx.x * kWarps + (threadIdx.x >> 5); t < p.num_tokens; t += num_warps) {
+    int32_t e = -1;
+    float w = 0.0f;
+    if (lane < c.topk) {
+      int64_t v = p.topk_idx[t * c.topk + lane];
+      w = p.topk_weights[t * c.topk + lane];
+      if (v < -1 || v >= c.num_experts) {
+        // An invalid id is counted on this rank (EPBuffer.check raises) and treated as -1.
+        atomicAdd(reinterpret_cast<unsigned long long*>(region(p, p.rank, p.layout.overflow)) + 2, 1ull);
+        v = -1;
+      }
+      e = static_cast<int32_t>(v);
+    }
+    const uint32_t owners = __reduce_or_sync(kFullMask, owner_bit(e, num_local));
+    const size_t meta_at = (static_cast<size_t>(p.rank) * c.max_tokens_per_rank + t) * meta_row;
+    for (int d = 0; d < p.world_size; ++d) {
+      if (lane < c.topk) {
+        reinterpret_cast<int32_t*>(region(p, d, p.layout.meta_idx))[meta_at + lane] = e;
+        reinterpret_cast<float*>(region(p, d, p.layout.meta_w))[meta_at + lane] = w;
+      }
+      if (owners & (1u << d)) {
+        T* dst = reinterpret_cast<T*>(region(p, d, p.layout.land_x)) +
+                 (static_cast<size_t>(p.rank) * c.max_tokens_per_rank + t) * c.hidden;
+        copy_row(dst, static_cast<const T*>(p.x) + t * c.hidden, c.hidden, lane);
+      }
+    }
+  }
+}
+
+// ---- dispatch recv: barrier, then positions by a block-wide ordered scan, rows into expert_x ----
+// Blocks [l * kSplit, (l + 1) * kSplit) all scan expert l's routes (cheap: 4 bytes per route) and
+// each copies every kSplit-th row; block l * kSplit alone writes recv_pos, counts and overflow.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) ep_dispatch_recv_kernel(EPParams p, int split) {
+  const device::CallInfo call = device::call_begin(p.barrier);
+  if (!call.ok) return;
+  if (!device::barrier_block(p.barrier, call.call, static_cast<int>(EPPhaseId::kDispatchLanded))) return;
+  __shared__ int warp_counts[kWarps];
+  __shared__ int32_t list_token[kThreads];
+  __shared__ int32_t list_pos[kThreads];
+  const EPConfig& c = p.config;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t num_local = c.num_experts / p.world_size;
+  const int64_t cap = c.capacity;
+  const size_t meta_per_rank = static_cast<size_t>(c.max_tokens_per_rank) * c.topk;
+  const int32_t* meta_idx = reinterpret_cast<const int32_t*>(region(p, p.rank, p.layout.meta_idx));
+  const int32_t* num_tokens_of = reinterpret_cast<const int32_t*>(region(p, p.rank, p.layout.meta_num_tokens));
+  const T* land_x = reinterpret_cast<const T*>(region(p, p.rank, p.layout.land_x));
+  T* expert_x = static_cast<T*>(p.expert_x);
+  const int part = blockIdx.x % split;
+  for (int64_t l = blockIdx.x / split; l < num_local; l += gridDim.x / split) {
+    const int32_t e = static_cast<int32_t>(p.rank * num_local + l);
+    int64_t running = 0;
+    int64_t copied = 0;  // rows seen so far, for the every-split-th assignment
+    for (int s = 0; s < p.world_size; ++s) {
+      const int64_t num_routes = static_cast<int64_t>(num_tokens_of[s]) * c.topk;
+      const int32_t* idx = meta_idx + s * meta_per_rank;
+      for (int64_t base = 0; base < num_routes; base += kThreads) {
+        const int64_t i = base + threadIdx.x;
+        const bool match = i < num_routes && idx[i] == e;
+        const unsigned ballot = __ballot_sync(kFullMask, match);
+        if (lane == 0) warp_counts[warp] = __popc(ballot);
+        __syncthreads();
+        int before = 0, total = 0;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) {
+          before += w < warp ? warp_counts[w] : 0;
+          total += warp_counts[w];
+        }
+        if (match) {
+          const int j = before + __popc(ballot & ((1u << lane) - 1u));
+          const int64_t pos = running + j;
+          const bool kept = pos < cap;
+          if (part == 0) p.recv_pos[s * meta_per_rank + i] = kept ? static_cast<int32_t>(pos) : -1;
+          list_token[j] = kept ? static_cast<int32_t>(i / c.topk) : -1;
+          list_pos[j] = static_cast<int32_t>(pos);
+        }
+        __syncthreads();
+        for (int j = warp; j < total; j += kWarps) {
+          if (list_token[j] >= 0 && (copied + j) % split == part) {
+            copy_row(expert_x + (l * cap + list_pos[j]) * c.hidden,
+                     land_x + (static_cast<size_t>(s) * c.max_tokens_per_rank + list_token[j]) * c.hidden, c.hidden,
+                     lane);
+          }
+        }
+        running += total;
+        copied += total;
+        __syncthreads();  // the lists are rewritten next iteration
+      }
+    }
+    if (part == 0 && threadIdx.x == 0) {
+      p.expert_counts[l] = static_cast<int32_t>(running < cap ? running : cap);
+      if (running > cap) {
+        // Every rank's overflow word learns of it (native peer atomics over NVLink).
+        for (int d = 0; d < p.world_size; ++d) {
+          auto* word = reinterpret_cast<unsigned long long*>(region(p, d, p.layout.overflow));
+          atomicAdd_system(word, static_cast<unsigned long long>(running - cap));
+          atomicMax_system(word + 1, (static_cast<unsigned long long>(running) << 24) | static_cast<unsigned>(e));
+        }
+      }
+    }
+  }
+  device::call_end(p.barrier);
+}
+
+// ---- combine send: one warp per (source, token) with a local route: the owner's partial ----
+template <typename T>
+__global__ void __launch_bounds__(kThreads) ep_combine_send_kernel(EPParams p) {
+  using V = device::Vec<T>;
+  constexpr int N = V::kNumElems;
+  const EPConfig& c = p.config;
+  const int lane = threadIdx.x & 31;
+  const int64_t num_local = c.num_experts / p.world_size;
+  const int64_t max_tokens = c.max_tokens_per_rank;
+  const size_t meta_per_rank = static_cast<size_t>(max_tokens) * c.topk;
+  const int32_t* meta_idx = reinterpret_cast<const int32_t*>(region(p, p.rank, p.layout.meta_idx));
+  const float* meta_w = reinterpret_cast<const float*>(region(p, p.rank, p.layout.meta_w));
+  const int32_t* num_tokens_of = reinterpret_cast<const int32_t*>(region(p, p.rank, p.layout.meta_num_tokens));
+  const T* expert_out = static_cast<const T*>(p.expert_out);
+  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t pair = blockIdx.x * kWarps + (threadIdx.x >> 5); pair < p.world_size * max_tokens; pair += num_warps) {
+    const int s = static_cast<int>(pair / max_tokens);
+    const int64_t t = pair % max_tokens;
+    if (t >= num_tokens_of[s]) continue;
+    const size_t at = s * meta_per_rank + t * c.topk;
+    int32_t pos = -1, l = 0;
+    float w = 0.0f;
+    bool local = false;
+    if (lane < c.topk) {
+      const int32_t e = meta_idx[at + lane];
+      local = e >= 0 && e / num_local == p.rank;
+      if (local) {
+        pos = p.recv_pos[at + lane];
+        l = static_cast<int32_t>(e - p.rank * num_local);
+        w = meta_w[at + lane];
+      }
+    }
+    if (!__any_sync(kFullMask, local)) continue;
+    T* dst = reinterpret_cast<T*>(region(p, s, p.layout.land_y)) + (static_cast<size_t>(p.rank) * max_tokens + t) * c.hidden;
+    const bool vec = (c.hidden * sizeof(T)) % 16 == 0 && (reinterpret_cast<uintptr_t>(expert_out) & 15u) == 0;
+    const int64_t num_packs = (c.hidden + N - 1) / N;
+    for (int64_t v = lane; v < num_packs; v += 32) {
+      const int n = static_cast<int>(c.hidden - v * N < N ? c.hidden - v * N : N);
+      device::Acc<N> acc;
+#pragma unroll
+      for (int i = 0; i < N; ++i) acc.v[i] = 0.0f;
+      for (int k = 0; k < c.topk; ++k) {
+        const int32_t pk = __shfl_sync(kFullMask, pos, k);
+        const int32_t lk = __shfl_sync(kFullMask, l, k);
+        const float wk = __shfl_sync(kFullMask, w, k);
+        if (pk < 0) continue;
+        const T* y = expert_out + (lk * c.capacity + pk) * c.hidden + v * N;
+        const V yv = vec ? V::load(y) : V::load_partial(y, n);
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+          // Separate rounding of product and sum (Note [EP layout]): no fused multiply-add.
+          acc.v[i] = __fadd_rn(acc.v[i], __fmul_rn(wk, device::to_float<T>(yv.elems[i])));
+        }
+      }
+      const V out = device::acc_cast<T, N>(acc);
+      if (vec) {
+        out.store(dst + v * N);
+      } else {
+        out.store_partial(dst + v * N, n);
+      }
+    }
+  }
+}
+
+// ---- combine recv: barrier, then the partials of the owner ranks summed in rank order ----
+template <typename T>
+__global__ void __launch_bounds__(kThreads) ep_combine_recv_kernel(EPParams p) {
+  using V = device::Vec<T>;
+  constexpr int N = V::kNumElems;
+  const device::CallInfo call = device::call_begin(p.barrier);
+  if (!call.ok) return;
+  if (!device::barrier_block(p.barrier, call.call, static_cast<int>(EPPhaseId::kCombineLanded))) return;
+  const EPConfig& c = p.config;
+  const int lane = threadIdx.x & 31;
+  const int64_t num_local = c.num_experts / p.world_size;
+  const int64_t max_tokens = c.max_tokens_per_rank;
+  const int32_t* meta_idx = reinterpret_cast<const int32_t*>(region(p, p.rank, p.layout.meta_idx)) +
+                            static_cast<size_t>(p.rank) * max_tokens * c.topk;
+  const T* land_y = reinterpret_cast<const T*>(region(p, p.rank, p.layout.land_y));
+  T* out = static_cast<T*>(p.out);
+  const bool vec = (c.hidden * sizeof(T)) % 16 == 0 && (reinterpret_cast<uintptr_t>(out) & 15u) == 0;
+  const int64_t num_packs = (c.hidden + N - 1) / N;
+  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t t = blockIdx.x * kWarps + (threadIdx.x >> 5); t < p.num_tokens; t += num_warps) {
+    const int32_t e = lane < c.topk ? meta_idx[t * c.topk + lane] : -1;
+    const uint32_t owners = __reduce_or_sync(kFullMask, owner_bit(e, num_local));
+    for (int64_t v = lane; v < num_packs; v += 32) {
+      const int n = static_cast<int>(c.hidden - v * N < N ? c.hidden - v * N : N);
+      device::Acc<N> acc;
+#pragma unroll
+      for (int i = 0; i < N; ++i) acc.v[i] = 0.0f;
+      for (int d = 0; d < p.world_size; ++d) {
+        if (!(owners & (1u << d))) continue;
+        const T* y = land_y + (static_cast<size_t>(d) * max_tokens + t) * c.hidden + v * N;
+        device::acc_add(acc, vec ? V::load(y) : V::load_partial(y, n));
+      }
+      const V r = device::acc_cast<T, N>(acc);
+      if (vec) {
+        r.store(out + t * c.hidden + v * N);
+      } else {
+        r.store_partial(out + t * c.hidden + v * N, n);
+      }
+    }
+  }
+  device::call_end(p.barrier);
+}
+
+Status cuda_status(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) return Status::ok();
+  return Status(StatusCode::kCudaError, detail::concat(what, ": kernel launch failed: ", cudaGetErrorString(err)));
+}
+
+Status check_params(const EPParams& p, const char* what) {
+  if (p.world_size < 1 || p.world_size > kMaxDeviceRanks || p.world_size > 32) {
+    return Status(StatusCode::kInvalidArgument,
+                  detail::concat(what, ": world_size ", p.world_size, " not supported; valid: 1..", kMaxDeviceRanks));
+  }
+  if (p.config.topk < 1 || p.config.topk > 32) {
+    return Status(StatusCode::kInvalidArgument, detail::concat(what, ": topk ", p.config.topk, " out of range 1..32"));
+  }
+  if (p.num_tokens < 0 || p.num_tokens > p.config.max_tokens_per_rank) {
+    return Status(StatusCode::kInvalidArgument, detail::concat(what, ": num_tokens ", p.num_tokens, " out of range"));
+  }
+  return Status::ok();
+}
+
+int send_blocks(int64_t work_items) {
+  return static_cast<int>(std::clamp<int64_t>((work_items + kWarps - 1) / kWarps, 1, kMaxSendBlocks));
+}
+
+// Blocks per local expert in dispatch recv (the grid must be the same on every rank: config only).
+int recv_split(int64_t num_local) {
+  return static_cast<int>(std::clamp<int64_t>(kMaxBarrierBlocks / std::max<int64_t>(num_local, 1), 1, 32));
+}
+
+}  // namespace
+
+const char* ep_phase_name(int phase) {
+  switch (static_cast<EPPhaseId>(phase)) {
+    case EPPhaseId::kDispatchLanded: return "EP dispatch: tokens landed";
+    case EPPhaseId::kCombineLanded: return "EP combine: partials landed";
+  }
+  return "unknown phase";
+}
+
+EPSymmetricLayout ep_symmetric_layout(const EPConfig& c, int world_size) {
+  constexpr size_t kAlign = 256;
+  const size_t meta = static_cast<size_t>(world_size) * c.max_tokens_per_rank * c.topk;
+  const size_t rows = static_cast<size_t>(world_size) * c.max_tokens_per_rank * c.hidden * dtype_size(c.dtype);
+  EPSymmetricLayout l;
+  size_t at = 0;
+  l.overflow = at;
+  at = align_up(at + kEPOverflowWords * sizeof(int64_t), kAlign);
+  l.meta_num_tokens = at;
+  at = align_up(at + world_size * sizeof(int32_t), kAlign);
+  l.meta_idx = at;
+  at = align_up(at + meta * sizeof(int32_t), kAlign);
+  l.meta_w = at;
+  at = align_up(at + meta * sizeof(float), kAlign);
+  l.land_x = at;
+  at = align_up(at + rows, kAlign);
+  l.land_y = at;
+  at = align_up(at + rows, kAlign);
+  l.total = at;
+  return l;
+}
+
+Status launch_ep_dispatch_send(const EPParams& p, Stream stream) {
+  const char* what = "EPBuffer.dispatch(send)";
+  Status status = check_params(p, what);
+  if (!status.is_ok()) return status;
+  const int blocks = send_blocks(p.num_tokens);
+  COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, return Status(StatusCode::kInvalidArgument, what),
+                               [&] { ep_dispatch_send_kernel<T><<<blocks, kThreads, 0, stream>>>(p); });
+  return cuda_status(what);
+}
+
+Status launch_ep_dispatch_recv(const EPParams& p, Stream stream) {
+  const char* what = "EPBuffer.dispatch(recv)";
+  Status status = check_params(p, what);
+  if (!status.is_ok()) return status;
+  const int64_t num_local = p.config.num_experts / p.world_size;
+  const int split = recv_split(num_local);
+  const int blocks = static_cast<int>(std::min<int64_t>(num_local * split, kMaxBarrierBlocks / split * split));
+  COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, return Status(StatusCode::kInvalidArgument, what),
+                               [&] { ep_dispatch_recv_kernel<T><<<blocks, kThreads, 0, stream>>>(p, split); });
+  return cuda_status(what);
+}
+
+Status launch_ep_combine_send(const EPParams& p, Stream stream) {
+  const char* what = "EPBuffer.combine(send)";
+  Status status = check_params(p, what);
+  if (!status.is_ok()) return status;
+  const int blocks = send_blocks(static_cast<int64_t>(p.world_size) * p.config.max_tokens_per_rank);
+  COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, return Status(StatusCode::kInvalidArgument, what),
+                               [&] { ep_combine_send_kernel<T><<<blocks, kThreads, 0, stream>>>(p); });
+  return cuda_status(what);
+}
+
+Status launch_ep_combine_recv(const EPParams& p, Stream stream) {
+  const char* what = "EPBuffer.combine(recv)";
+  Status status = check_params(p, what);
+  if (!status.is_ok()) return status;
+  // Fixed by the configuration, so every rank launches the same grid (Note [flag barrier]).
+  const int blocks = static_cast<int>(
+      std::clamp<int64_t>((p.config.max_tokens_per_rank + kWarps - 1) / kWarps, 1, kMaxBarrierBlocks));
+  COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, return Status(StatusCode::kInvalidArgument, what),
+                               [&] { ep_combine_recv_kernel<T><<<blocks, kThreads, 0, stream>>>(p); });
+  return cuda_status(what);
+}
+
+}  // namespace commlib::kernels
