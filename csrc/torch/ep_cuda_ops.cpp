@@ -4,11 +4,19 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <map>
+#include <mutex>
 
 #include "core/cuda_comm.hpp"
+#include "kernels/all_to_all_v_params.hpp"
 #include "kernels/ep_params.hpp"
+#include "torch/bindings.hpp"
 #include "torch/ep_buffer.hpp"
 #include "torch/torch_common.hpp"
+
+namespace py = pybind11;
 
 namespace commlib::torch_layer {
 
@@ -137,4 +145,142 @@ void ep_cuda_combine(EPCudaState& s, const at::Tensor& expert_out, at::Tensor& o
   s.cuda->end_op(stream, what);
 }
 
+}  // namespace commlib::torch_layer
+
+// ---- dynamic all_to_all_v (csrc/kernels/all_to_all_v.cu) ----
+
+namespace commlib::torch_layer {
+namespace {
+
+// The control area of each communicator (by its unique prefix), allocated collectively by the
+// first CUDA all_to_all_v: call it once outside graph capture before capturing.
+std::shared_ptr<SymmetricBuffer> a2a_control(Communicator& comm, CudaComm& cuda) {
+  static std::mutex mutex;
+  static std::map<std::string, std::shared_ptr<SymmetricBuffer>> areas;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& area = areas[comm.prefix()];
+  if (!area) {
+    const char* what = "all_to_all_v";
+    area = cuda.allocate_symmetric(kernels::kAllToAllVControlBytes);
+    cuda_ok(cudaMemset(area->local(), 0, kernels::kAllToAllVControlBytes), what, "cudaMemset");
+    cuda_ok(cudaDeviceSynchronize(), what, "cudaDeviceSynchronize");
+    comm.barrier_host();  // nobody writes a peer's control area before the peer cleared it
+  }
+  return area;
+}
+
+at::Tensor device_splits(const at::Tensor& splits, int n, const at::Device& device, const char* what,
+                         const char* arg) {
+  COMMLIB_CHECK(splits.device() == device, TypeMismatch, what, ": ", arg, " is on ", splits.device().str(),
+                " but the tensors are on ", device.str());
+  COMMLIB_CHECK(splits.scalar_type() == at::kLong, TypeMismatch, what, ": ", arg, " has dtype ",
+                dtype_str(splits.scalar_type()), "; supported: int64");
+  COMMLIB_CHECK(splits.dim() == 1 && splits.size(0) == n, InvalidArgument, what, ": ", arg,
+                " must have shape [world_size] = [", n, "]; got ", splits.sizes());
+  return splits.contiguous();
+}
+
+}  // namespace
+
+void all_to_all_v_cuda(Communicator& comm, at::Tensor& out, const at::Tensor& in, const at::Tensor& in_splits_in,
+                       const at::Tensor& out_splits_in) {
+  const char* what = "all_to_all_v";
+  COMMLIB_CHECK(in.is_cuda() && out.device() == in.device(), TypeMismatch, what,
+                ": input and output must be on the same CUDA device; got ", in.device().str(), " and ",
+                out.device().str());
+  check_same_dtype(out, in, what);
+  const int n = comm.world_size();
+  const int64_t in_rows = in.dim() == 0 ? 1 : in.size(0);
+  const int64_t out_rows = out.dim() == 0 ? 1 : out.size(0);
+  const int64_t row_bytes = in_rows > 0 ? static_cast<int64_t>(in.numel() * in.element_size() / in_rows)
+                                        : static_cast<int64_t>(out_rows > 0 ? out.numel() * out.element_size() / out_rows : 0);
+  if (in_rows > 0 && out_rows > 0) {
+    COMMLIB_CHECK(row_bytes * out_rows == static_cast<int64_t>(out.numel() * out.element_size()), InvalidArgument,
+                  what, ": input rows have ", row_bytes, " bytes but output rows have ",
+                  out.numel() * out.element_size() / out_rows);
+  }
+  if (!in_splits_in.defined()) {
+    COMMLIB_CHECK(in_rows % n == 0 && out_rows % n == 0, InvalidArgument, what, ": input has ", in_rows,
+                  " rows and output ", out_rows, "; both must be divisible by world_size ", n, " (or pass splits)");
+  }
+  CudaComm& cuda = cuda_for(comm, in.device(), what);
+  c10::cuda::CUDAGuard guard(in.device());
+  cudaStream_t stream = current_stream(in.device());
+  const at::Tensor src = in.contiguous();
+  at::Tensor in_splits, out_splits;
+  if (in_splits_in.defined()) {
+    in_splits = device_splits(in_splits_in, n, in.device(), what, "input_split_sizes");
+    out_splits = device_splits(out_splits_in, n, in.device(), what, "output_split_sizes");
+  }
+  auto control = a2a_control(comm, cuda);
+  cuda.begin_op(stream, what);
+  kernels::AllToAllVParams p;
+  p.input = src.data_ptr();
+  p.row_bytes = row_bytes;
+  p.in_rows = in_rows;
+  p.out_rows = out_rows;
+  p.in_splits = in_splits.defined() ? in_splits.data_ptr<int64_t>() : nullptr;
+  p.out_splits = out_splits.defined() ? out_splits.data_ptr<int64_t>() : nullptr;
+  p.control = control->device_handle();
+  p.barrier = cuda.barrier_handle();
+  at::Tensor dst = out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
+  p.output = dst.data_ptr();
+  size_t offset = 0;
+  const size_t out_bytes = static_cast<size_t>(dst.numel()) * dst.element_size();
+  std::shared_ptr<SymmetricBuffer> sym = cuda.find_symmetric(dst.data_ptr(), std::max<size_t>(out_bytes, 1), &offset);
+  if (sym != nullptr) {
+    p.target = kernels::AllToAllVTarget::kSymmetricOutput;
+    p.recv = sym->device_handle_at(offset);
+  } else {
+    p.target = kernels::AllToAllVTarget::kWorkspace;
+    p.recv = cuda.workspace().device_handle();
+    COMMLIB_CHECK(out_bytes <= p.recv.bytes / 2 / 16 * 16, InvalidArgument, what, ": output of ", out_bytes,
+                  " bytes exceeds the workspace half (", p.recv.bytes / 2 / 16 * 16,
+                  " bytes); allocate the output with comm.symmetric_empty or raise COMMLIB_GPU_WORKSPACE_BYTES");
+  }
+  throw_if_error(kernels::launch_all_to_all_v(p, stream));
+  cuda.end_op(stream, what);
+  if (!dst.is_same(out)) out.copy_(dst);
+}
+
+// Raises ValueError if a CUDA all_to_all_v since the last check found bad or mismatched device
+// splits (those calls sent nothing between the ranks concerned). Synchronises the device.
+void all_to_all_v_check(Communicator& comm) {
+  if (!comm.has_cuda()) return;
+  CudaComm& cuda = comm.cuda(0);
+  auto control = a2a_control(comm, cuda);
+  uint64_t errors = 0;
+  char* word = static_cast<char*>(control->local()) + kernels::kAllToAllVErrorOffset;
+  cuda_ok(cudaMemcpy(&errors, word, sizeof(errors), cudaMemcpyDeviceToHost), "all_to_all_v", "cudaMemcpy");
+  if (errors == 0) return;
+  cuda_ok(cudaMemset(word, 0, sizeof(errors)), "all_to_all_v", "cudaMemset");
+  throw InvalidArgument(detail::concat(
+      "all_to_all_v: ", errors, " block(s) of CUDA calls since the last check found invalid device splits: a negative "
+      "split, splits summing past the tensor's rows, output beyond the workspace, or output_split_sizes[q] on one "
+      "rank != input_split_sizes[r] on rank q; the rows between those ranks were not sent"));
+}
+
+namespace {
+
+template <typename F, typename... Extra>
+void add_method(py::object cls, const char* name, F&& fn, const Extra&... extra) {
+  cls.attr(name) = py::cpp_function(std::forward<F>(fn), py::name(name), py::is_method(cls),
+                                    py::sibling(py::getattr(cls, name, py::none())), extra...);
+}
+
+BindingRegistrar reg("ep_cuda_ops", [](py::module_& m) {
+  py::object cls = m.attr("Communicator");
+  add_method(
+      cls, "all_to_all_v_device",
+      [](Communicator& c, at::Tensor out, const at::Tensor& in, const std::optional<at::Tensor>& in_splits,
+         const std::optional<at::Tensor>& out_splits) {
+        all_to_all_v_cuda(c, out, in, in_splits.value_or(at::Tensor()), out_splits.value_or(at::Tensor()));
+      },
+      py::arg("output"), py::arg("input"), py::arg("input_split_sizes"), py::arg("output_split_sizes"),
+      py::call_guard<py::gil_scoped_release>());
+  add_method(
+      cls, "check_all_to_all", [](Communicator& c) { all_to_all_v_check(c); }, py::call_guard<py::gil_scoped_release>());
+});
+
+}  // namespace
 }  // namespace commlib::torch_layer
