@@ -83,6 +83,9 @@ __global__ void __launch_bounds__(kThreads) ep_dispatch_send_kernel(EPParams p) 
       }
     }
   }
+  // Makes this thread's peer stores performed system-wide before the kernel completes; the recv
+  // kernel's barrier release, later in stream order, then covers them.
+  device::fence_acq_rel_sys();
 }
 
 // ---- dispatch recv: barrier, then positions by a block-wide ordered scan, rows into expert_x ----
@@ -223,6 +226,7 @@ __global__ void __launch_bounds__(kThreads) ep_combine_send_kernel(EPParams p) {
       }
     }
   }
+  device::fence_acq_rel_sys();  // as in dispatch send: the peer stores, before the recv barrier
 }
 
 // ---- combine recv: barrier, then the partials of the owner ranks summed in rank order ----

@@ -1,7 +1,6 @@
 // GPU side of EPBuffer (Note [EP GPU protocol] in csrc/kernels/ep_params.hpp) and the dynamic
 // all_to_all_v with device splits. Everything runs on the current stream of the buffer's device;
 // nothing here reads device memory on the host, so dispatch and combine can be graph-captured.
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/utils/pybind.h>
