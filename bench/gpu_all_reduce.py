@@ -11,6 +11,7 @@ between replays (not timed), so values stay finite. Prints a markdown table with
 Columns:
   nccl            dist.all_reduce (NCCL, NVLS off as set by the machine's environment)
   flat / tree     commlib, forced algorithm, copy-in from an ordinary tensor
+  flat-ll         commlib flat with COMMLIB_FLAT_LL_MAX_BYTES set: the barrier-free LL variant
   tree-sym        commlib tree on a comm.symmetric_empty tensor (zero-copy)
   auto            commlib's choice (shown in the algo column); "nccl" choices run tree here
   symm-1shot      torch.ops.symm_mem.one_shot_all_reduce (out of place), when available
@@ -32,7 +33,23 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 SIZES = [1 << k for k in range(10, 29, 2)]  # 1 KiB .. 256 MiB
-COLUMNS = ["nccl", "flat", "tree", "tree-sym", "auto", "symm-1shot", "symm-2shot"]
+COLUMNS = ["nccl", "flat", "flat-ll", "tree", "tree-sym", "auto", "symm-1shot", "symm-2shot"]
+LL_MAX_BENCH_BYTES = 1 << 20  # the LL variant is only measured up to here
+
+
+def with_env(name: str, value: str, fn):
+    """fn() with os.environ[name] = value (commlib reads its knobs at call time, also in capture)."""
+    def run():
+        old = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            return fn()
+        finally:
+            if old is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = old
+    return run
 
 
 def ops_for(nbytes: int) -> int:
@@ -112,6 +129,10 @@ def worker(rank: int, world: int, port: int, args, queue):
         for algo in ("flat", "tree", "auto"):
             bufs[algo] = plain()
             fns[algo] = lambda b=bufs[algo], a=algo: comm.all_reduce(b, algo=a)
+        if nbytes <= LL_MAX_BENCH_BYTES:
+            bufs["flat-ll"] = plain()
+            fns["flat-ll"] = with_env("COMMLIB_FLAT_LL_MAX_BYTES", str(1 << 40),
+                                      lambda b=bufs["flat-ll"]: comm.all_reduce(b, algo="flat"))
         bufs["tree-sym"] = comm.symmetric_empty((count,), torch.bfloat16, dev)
         fns["tree-sym"] = lambda b=bufs["tree-sym"]: comm.all_reduce(b, algo="tree")
         if symm is not None:
@@ -137,8 +158,8 @@ def worker(rank: int, world: int, port: int, args, queue):
             ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
             if not ok:
                 notes.append(f"{name}: WRONG RESULT vs NCCL")
-        for name in ("tree", "auto", "tree-sym"):
-            if not torch.equal(results[name], results["flat"]):
+        for name in ("tree", "auto", "tree-sym", "flat-ll"):
+            if name in results and not torch.equal(results[name], results["flat"]):
                 notes.append(f"{name} != flat bitwise")
 
         for name, fn in fns.items():
@@ -174,16 +195,17 @@ def render(rows, world: int, command: str) -> str:
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
         "- ratios are NCCL time / commlib time (> 1: commlib faster)",
         "",
-        "| bytes | NCCL | flat | tree | tree-sym | auto (algo) | symm 1-shot | symm 2-shot "
-        "| flat vs NCCL | tree vs NCCL | auto vs NCCL | tree vs symm 2-shot | notes |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| bytes | NCCL | flat | flat-ll | tree | tree-sym | auto (algo) | symm 1-shot | symm 2-shot "
+        "| flat vs NCCL | flat-ll vs NCCL | tree vs NCCL | auto vs NCCL | tree vs symm 2-shot | notes |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         vs2 = f"{r['symm-2shot'] / r['tree']:.2f}x" if "symm-2shot" in r else "n/a"
         lines.append(
-            f"| {fmt_bytes(r['bytes'])} | {cell(r, 'nccl')} | {cell(r, 'flat')} | {cell(r, 'tree')} | "
-            f"{cell(r, 'tree-sym')} | {cell(r, 'auto')} ({r['algo']}) | {cell(r, 'symm-1shot')} | "
-            f"{cell(r, 'symm-2shot')} | {ratio(r, 'flat')} | {ratio(r, 'tree')} | {ratio(r, 'auto')} | {vs2} | "
+            f"| {fmt_bytes(r['bytes'])} | {cell(r, 'nccl')} | {cell(r, 'flat')} | {cell(r, 'flat-ll')} | "
+            f"{cell(r, 'tree')} | {cell(r, 'tree-sym')} | {cell(r, 'auto')} ({r['algo']}) | {cell(r, 'symm-1shot')} | "
+            f"{cell(r, 'symm-2shot')} | {ratio(r, 'flat')} | {ratio(r, 'flat-ll')} | {ratio(r, 'tree')} | "
+            f"{ratio(r, 'auto')} | {vs2} | "
             f"{r['notes']} |")
     return "\n".join(lines) + "\n"
 

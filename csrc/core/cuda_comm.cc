@@ -16,6 +16,9 @@ void destroy_cuda_comm(CudaComm* cuda) { delete cuda; }
 
 namespace {
 
+// Payload of one LL call; larger LL messages run as several calls.
+constexpr size_t kLLBytesPerCall = 256u << 10;
+
 void cuda_check(cudaError_t err, const char* what, const char* call) {
   COMMLIB_CHECK(err == cudaSuccess, CudaError, what, ": ", call, " failed: ", cudaGetErrorString(err));
 }
@@ -58,6 +61,7 @@ CudaComm::CudaComm(Communicator& comm, int device)
     const int64_t ws = env::get_int("COMMLIB_GPU_WORKSPACE_BYTES");
     COMMLIB_CHECK(ws >= (1 << 16), InvalidArgument, "COMMLIB_GPU_WORKSPACE_BYTES=", ws, " too small; minimum 65536");
     workspace_ = ipc_->allocate(static_cast<size_t>(ws), ZeroFill::kNo, what);
+    ll_lines_ = ipc_->allocate(kernels::ll_buffer_bytes(world_size_, kLLBytesPerCall), ZeroFill::kYes, what);
   }
   cuda_check(cudaDeviceSynchronize(), what, "cudaDeviceSynchronize");
 }
@@ -67,6 +71,7 @@ CudaComm::~CudaComm() {
   // In-flight kernels may still use the mappings; every wait is bounded, so this returns.
   cudaDeviceSynchronize();
   user_buffers_.clear();
+  ll_lines_.reset();
   workspace_.reset();
   signal_pad_.reset();
   ipc_.reset();
@@ -161,7 +166,19 @@ void CudaComm::all_reduce(const void* input, void* output, size_t count, DataTyp
   DeviceGuard guard(device_);
   begin_op(stream, what);
   Status status;
-  if (algo == Algorithm::kFlat) {
+  const int64_t ll_max = env::get_int("COMMLIB_FLAT_LL_MAX_BYTES");
+  if (algo == Algorithm::kFlat && ll_max > 0 && bytes <= static_cast<size_t>(ll_max)) {
+    kernels::AllReduceFlatLLParams p;
+    p.input = input;
+    p.output = output;
+    p.count = count;
+    p.dtype = dtype;
+    p.op = op;
+    p.lines = ll_lines_->device_handle();
+    p.max_bytes_per_call = kLLBytesPerCall;
+    p.barrier = barrier_handle();
+    status = kernels::launch_all_reduce_flat_ll(p, stream);
+  } else if (algo == Algorithm::kFlat) {
     kernels::AllReduceFlatParams p;
     p.input = input;
     p.output = output;

@@ -3,7 +3,7 @@
 //
 // Owns: the CudaIpc transport (symmetric allocations), the barrier signal pad (symmetric, zeroed),
 // the device-local BarrierCallState, the host-mapped DeviceErrorWord, and the copy-in workspace
-// (COMMLIB_GPU_WORKSPACE_BYTES, two alternating halves). Kernels written by other modules share
+// (COMMLIB_GPU_WORKSPACE_BYTES, two alternating halves) and the LL line buffer (zeroed). Kernels written by other modules share
 // the same barrier (barrier_handle()) and must follow Note [flag barrier]: call_begin first,
 // call_end last, so the call counter stays the same on every rank.
 //
@@ -73,6 +73,7 @@ class CudaComm {
   std::unique_ptr<CudaIpc> ipc_;
   std::shared_ptr<SymmetricBuffer> signal_pad_;
   std::shared_ptr<SymmetricBuffer> workspace_;
+  std::shared_ptr<SymmetricBuffer> ll_lines_;  // Note [LL lines], zeroed
   std::vector<std::weak_ptr<SymmetricBuffer>> user_buffers_;
   BarrierCallState* state_ = nullptr;
   DeviceErrorWord* error_host_ = nullptr;

@@ -55,6 +55,7 @@ const char* all_reduce_phase_name(int phase) {
     case AllReducePhase::kInputsReady: return "inputs ready (after copy-in)";
     case AllReducePhase::kSlicesReduced: return "slices reduced (before gather)";
     case AllReducePhase::kPeersDone: return "peers done reading (end)";
+    case AllReducePhase::kLLData: return "LL data from the peer";
   }
   return "unknown phase";
 }

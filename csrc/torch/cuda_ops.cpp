@@ -1,6 +1,5 @@
 // GPU entry points of the torch layer: all_reduce on CUDA tensors and symmetric tensors.
 // Everything runs on the tensor device's current stream; nothing here synchronises the host.
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/utils/pybind.h>

@@ -48,10 +48,10 @@ struct SymmetricBufferDevice {
 static_assert(std::is_trivially_copyable_v<SymmetricBufferDevice>);
 
 // Written by the device when a bounded wait expires; lives in host-mapped pinned memory.
-// `claimed` serialises writers; `failed` is stored last (release), so a host that reads
-// failed == 1 sees the other fields.
+// One writer per rank (claimed through BarrierCallState::poisoned); `failed` is stored last
+// (release), so a host that reads failed == 1 sees the other fields.
 struct DeviceErrorWord {
-  uint32_t claimed;
+  uint32_t reserved;
   uint32_t failed;
   int32_t rank;   // the rank that waited
   int32_t peer;   // the rank it waited for
@@ -65,7 +65,7 @@ struct DeviceErrorWord {
 struct BarrierCallState {
   uint64_t calls;        // collective calls completed on this rank (advanced by the last block)
   uint32_t blocks_done;  // blocks of the current call that finished
-  uint32_t poisoned;     // set on a failed wait: later calls return at once
+  uint32_t poisoned;     // set (atomically) on a failed wait: later calls return at once
 };
 
 struct BarrierDevice {

@@ -303,3 +303,41 @@ def _timeout(ctx):
 
 def test_device_wait_times_out_with_a_clear_error(ranks):
     assert all(ranks(2).run(_timeout, timeout=120))
+
+
+# ---- the barrier-free LL variant of flat (COMMLIB_FLAT_LL_MAX_BYTES): same references ----
+LL_ENV = {"COMMLIB_FLAT_LL_MAX_BYTES": str(1 << 30)}  # every flat call uses LL (> 256 KiB: several calls)
+
+
+@pytest.mark.parametrize("op", ["sum", "avg"])
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_ll_matches_ordered_reference_and_tree(ranks, dtype_name, op):
+    assert all(ranks(2, env=LL_ENV).run(_vs_references, dtype_name, op))
+
+
+def test_ll_random_sizes(ranks):
+    assert all(ranks(2, env=LL_ENV).run(_random_sizes_and_zero))
+
+
+@pytest.mark.parametrize("algo", ["flat", "auto"])
+def test_ll_cuda_graph_1000_replays(ranks, algo):
+    assert all(ranks(2, env=LL_ENV).run(_graph_replay, algo, False))
+
+
+def _ll_timeout(ctx):
+    import commlib
+    dev = torch.device("cuda", ctx.device)
+    comm = ctx.new_comm("ll-timeout", timeout=timedelta(seconds=2))
+    comm.all_reduce(torch.ones(4, device=dev))
+    torch.cuda.synchronize()
+    if ctx.rank == 0:
+        comm.all_reduce(torch.ones(4, device=dev), algo="flat")
+        torch.cuda.synchronize()
+        with pytest.raises(commlib.TimeoutError, match=r"rank 0 waited \d+ ms for rank 1 at phase 'LL data"):
+            comm.check_gpu_error()
+    comm.close()
+    return True
+
+
+def test_ll_wait_times_out_with_a_clear_error(ranks):
+    assert all(ranks(2, env=LL_ENV).run(_ll_timeout, timeout=120))

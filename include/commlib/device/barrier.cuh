@@ -55,8 +55,9 @@ __device__ __forceinline__ void call_end(const BarrierDevice& bar) {
 
 __device__ __noinline__ inline void record_timeout(const BarrierDevice& bar, int peer, int phase, uint64_t elapsed,
                                                    uint64_t call) {
-  bar.state->poisoned = 1;
-  if (atomicCAS_system(&bar.error->claimed, 0u, 1u) == 0u) {
+  // The first waiter to fail on this rank claims the record (device memory: no atomics on the
+  // host-mapped word, which PCIe need not support).
+  if (atomicCAS(&bar.state->poisoned, 0u, 1u) == 0u) {
     bar.error->rank = bar.rank;
     bar.error->peer = peer;
     bar.error->phase = phase;

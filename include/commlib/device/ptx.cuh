@@ -72,3 +72,24 @@ __device__ __forceinline__ uint64_t globaltimer_ns() {
 }
 
 }  // namespace commlib::device
+
+namespace commlib::device {
+
+// 16-byte volatile access for flag-carrying lines (Note [LL lines]): never cached in L1, each
+// 8-byte half single-copy atomic.
+__device__ __forceinline__ uint4 ld_volatile_v4_u32(const void* addr) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(addr)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_volatile_v4_u32(void* addr, uint4 v) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(addr), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+
+}  // namespace commlib::device
