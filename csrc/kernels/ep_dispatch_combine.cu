@@ -89,21 +89,26 @@ __global__ void __launch_bounds__(kThreads) ep_dispatch_send_kernel(EPParams p) 
 }
 
 // ---- dispatch recv: barrier, then positions by a block-wide ordered scan, rows into expert_x ----
-// Blocks [l * kSplit, (l + 1) * kSplit) all scan expert l's routes (cheap: 4 bytes per route) and
-// each copies every kSplit-th row; block l * kSplit alone writes recv_pos, counts and overflow.
+// The scan runs over token rows (each thread one token of one source, its topk ids): a block-wide
+// exclusive prefix sum of the per-token match counts gives the (s, t, k) order of Note [EP layout].
+// Blocks [l * split, (l + 1) * split) all scan expert l's routes (4 bytes per route) and each copies
+// every split-th matching token; block l * split alone writes recv_pos, counts and overflow.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) ep_dispatch_recv_kernel(EPParams p, int split) {
   const device::CallInfo call = device::call_begin(p.barrier);
   if (!call.ok) return;
   if (!device::barrier_block(p.barrier, call.call, static_cast<int>(EPPhaseId::kDispatchLanded))) return;
-  __shared__ int warp_counts[kWarps];
+  __shared__ int warp_routes[kWarps];
+  __shared__ int warp_tokens[kWarps];
   __shared__ int32_t list_token[kThreads];
   __shared__ int32_t list_pos[kThreads];
+  __shared__ int32_t list_count[kThreads];
   const EPConfig& c = p.config;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int topk = static_cast<int>(c.topk);
   const int64_t num_local = c.num_experts / p.world_size;
   const int64_t cap = c.capacity;
-  const size_t meta_per_rank = static_cast<size_t>(c.max_tokens_per_rank) * c.topk;
+  const size_t meta_per_rank = static_cast<size_t>(c.max_tokens_per_rank) * topk;
   const int32_t* meta_idx = reinterpret_cast<const int32_t*>(region(p, p.rank, p.layout.meta_idx));
   const int32_t* num_tokens_of = reinterpret_cast<const int32_t*>(region(p, p.rank, p.layout.meta_num_tokens));
   const T* land_x = reinterpret_cast<const T*>(region(p, p.rank, p.layout.land_x));
@@ -111,41 +116,62 @@ __global__ void __launch_bounds__(kThreads) ep_dispatch_recv_kernel(EPParams p, 
   const int part = blockIdx.x % split;
   for (int64_t l = blockIdx.x / split; l < num_local; l += gridDim.x / split) {
     const int32_t e = static_cast<int32_t>(p.rank * num_local + l);
-    int64_t running = 0;
-    int64_t copied = 0;  // rows seen so far, for the every-split-th assignment
+    int64_t running = 0;  // routes to e so far: the next position
+    int64_t seen = 0;     // matching tokens so far, for the every-split-th assignment
     for (int s = 0; s < p.world_size; ++s) {
-      const int64_t num_routes = static_cast<int64_t>(num_tokens_of[s]) * c.topk;
+      const int64_t num_tokens = num_tokens_of[s];
       const int32_t* idx = meta_idx + s * meta_per_rank;
-      for (int64_t base = 0; base < num_routes; base += kThreads) {
-        const int64_t i = base + threadIdx.x;
-        const bool match = i < num_routes && idx[i] == e;
-        const unsigned ballot = __ballot_sync(kFullMask, match);
-        if (lane == 0) warp_counts[warp] = __popc(ballot);
+      for (int64_t base = 0; base < num_tokens; base += kThreads) {
+        const int64_t t = base + threadIdx.x;
+        int m = 0;
+        if (t < num_tokens) {
+          for (int k = 0; k < topk; ++k) m += idx[t * topk + k] == e ? 1 : 0;
+        }
+        int incl = m;  // warp inclusive scan of the match counts
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+          const int y = __shfl_up_sync(kFullMask, incl, off);
+          if (lane >= off) incl += y;
+        }
+        const unsigned has = __ballot_sync(kFullMask, m > 0);
+        if (lane == 31) {
+          warp_routes[warp] = incl;
+          warp_tokens[warp] = __popc(has);
+        }
         __syncthreads();
-        int before = 0, total = 0;
+        int routes_before = 0, tokens_before = 0, routes_total = 0, tokens_total = 0;
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) {
-          before += w < warp ? warp_counts[w] : 0;
-          total += warp_counts[w];
+          routes_before += w < warp ? warp_routes[w] : 0;
+          tokens_before += w < warp ? warp_tokens[w] : 0;
+          routes_total += warp_routes[w];
+          tokens_total += warp_tokens[w];
         }
-        if (match) {
-          const int j = before + __popc(ballot & ((1u << lane) - 1u));
-          const int64_t pos = running + j;
-          const bool kept = pos < cap;
-          if (part == 0) p.recv_pos[s * meta_per_rank + i] = kept ? static_cast<int32_t>(pos) : -1;
-          list_token[j] = kept ? static_cast<int32_t>(i / c.topk) : -1;
-          list_pos[j] = static_cast<int32_t>(pos);
-        }
-        __syncthreads();
-        for (int j = warp; j < total; j += kWarps) {
-          if (list_token[j] >= 0 && (copied + j) % split == part) {
-            copy_row(expert_x + (l * cap + list_pos[j]) * c.hidden,
-                     land_x + (static_cast<size_t>(s) * c.max_tokens_per_rank + list_token[j]) * c.hidden, c.hidden,
-                     lane);
+        if (m > 0) {
+          const int64_t first = running + routes_before + incl - m;
+          const int j = tokens_before + __popc(has & ((1u << lane) - 1u));
+          list_token[j] = static_cast<int32_t>(t);
+          list_pos[j] = static_cast<int32_t>(first);
+          list_count[j] = m;
+          if (part == 0) {
+            int64_t pos = first;
+            for (int k = 0; k < topk; ++k) {
+              if (idx[t * topk + k] != e) continue;
+              p.recv_pos[s * meta_per_rank + t * topk + k] = pos < cap ? static_cast<int32_t>(pos) : -1;
+              ++pos;
+            }
           }
         }
-        running += total;
-        copied += total;
+        __syncthreads();
+        for (int j = warp; j < tokens_total; j += kWarps) {
+          if ((seen + j) % split != part) continue;
+          const T* src = land_x + (static_cast<size_t>(s) * c.max_tokens_per_rank + list_token[j]) * c.hidden;
+          for (int r = 0; r < list_count[j] && list_pos[j] + r < cap; ++r) {
+            copy_row(expert_x + (l * cap + list_pos[j] + r) * c.hidden, src, c.hidden, lane);
+          }
+        }
+        running += routes_total;
+        seen += tokens_total;
         __syncthreads();  // the lists are rewritten next iteration
       }
     }

@@ -10,8 +10,9 @@
 //   overflow[kEPOverflowWords]                      added to by every owner (system-scope atomics)
 // dispatch send: write meta rows everywhere and each token once into each owner rank's land_x.
 // dispatch recv: flag barrier (publishes the sends: the barrier's release follows them in stream
-//   order), then one block per local expert scans the routes in (s, t, k) order with a block-wide
-//   ballot prefix sum (deterministic positions), copies rows into expert_x and sets recv_pos.
+//   order), then a group of blocks per local expert scans every source's token rows in (s, t)
+//   order with a block-wide prefix sum of per-token match counts (deterministic positions), copies
+//   rows into expert_x (the group splits the copies) and sets recv_pos.
 // combine send: one warp per (s, t) with a local route computes the partial and stores it into
 //   rank s's land_y[me][t]. combine recv: flag barrier, then the partials are summed in rank order.
 // Why no buffer is overwritten while a peer still reads it: every landing zone written in call
