@@ -93,7 +93,7 @@ def run_dispatch_combine(ctx, cases, device="cpu"):
         for seed in (1, 2):  # twice on one buffer: state from the first call must not leak
             inputs = []
             for s in range(n):
-                T = tokens_of(s)
+                T = tokens_of[s % len(tokens_of)]  # tokens of rank s (cycled)
                 idx, w = make_routing(s, T, num_experts, topk, kind, seed)
                 inputs.append((make_tokens(s, T, hidden, dtype, seed), idx, w))
             rows, totals = simulate(inputs, num_experts, cap, n)

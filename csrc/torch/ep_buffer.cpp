@@ -168,7 +168,7 @@ EPState EPBufferTorch::host_state() {
 }
 
 void EPBufferTorch::check() {
-  const at::Tensor word = t_.overflow.cpu();
+  const at::Tensor word = t_.overflow.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
   const int64_t* w = word.data_ptr<int64_t>();
   if (w[0] == 0 && w[2] == 0) return;
   t_.overflow.zero_();
