@@ -148,3 +148,30 @@ def _bad_inputs(ctx):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_bad_inputs_raise_and_buffer_stays_usable(ranks, world_size):
     ranks(world_size).run(_bad_inputs)
+
+
+def _all_to_all_v_tensor_splits(ctx):
+    """The dynamic all_to_all_v on CPU tensors: split sizes given as tensors (read on the host here),
+    against gloo all_to_all_single with the same splits."""
+    import torch.distributed as dist
+    n, me = ctx.world_size, ctx.rank
+    group = ctx.gloo()
+    rows = lambda q, r: ((q * 5 + r * 3) % 4) * 3  # noqa: E731  (zero-row blocks included)
+    ins = torch.tensor([rows(me, r) for r in range(n)])
+    outs = torch.tensor([rows(q, me) for q in range(n)])
+    inp = torch.randn(int(ins.sum()), 5, dtype=torch.float64) + me
+    out = torch.full((int(outs.sum()), 5), float("nan"), dtype=torch.float64)
+    ctx.comm.all_to_all_v(out, inp, ins, outs)
+    ref = torch.empty_like(out)
+    dist.all_to_all_single(ref, inp, outs.tolist(), ins.tolist(), group=group)
+    assert torch.equal(out, ref)
+    with pytest.raises(TypeError, match="both be tensors or both sequences"):
+        ctx.comm.all_to_all_v(out, inp, ins, outs.tolist())
+    with pytest.raises(ValueError, match="pass both input_splits and output_splits"):
+        ctx.comm.all_to_all_v(out, inp, ins, None)
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_to_all_v_tensor_splits_cpu(ranks, world_size):
+    ranks(world_size).run(_all_to_all_v_tensor_splits)
