@@ -38,5 +38,13 @@ export PATH="$(dirname "$PY"):$PATH"
 
 echo "== building commlib with $PY ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"
 # --no-build-isolation: build against the torch already installed; --no-index: never fetch.
-"$PY" -m pip install -q --no-build-isolation --no-deps --no-index -e . 2>&1 | grep -v "^WARNING: Location" || true
+if ! "$PY" -m pip install -q --no-build-isolation --no-deps --no-index -e . >.build/pip.log 2>&1; then
+  # Older setuptools or an offline pip that cannot do an editable install: build in place and put
+  # python/ on the path with a .pth file.
+  grep -v "^WARNING: Location" .build/pip.log | tail -5 || true
+  echo "== editable install failed; building in place"
+  "$PY" setup.py -q build_ext --inplace
+  site=$("$PY" -c "import site; print(site.getsitepackages()[0])")
+  echo "$(pwd)/python" > "$site/commlib-inplace.pth"
+fi
 "$PY" -c "import commlib; print('== commlib', commlib.__version__, 'cuda build:', commlib._C.built_with_cuda)"

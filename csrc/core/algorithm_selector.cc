@@ -14,17 +14,20 @@
 namespace commlib {
 namespace {
 
-// From the 2x H200 baselines in DESIGN.md (torch symmetric memory one-shot vs two-shot vs NCCL);
-// commlib-tune re-measures. Larger worlds move more data per rank in one-shot, so its limit falls.
+// World size 2: measured on 2x H200 (bench/results/gpu-all-reduce-2026-11-30.md, bf16, graph
+// replay): flat (with LL up to COMMLIB_FLAT_LL_MAX_BYTES) beats tree up to 1 MiB; tree beats NCCL
+// by 1.3x at 1-4 MiB but not at 16 MiB, so above 8 MiB the call goes to NCCL (where attached).
+// Larger worlds are not measured yet: one-shot moves (n-1)x the message per rank, so its limit
+// falls with n. commlib-tune re-measures.
 struct BuiltinRow {
   int max_world_size;
   AllReduceLimits limits;
 };
 constexpr BuiltinRow kBuiltinAllReduceTable[] = {
-    {2, {128u << 10, 64u << 20}},
-    {4, {64u << 10, 32u << 20}},
-    {8, {32u << 10, 16u << 20}},
-    {1 << 30, {16u << 10, 8u << 20}},
+    {2, {1u << 20, 8u << 20}},
+    {4, {256u << 10, 8u << 20}},
+    {8, {128u << 10, 8u << 20}},
+    {1 << 30, {64u << 10, 4u << 20}},
 };
 
 // ---- a minimal JSON reader: objects, arrays, strings, numbers, true/false/null ----

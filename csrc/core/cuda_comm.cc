@@ -166,6 +166,9 @@ void CudaComm::all_reduce(const void* input, void* output, size_t count, DataTyp
   DeviceGuard guard(device_);
   begin_op(stream, what);
   Status status;
+  const int64_t max_blocks = env::get_int("COMMLIB_ALLREDUCE_MAX_BLOCKS");
+  COMMLIB_CHECK(max_blocks >= 0 && max_blocks <= kMaxBarrierBlocks, InvalidArgument, "COMMLIB_ALLREDUCE_MAX_BLOCKS=",
+                max_blocks, " out of range; valid: 0..", kMaxBarrierBlocks);
   const int64_t ll_max = env::get_int("COMMLIB_FLAT_LL_MAX_BYTES");
   if (algo == Algorithm::kFlat && ll_max > 0 && bytes <= static_cast<size_t>(ll_max)) {
     kernels::AllReduceFlatLLParams p;
@@ -177,6 +180,7 @@ void CudaComm::all_reduce(const void* input, void* output, size_t count, DataTyp
     p.lines = ll_lines_->device_handle();
     p.max_bytes_per_call = kLLBytesPerCall;
     p.barrier = barrier_handle();
+    p.max_blocks = static_cast<int>(max_blocks);
     status = kernels::launch_all_reduce_flat_ll(p, stream);
   } else if (algo == Algorithm::kFlat) {
     kernels::AllReduceFlatParams p;
@@ -187,6 +191,7 @@ void CudaComm::all_reduce(const void* input, void* output, size_t count, DataTyp
     p.op = op;
     p.workspace = workspace_->device_handle();
     p.barrier = barrier_handle();
+    p.max_blocks = static_cast<int>(max_blocks);
     status = kernels::launch_all_reduce_flat(p, stream);
   } else {
     kernels::AllReduceTreeParams p;
@@ -197,6 +202,7 @@ void CudaComm::all_reduce(const void* input, void* output, size_t count, DataTyp
     p.op = op;
     p.workspace = workspace_->device_handle();
     p.barrier = barrier_handle();
+    p.max_blocks = static_cast<int>(max_blocks);
     size_t offset = 0;
     std::shared_ptr<SymmetricBuffer> sym;
     if (input == output && (reinterpret_cast<uintptr_t>(output) & 15u) == 0 &&

@@ -25,9 +25,12 @@ const std::vector<Knob>& knobs() {
       {"COMMLIB_TREE_MAX_BYTES", "0",
        "GPU all_reduce: largest message for tree (two-shot); larger go to NCCL where attached; "
        "0 uses the built-in or tuned table."},
-      {"COMMLIB_FLAT_LL_MAX_BYTES", "0",
+      {"COMMLIB_FLAT_LL_MAX_BYTES", "262144",
        "GPU all_reduce: flat messages of at most this many bytes use the barrier-free LL variant "
        "(a ready flag in every 8 bytes; csrc/kernels/all_reduce_flat_ll.cu); 0: off."},
+      {"COMMLIB_ALLREDUCE_MAX_BLOCKS", "0",
+       "GPU all_reduce: largest grid (CTAs) of the flat, LL and tree kernels, 1..256; 0: built-in "
+       "(flat 32, LL 32, tree 64). For tuning on a new machine."},
       {"COMMLIB_GPU_WORKSPACE_BYTES", "67108864",
        "Bytes of each rank's symmetric GPU workspace used for copy-in of non-symmetric tensors."},
       {"COMMLIB_TUNE_FILE", "",

@@ -9,8 +9,8 @@
 namespace commlib::kernels {
 namespace {
 
-constexpr int kFlatThreads = 512;
-constexpr int kFlatMaxBlocks = 32;
+constexpr int kFlatThreads = 256;
+constexpr int kFlatMaxBlocks = 48;
 
 template <typename T, int kWorldSize, ReduceOp kOp>
 __global__ void __launch_bounds__(kFlatThreads) all_reduce_flat_kernel(AllReduceFlatParams p, size_t half_bytes) {
@@ -30,7 +30,8 @@ __global__ void __launch_bounds__(kFlatThreads) all_reduce_flat_kernel(AllReduce
   for (int r = 0; r < (kWorldSize > 0 ? kWorldSize : kMaxDeviceRanks); ++r) {
     if (kWorldSize > 0 || r < world) srcs[r] = reinterpret_cast<const T*>(p.workspace.peer<char>(r) + half);
   }
-  T* mine = const_cast<T*>(srcs[rank]);
+  // From the parameter, not srcs[rank]: a runtime index into srcs would put it in local memory.
+  T* mine = reinterpret_cast<T*>(p.workspace.peer<char>(rank) + half);
   const T* in = static_cast<const T*>(p.input);
   T* out = static_cast<T*>(p.output);
   const bool in_aligned = (reinterpret_cast<uintptr_t>(in) & 15u) == 0;

@@ -9,8 +9,9 @@
 namespace commlib::kernels {
 namespace {
 
-constexpr int kLLThreads = 512;
-constexpr int kLLMaxBlocks = 32;
+// Small blocks, many SMs: more SMs issue NVLink stores and polls in parallel (no barrier to pay).
+constexpr int kLLThreads = 128;
+constexpr int kLLMaxBlocks = 64;
 
 template <typename T, int kWorldSize, ReduceOp kOp>
 __global__ void __launch_bounds__(kLLThreads) all_reduce_flat_ll_kernel(AllReduceFlatLLParams p) {
@@ -96,7 +97,7 @@ Status launch_all_reduce_flat_ll(const AllReduceFlatLLParams& params, Stream str
   if (chunk == 0 || params.lines.bytes < ll_buffer_bytes(params.barrier.world_size, params.max_bytes_per_call)) {
     return Status(StatusCode::kInvalidArgument, detail::concat(what, ": LL buffer too small"));
   }
-  const int max_blocks = params.max_blocks > 0 ? params.max_blocks : kLLMaxBlocks;
+  const int max_blocks = params.max_blocks > 0 ? std::min(params.max_blocks, kMaxBarrierBlocks) : kLLMaxBlocks;
   for (size_t first = 0; first < params.count; first += chunk) {
     AllReduceFlatLLParams p = params;
     p.count = std::min(chunk, params.count - first);

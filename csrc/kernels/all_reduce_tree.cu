@@ -1,10 +1,15 @@
 // Two-shot ("tree") all-reduce: reduce-scatter then all-gather, both by direct peer access.
 // The message is cut into world slices; block b owns part b of every slice on every rank, so it
 // only ever meets block b of the peers (Note [flag barrier]).
-//   copy-in   (kWorkspace only) block b copies its part of every slice into this rank's half
+//   push      (kWorkspace only) block b writes its part of every other slice q straight into
+//             rank q's half, slot `rank` (remote stores; this rank's own slice is not copied)
 //   barrier   kInputsReady
-//   reduce    its part of slice `rank`, from every rank in rank order; stored to the output and
-//             (kWorkspace) to this rank's half, where the peers gather it
+//   reduce    its part of slice `rank`, from every rank in rank order (own values from the input,
+//             the peers' from this rank's slots); stored to the output and (kWorkspace) to slot
+//             `rank` of this rank's half, where the peers gather it
+// Workspace layout per half, in packs of 16 bytes: slot r = [r * S, (r + 1) * S), S = slice_packs.
+// Slot r of rank q holds rank r's values of slice q; slot q holds rank q's reduced slice q, at
+// the same position the slice has in the message (so the gather reads natural offsets).
 //   barrier   kSlicesReduced
 //   gather    its part of every other slice q from rank q's half (or tensor)
 //   barrier   kPeersDone (kSymmetricInput only: the caller may overwrite its tensor afterwards;
@@ -43,33 +48,34 @@ __global__ void __launch_bounds__(kTreeThreads) all_reduce_tree_kernel(AllReduce
   const size_t slice_packs = (num_packs + world - 1) / world;
   const size_t per_block = (slice_packs + gridDim.x - 1) / gridDim.x;
 
-  const T* srcs[kCap];
-  if constexpr (kSource == AllReduceSource::kWorkspace) {
-    const size_t half = (call.call & 1) * half_bytes;
-#pragma unroll
-    for (int r = 0; r < kCap; ++r) {
-      if (kWorldSize > 0 || r < world) srcs[r] = reinterpret_cast<const T*>(p.workspace.peer<char>(r) + half);
-    }
-  } else {
-#pragma unroll
-    for (int r = 0; r < kCap; ++r) {
-      if (kWorldSize > 0 || r < world) srcs[r] = p.source.peer<const T>(r);
-    }
-  }
   // With the workspace, sources hold whole packs (full-width reads); a symmetric tensor is read
   // element-exact in its tail.
   const size_t src_count = kSource == AllReduceSource::kWorkspace ? num_packs * N : p.count;
   T* out = static_cast<T*>(p.output);
   const bool out_aligned = (reinterpret_cast<uintptr_t>(out) & 15u) == 0;
+  // Rank-indexed sources come from the parameter (runtime indices into srcs would use local memory).
+  const size_t half = kSource == AllReduceSource::kWorkspace ? (call.call & 1) * half_bytes : 0;
+  auto source_of = [&](int r) -> T* {
+    if constexpr (kSource == AllReduceSource::kWorkspace) return reinterpret_cast<T*>(p.workspace.peer<char>(r) + half);
+    return p.source.peer<T>(r);
+  };
 
+  const T* srcs[kCap];  // kSymmetricInput's reduce_pack sources, indexed only by unrolled constants
+#pragma unroll
+  for (int r = 0; r < kCap; ++r) {
+    if (kWorldSize > 0 || r < world) srcs[r] = source_of(r);
+  }
+
+  const T* in = static_cast<const T*>(p.input);
+  const bool in_aligned = (reinterpret_cast<uintptr_t>(in) & 15u) == 0;
   if constexpr (kSource == AllReduceSource::kWorkspace) {
-    const T* in = static_cast<const T*>(p.input);
-    const bool in_aligned = (reinterpret_cast<uintptr_t>(in) & 15u) == 0;
-    T* mine = const_cast<T*>(srcs[rank]);
-    for (int q = 0; q < world; ++q) {
+#pragma unroll 1
+    for (int i = 1; i < world; ++i) {
+      const int q = (rank + i) % world;
+      T* slot = source_of(q) + static_cast<size_t>(rank) * slice_packs * N;  // rank q's slot `rank`
       const Range part = part_of(q, slice_packs, per_block, num_packs);
       for (size_t v = part.begin + threadIdx.x; v < part.end; v += blockDim.x) {
-        load_pack(in, v, p.count, in_aligned).store(mine + v * N);
+        load_pack(in, v, p.count, in_aligned).store(slot + (v - q * slice_packs) * N);
       }
     }
   }
@@ -77,10 +83,29 @@ __global__ void __launch_bounds__(kTreeThreads) all_reduce_tree_kernel(AllReduce
 
   {
     const Range part = part_of(rank, slice_packs, per_block, num_packs);
-    T* mine = const_cast<T*>(srcs[rank]);
+    T* mine = source_of(rank);
     for (size_t v = part.begin + threadIdx.x; v < part.end; v += blockDim.x) {
-      const Pack<T> x = reduce_pack<T, kWorldSize, kOp>(srcs, world, v, src_count, true);
-      if constexpr (kSource == AllReduceSource::kWorkspace) x.store(mine + v * N);
+      Pack<T> x;
+      if constexpr (kSource == AllReduceSource::kWorkspace) {
+        const size_t j = v - static_cast<size_t>(rank) * slice_packs;  // position in the slice
+        Pack<T> xs[kCap];
+#pragma unroll
+        for (int r = 0; r < kCap; ++r) {
+          if (kWorldSize == 0 && r >= world) continue;
+          xs[r] = r == rank ? load_pack(in, v, p.count, in_aligned)
+                            : Pack<T>::load(mine + (static_cast<size_t>(r) * slice_packs + j) * N);
+        }
+        auto acc = device::acc_init(xs[0]);
+#pragma unroll
+        for (int r = 1; r < kCap; ++r) {
+          if (kWorldSize > 0 || r < world) device::acc_add(acc, xs[r]);
+        }
+        if constexpr (kOp == ReduceOp::kAvg) device::acc_div(acc, static_cast<float>(world));
+        x = device::acc_cast<T>(acc);
+        x.store(mine + v * N);  // slot `rank`, natural position: the peers gather it from here
+      } else {
+        x = reduce_pack<T, kWorldSize, kOp>(srcs, world, v, src_count, true);
+      }
       store_pack(out, v, p.count, out_aligned, x);
     }
   }
@@ -91,7 +116,7 @@ __global__ void __launch_bounds__(kTreeThreads) all_reduce_tree_kernel(AllReduce
     const int q = (rank + i) % world;  // staggered so the ranks do not all read one peer at once
     const Range part = part_of(q, slice_packs, per_block, num_packs);
     for (size_t v = part.begin + threadIdx.x; v < part.end; v += blockDim.x) {
-      store_pack(out, v, p.count, out_aligned, load_pack(srcs[q], v, src_count, true));
+      store_pack(out, v, p.count, out_aligned, load_pack<T>(source_of(q), v, src_count, true));
     }
   }
   if constexpr (kSource == AllReduceSource::kSymmetricInput) {
@@ -124,7 +149,9 @@ Status launch_all_reduce_tree(const AllReduceTreeParams& params, Stream stream) 
                   detail::concat(what, ": a symmetric source must be the 16-byte aligned output itself"));
   }
   const size_t half_bytes = params.workspace.bytes / 2 / 16 * 16;
-  const size_t chunk = symmetric ? params.count : half_bytes / esize;
+  // World slots of ceil(packs / world) packs must fit in one half.
+  const size_t world = static_cast<size_t>(params.barrier.world_size);
+  const size_t chunk = symmetric ? params.count : (half_bytes / 16 / world * world) * (16 / esize);
   if (chunk == 0) return Status(StatusCode::kInvalidArgument, detail::concat(what, ": workspace too small"));
   const int max_blocks = params.max_blocks > 0 ? std::min(params.max_blocks, kMaxBarrierBlocks) : kTreeMaxBlocks;
   for (size_t first = 0; first < params.count; first += chunk) {

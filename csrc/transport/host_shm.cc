@@ -7,11 +7,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <functional>
 #include <random>
+#include <thread>
 
 #include "bootstrap/bootstrap.hpp"
 #include "commlib/errors.hpp"
@@ -53,7 +55,8 @@ HostShm::HostShm(Bootstrap& bootstrap, size_t slot_bytes, std::chrono::milliseco
       world_size_(bootstrap.world_size()),
       slot_bytes_(round_up(slot_bytes, 256)),
       timeout_(timeout),
-      peer_pids_(std::move(peer_pids)) {
+      peer_pids_(std::move(peer_pids)),
+      oversubscribed_(static_cast<unsigned>(world_size_) > std::max(1u, std::thread::hardware_concurrency())) {
   control_bytes_ = round_up(sizeof(RankControl) * world_size_, kAlign);
   total_bytes_ = control_bytes_ + slot_bytes_ * 2 * world_size_;
 
@@ -132,15 +135,21 @@ void HostShm::wait_for(int peer, uint64_t seq, const char* what, const char* pha
   if (arrived.load(std::memory_order_acquire) >= seq) return;
   const auto start = std::chrono::steady_clock::now();
   auto next_liveness_check = start + std::chrono::milliseconds(50);
+  // Spin while the peer is likely running on another core; once ranks outnumber cores, or the
+  // wait is long, give the core away (a yield, then short sleeps), so the awaited rank can run.
+  const uint64_t spin_limit = oversubscribed_ ? 16 : 4096;
   for (uint64_t spins = 1;; ++spins) {
     if (arrived.load(std::memory_order_acquire) >= seq) return;
-    if (spins < 4096) {
+    if (spins < spin_limit) {
       COMMLIB_CPU_RELAX();
       continue;
     }
-    // Past a short spin, give the core away: ranks may outnumber cores.
-    ::sched_yield();
-    if ((spins & 63) != 0) continue;
+    if (spins < spin_limit + 256) {
+      ::sched_yield();
+    } else {
+      ::usleep(20);
+    }
+    if ((spins & 15) != 0) continue;
     const auto now = std::chrono::steady_clock::now();
     const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - start);
     if (now >= next_liveness_check) {

@@ -81,6 +81,7 @@ class HostShm {
   size_t slot_bytes_;
   std::chrono::milliseconds timeout_;
   std::vector<int64_t> peer_pids_;
+  bool oversubscribed_;  // more ranks than cores: waits yield the core early
   uint8_t* base_ = nullptr;
   size_t total_bytes_ = 0;
   size_t control_bytes_ = 0;

@@ -14,8 +14,8 @@ from commlib import _C
 
 KiB, MiB = 1 << 10, 1 << 20
 ENV = ("COMMLIB_ALLREDUCE_ALGO", "COMMLIB_FLAT_MAX_BYTES", "COMMLIB_TREE_MAX_BYTES", "COMMLIB_TUNE_FILE")
-BUILTIN = {2: (128 * KiB, 64 * MiB), 3: (64 * KiB, 32 * MiB), 4: (64 * KiB, 32 * MiB), 8: (32 * KiB, 16 * MiB),
-           16: (16 * KiB, 8 * MiB)}
+BUILTIN = {2: (1 * MiB, 8 * MiB), 3: (256 * KiB, 8 * MiB), 4: (256 * KiB, 8 * MiB), 8: (128 * KiB, 8 * MiB),
+           16: (64 * KiB, 4 * MiB)}
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +46,7 @@ def test_builtin_table(world, dtype):
 def test_threshold_overrides(monkeypatch):
     monkeypatch.setenv("COMMLIB_FLAT_MAX_BYTES", "4096")
     assert select(4096) == "flat" and select(4097) == "tree"
-    assert select(64 * MiB) == "tree"  # tree limit untouched
+    assert select(8 * MiB) == "tree"  # tree limit untouched
     monkeypatch.setenv("COMMLIB_TREE_MAX_BYTES", str(1 * MiB))
     assert select(MiB) == "tree" and select(MiB + 1) == "nccl"
     assert _C.all_reduce_limits(2, torch.float32) == (4096, MiB)

@@ -291,3 +291,29 @@ def test_every_knob_is_in_readme(ranks):
     readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
     missing = [name for name, _, _ in commlib.knobs() if name not in readme]
     assert not missing, f"knobs missing from README.md: {missing}"
+
+
+def _large_world(ctx):
+    _all_reduce_case(ctx, "bfloat16", "sum", ["flat", "tree"], [0, 1, 7, 1023, 4097, 300007])
+    _all_reduce_case(ctx, "float32", "avg", ["flat", "tree"], [5, 70001])
+    n = ctx.world_size
+    count = 1237
+    inputs = [rank_input(r, count * n, torch.float16, salt=11) for r in range(n)]
+    out = torch.full((count,), float("nan"), dtype=torch.float16)
+    ctx.comm.reduce_scatter(out, inputs[ctx.rank])
+    assert torch.equal(out, ordered_reference(inputs, "sum", n)[ctx.rank * count:(ctx.rank + 1) * count])
+    rows = [(ctx.rank * 7 + r * 3) % 5 for r in range(n)]
+    recv = [(q * 7 + ctx.rank * 3) % 5 for q in range(n)]
+    inp = torch.cat([torch.full((rows[r], 2), float(ctx.rank * 100 + r)) for r in range(n)])
+    out = torch.full((sum(recv), 2), float("nan"))
+    ctx.comm.all_to_all_v(out, inp, rows, recv)
+    assert torch.equal(out, torch.cat([torch.full((recv[q], 2), float(q * 100 + ctx.rank)) for q in range(n)]))
+    return True
+
+
+@pytest.mark.parametrize("world_size", [5, 8])
+def test_world_sizes_5_to_8(ranks, world_size):
+    """The generic (non-power-of-two, > 4) shapes of every algorithm, small sizes."""
+    pool = ranks(world_size)
+    pool.run(_large_world)
+    pool.close()

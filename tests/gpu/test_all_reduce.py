@@ -94,7 +94,9 @@ def test_random_odd_sizes_and_empty(ranks):
 def _against_nccl(ctx):
     import torch.distributed as dist
     ctx.gloo()
-    nccl = ctx.scratch.get("nccl") or ctx.scratch.setdefault("nccl", dist.new_group(backend="nccl"))
+    if "nccl" not in ctx.scratch:
+        ctx.scratch["nccl"] = dist.new_group(backend="nccl")
+    nccl = ctx.scratch["nccl"]
     dev = torch.device("cuda", ctx.device)
     for dtype in DTYPES.values():
         for count in (3, 4096, 262147, 4 << 20):
@@ -341,3 +343,33 @@ def _ll_timeout(ctx):
 
 def test_ll_wait_times_out_with_a_clear_error(ranks):
     assert all(ranks(2, env=LL_ENV).run(_ll_timeout, timeout=120))
+
+
+# ---- more ranks (the generic world-size path for 3, the 4/8 specialisations); need that many GPUs ----
+def _few_sizes(ctx):
+    for dtype in DTYPES.values():
+        for count in (1, 9, 4097, 300_001):
+            for algo in ("flat", "tree"):
+                for op in ("sum", "avg"):
+                    _run_case(ctx, ctx.comm, count, dtype, op, algo, pad=1)
+    return True
+
+
+@pytest.mark.parametrize("world", [3, 4, 8])
+def test_more_ranks(ranks, world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    assert all(ranks(world).run(_few_sizes))
+    assert all(ranks(world, env=LL_ENV).run(_few_sizes))
+
+
+NO_LL_ENV = {"COMMLIB_FLAT_LL_MAX_BYTES": "0"}  # the barrier flat kernel at every size
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_flat_without_ll_matches_references(ranks, dtype_name):
+    assert all(ranks(2, env=NO_LL_ENV).run(_vs_references, dtype_name, "avg"))
+
+
+def test_flat_without_ll_graph_replays(ranks):
+    assert all(ranks(2, env=NO_LL_ENV).run(_graph_replay, "flat", False))

@@ -53,20 +53,27 @@ __device__ __forceinline__ void call_end(const BarrierDevice& bar) {
   }
 }
 
-__device__ __noinline__ inline void record_timeout(const BarrierDevice& bar, int peer, int phase, uint64_t elapsed,
-                                                   uint64_t call) {
+// Out of line and by value (never a reference to a kernel parameter, which would copy the
+// parameter block to local memory in every thread).
+__device__ __noinline__ inline void record_timeout(BarrierCallState* state, DeviceErrorWord* error, int rank, int peer,
+                                                   int phase, uint64_t elapsed, uint64_t call) {
   // The first waiter to fail on this rank claims the record (device memory: no atomics on the
   // host-mapped word, which PCIe need not support).
-  if (atomicCAS(&bar.state->poisoned, 0u, 1u) == 0u) {
-    bar.error->rank = bar.rank;
-    bar.error->peer = peer;
-    bar.error->phase = phase;
-    bar.error->block = static_cast<int32_t>(blockIdx.x);
-    bar.error->elapsed_ns = elapsed;
-    bar.error->call = call;
+  if (atomicCAS(&state->poisoned, 0u, 1u) == 0u) {
+    error->rank = rank;
+    error->peer = peer;
+    error->phase = phase;
+    error->block = static_cast<int32_t>(blockIdx.x);
+    error->elapsed_ns = elapsed;
+    error->call = call;
     // Publishes the fields above to the host before `failed`.
-    st_release_sys_u32(&bar.error->failed, 1u);
+    st_release_sys_u32(&error->failed, 1u);
   }
+}
+
+__device__ __forceinline__ void record_timeout(const BarrierDevice& bar, int peer, int phase, uint64_t elapsed,
+                                               uint64_t call) {
+  record_timeout(bar.state, bar.error, bar.rank, peer, phase, elapsed, call);
 }
 
 // Block-wide barrier with the same block index on every peer (Note [flag barrier]).
