@@ -226,22 +226,29 @@ __global__ void __launch_bounds__(kThreads) ep_combine_send_kernel(EPParams p) {
     T* dst = reinterpret_cast<T*>(region(p, s, p.layout.land_y)) + (static_cast<size_t>(p.rank) * max_tokens + t) * c.hidden;
     const bool vec = (c.hidden * sizeof(T)) % 16 == 0 && (reinterpret_cast<uintptr_t>(expert_out) & 15u) == 0;
     const int64_t num_packs = (c.hidden + N - 1) / N;
+    // Broadcast the routes once, before the lane-strided loop (whose trip count differs per lane).
+    int32_t route_pos[kEPMaxTopk], route_l[kEPMaxTopk];
+    float route_w[kEPMaxTopk];
+#pragma unroll
+    for (int k = 0; k < kEPMaxTopk; ++k) {
+      route_pos[k] = __shfl_sync(kFullMask, pos, k);
+      route_l[k] = __shfl_sync(kFullMask, l, k);
+      route_w[k] = __shfl_sync(kFullMask, w, k);
+    }
     for (int64_t v = lane; v < num_packs; v += 32) {
       const int n = static_cast<int>(c.hidden - v * N < N ? c.hidden - v * N : N);
       device::Acc<N> acc;
 #pragma unroll
       for (int i = 0; i < N; ++i) acc.v[i] = 0.0f;
-      for (int k = 0; k < c.topk; ++k) {
-        const int32_t pk = __shfl_sync(kFullMask, pos, k);
-        const int32_t lk = __shfl_sync(kFullMask, l, k);
-        const float wk = __shfl_sync(kFullMask, w, k);
-        if (pk < 0) continue;
-        const T* y = expert_out + (lk * c.capacity + pk) * c.hidden + v * N;
+#pragma unroll
+      for (int k = 0; k < kEPMaxTopk; ++k) {
+        if (k >= c.topk || route_pos[k] < 0) continue;
+        const T* y = expert_out + (route_l[k] * c.capacity + route_pos[k]) * c.hidden + v * N;
         const V yv = vec ? V::load(y) : V::load_partial(y, n);
 #pragma unroll
         for (int i = 0; i < N; ++i) {
           // Separate rounding of product and sum (Note [EP layout]): no fused multiply-add.
-          acc.v[i] = __fadd_rn(acc.v[i], __fmul_rn(wk, device::to_float<T>(yv.elems[i])));
+          acc.v[i] = __fadd_rn(acc.v[i], __fmul_rn(route_w[k], device::to_float<T>(yv.elems[i])));
         }
       }
       const V out = device::acc_cast<T, N>(acc);
@@ -309,8 +316,9 @@ Status check_params(const EPParams& p, const char* what) {
     return Status(StatusCode::kInvalidArgument,
                   detail::concat(what, ": world_size ", p.world_size, " not supported; valid: 1..", kMaxDeviceRanks));
   }
-  if (p.config.topk < 1 || p.config.topk > 32) {
-    return Status(StatusCode::kInvalidArgument, detail::concat(what, ": topk ", p.config.topk, " out of range 1..32"));
+  if (p.config.topk < 1 || p.config.topk > kEPMaxTopk) {
+    return Status(StatusCode::kInvalidArgument,
+                  detail::concat(what, ": topk ", p.config.topk, " out of range 1..", kEPMaxTopk));
   }
   if (p.num_tokens < 0 || p.num_tokens > p.config.max_tokens_per_rank) {
     return Status(StatusCode::kInvalidArgument, detail::concat(what, ": num_tokens ", p.num_tokens, " out of range"));
