@@ -170,6 +170,22 @@ void all_to_all_v(Communicator& comm, at::Tensor& out, const at::Tensor& in, con
                 row_bytes(out));
   const std::vector<size_t> in_bytes = to_bytes(in, in_splits, "input");
   const std::vector<size_t> out_bytes = to_bytes(out, out_splits, "output");
+#if defined(COMMLIB_TORCH_CUDA)
+  if (in.is_cuda()) {
+    at::Tensor ins, outs;
+    if (!in_splits.empty() || !out_splits.empty()) {
+      auto opts = at::TensorOptions().dtype(at::kLong);
+      auto host = [&](const std::vector<int64_t>& v, const at::Tensor& t) {
+        if (!v.empty()) return at::tensor(v, opts).to(in.device());
+        const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+        return at::full({n}, rows / n, opts).to(in.device());
+      };
+      ins = host(in_splits, in);
+      outs = host(out_splits, out);
+    }
+    return all_to_all_v_cuda(comm, out, in, ins, outs);
+  }
+#endif
   require_cpu(in, what);
   const at::Tensor src = in.contiguous();
   with_contiguous(out, [&](at::Tensor& c) { comm.all_to_all_v_host(c.data_ptr(), src.data_ptr(), in_bytes, out_bytes); });

@@ -6,6 +6,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C
 from .communicator import Communicator
+from .ep import EPBuffer, EPDispatchResult, EPHandle
 from .errors import CommError, PeerError, TimeoutError
 from .backend_registration import register_backend
 
@@ -22,4 +23,5 @@ try:  # "ddacomm" for torch.distributed; registration must never make `import co
 except Exception:  # noqa: BLE001
     pass
 
-__all__ = ["register_backend", "Communicator", "CommError", "PeerError", "TimeoutError", "knobs", "__version__"]
+__all__ = ["register_backend", "Communicator", "EPBuffer", "EPDispatchResult", "EPHandle", "CommError", "PeerError",
+           "TimeoutError", "knobs", "__version__"]

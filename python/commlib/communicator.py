@@ -207,14 +207,37 @@ class Communicator:
         """All-to-all with per-rank row counts along dim 0 (``None``: equal splits).
 
         ``input_splits[r]`` rows go to rank r; ``output_splits[q]`` rows arrive from rank q. Host
-        sequences for CPU tensors; on CUDA also device tensors (no host read).
+        sequences (or CPU tensors) for CPU tensors. On CUDA also int64 device tensors of shape
+        [world_size]: they are never read on the host (the call can be graph-captured); each rank
+        writes its rows straight into the receivers' buffers (the output itself when it comes from
+        ``symmetric_empty``, else a workspace) at offsets computed on the GPU. Splits may sum to
+        less than the tensors' rows (the rest of ``output`` is left as it was). Bad or mismatched
+        device splits are detected on the GPU: nothing is sent between the ranks concerned and
+        ``check_all_to_all()`` raises. The first CUDA call is collective set-up: make it outside capture.
         """
         _check_tensor("all_to_all", "output", output)
         _check_tensor("all_to_all", "input", input)
+        if (input_splits is None) != (output_splits is None):
+            raise ValueError("all_to_all: pass both input_splits and output_splits, or neither")
+        if isinstance(input_splits, torch.Tensor) or isinstance(output_splits, torch.Tensor):
+            if not (isinstance(input_splits, torch.Tensor) and isinstance(output_splits, torch.Tensor)):
+                raise TypeError("all_to_all: input_splits and output_splits must both be tensors or both sequences")
+            if input.is_cuda:
+                # Device splits: never read on the host (capturable). Mismatches are found on the
+                # device and raised by check_all_to_all().
+                self._comm.all_to_all_v_device(output, input, input_splits, output_splits)
+                return output
+            input_splits, output_splits = input_splits.tolist(), output_splits.tolist()
         ins = [int(x) for x in input_splits] if input_splits is not None else []
         outs = [int(x) for x in output_splits] if output_splits is not None else []
         self._comm.all_to_all_v(output, input, outs, ins)
         return output
+
+    def check_all_to_all(self) -> None:
+        """Raises ValueError if a CUDA all_to_all_v with device splits since the last check found
+        invalid or mismatched splits (it synchronises the device). No-op without GPU state."""
+        if hasattr(self._comm, "check_all_to_all"):
+            self._comm.check_all_to_all()
 
     def barrier(self) -> None:
         """Returns once every rank has entered the barrier."""

@@ -1,0 +1,151 @@
+"""Expert-parallel dispatch / combine from registered buffers (issue #8).
+
+Layout (Note [EP layout] in include/commlib/ep.hpp): experts are split contiguously, rank r owns
+experts ``[r * L, (r + 1) * L)`` with ``L = num_experts // world_size``. In ``expert_x[e]`` the rows
+of local expert e hold the tokens routed to it ordered by (source rank, token index, k); the first
+``expert_counts[e]`` rows are valid. ``topk_idx`` entries of -1 mean "no expert".
+``combine`` returns, for each token, ``sum_k w[t, k] * y(t, k)`` over its kept routes: each owner
+rank sums its routes of the token in fp32 with k ascending (each product and sum rounded to fp32,
+no fused multiply-add) and rounds that partial to the dtype; the token's rank adds the partials in
+fp32 in ascending owner rank and rounds once. A token whose experts all live on one rank gets
+``round(sum_k w * y)`` exactly. Tokens travel once per owner rank, not once per route.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import _C
+
+_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+class EPHandle(NamedTuple):
+    """What combine needs from its dispatch (the rest stays in the buffer). Valid until the next
+    dispatch on the same buffer."""
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    num_tokens: int
+
+
+class EPDispatchResult(NamedTuple):
+    expert_x: torch.Tensor       # [L, capacity, hidden], a view of the registered buffer
+    expert_counts: torch.Tensor  # [L] int32, valid rows per local expert
+    handle: EPHandle
+
+
+class EPBuffer:
+    """Registered buffers for expert-parallel dispatch / combine on one communicator.
+
+    ``EPBuffer(comm, max_tokens_per_rank, hidden, num_experts, topk, dtype, device="cpu", capacity=None)``
+    is collective on CUDA (it allocates symmetric memory once). ``capacity`` (rows per local expert)
+    defaults to ``max_tokens_per_rank * world_size``, which no routing without repeated experts in a
+    token's top-k can exceed. Rows beyond the capacity are dropped and recorded in an overflow word
+    on every rank; ``check()`` raises ``ValueError`` describing it (it syncs with the device on CUDA).
+
+    ``dispatch`` and ``combine`` are collective and alternate: the tensors a dispatch returns
+    (``expert_x``, ``expert_counts``, the handle) are valid until the next dispatch. On CUDA both run on
+    the current stream, read no value on the host, and can be captured in a CUDA graph and replayed
+    with routing that changes between replays.
+    """
+
+    def __init__(self, comm, max_tokens_per_rank: int, hidden: int, num_experts: int, topk: int,
+                 dtype: torch.dtype = torch.bfloat16, device="cpu", capacity: Optional[int] = None):
+        if dtype not in _DTYPES:
+            raise TypeError(f"EPBuffer: dtype {dtype} not supported; supported: float32, float16, bfloat16")
+        for name, value in (("max_tokens_per_rank", max_tokens_per_rank), ("hidden", hidden),
+                            ("num_experts", num_experts), ("topk", topk)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"EPBuffer: {name} must be an int, got {type(value).__name__}")
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.comm = comm
+        self.world_size = comm.world_size
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.hidden = hidden
+        self.num_experts = num_experts
+        self.topk = topk
+        self.dtype = dtype
+        self.device = device
+        native = comm.native if hasattr(comm, "native") else comm
+        self._buf = _C.EPBuffer(native, max_tokens_per_rank, hidden, num_experts, topk, int(capacity or 0),
+                                _DTYPES[dtype], str(device))
+        self.capacity = self._buf.capacity
+        self.num_local_experts = num_experts // self.world_size
+        self._last = None
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> EPDispatchResult:
+        """Sends each token to its top-k experts. ``x`` [num_tokens, hidden] (num_tokens may be 0),
+        ``topk_idx`` [num_tokens, topk] int64 or int32 (-1: no expert), ``topk_weights``
+        [num_tokens, topk] float (used by combine)."""
+        handle = self._send(x, topk_idx, topk_weights, "both")
+        expert_x, expert_counts = self._last
+        return EPDispatchResult(expert_x, expert_counts, handle)
+
+    def dispatch_send(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> EPHandle:
+        """First half of dispatch: starts sending this rank's tokens and returns at once (on CUDA the
+        work is queued on the current stream). Finish with ``dispatch_recv(handle)``; independent
+        compute may run in between."""
+        return self._send(x, topk_idx, topk_weights, "send")
+
+    def dispatch_recv(self, handle: EPHandle) -> EPDispatchResult:
+        """Second half of dispatch: waits for the peers' tokens and lays them out expert-major."""
+        expert_x, expert_counts = self._buf.dispatch(None, None, None, "recv")
+        return EPDispatchResult(expert_x, expert_counts, handle)
+
+    def _send(self, x, topk_idx, topk_weights, phase) -> EPHandle:
+        for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"EPBuffer.dispatch: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if topk_idx.dtype == torch.int32:
+            topk_idx = topk_idx.long()
+        if not topk_weights.is_floating_point():
+            raise TypeError(f"EPBuffer.dispatch: topk_weights has dtype {topk_weights.dtype}; supported: floating")
+        if topk_weights.shape != topk_idx.shape:
+            raise ValueError(f"EPBuffer.dispatch: topk_weights has shape {tuple(topk_weights.shape)} but topk_idx "
+                             f"has {tuple(topk_idx.shape)}; they must match")
+        topk_weights = topk_weights.float()
+        self._last = self._buf.dispatch(x, topk_idx, topk_weights, phase)
+        return EPHandle(topk_idx, topk_weights, int(x.shape[0]))
+
+    def combine(self, expert_out: torch.Tensor, handle: EPHandle, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Returns [num_tokens, hidden]: each token's expert outputs weighted by topk_weights and summed
+        (order and rounding: module docstring). ``expert_out`` has expert_x's shape; rows past
+        expert_counts are ignored. ``out`` (contiguous) receives the result when given."""
+        self._check_combine(expert_out, handle)
+        return self._buf.combine(expert_out, handle.num_tokens, out, "both")
+
+    def combine_send(self, expert_out: torch.Tensor, handle: EPHandle, out: Optional[torch.Tensor] = None) -> None:
+        """First half of combine: sends this rank's expert outputs back. Finish with ``combine_recv()``."""
+        self._check_combine(expert_out, handle)
+        self._buf.combine(expert_out, handle.num_tokens, out, "send")
+
+    def combine_recv(self) -> torch.Tensor:
+        """Second half of combine: waits for the peers and returns the [num_tokens, hidden] output."""
+        return self._buf.combine(None, 0, None, "recv")
+
+    @staticmethod
+    def _check_combine(expert_out, handle) -> None:
+        if not isinstance(expert_out, torch.Tensor):
+            raise TypeError(f"EPBuffer.combine: expert_out must be a torch.Tensor, got {type(expert_out).__name__}")
+        if not isinstance(handle, EPHandle):
+            raise TypeError(f"EPBuffer.combine: handle must be the EPHandle from dispatch, got {type(handle).__name__}")
+
+    def check(self) -> None:
+        """Raises ValueError if any dispatch since the last check dropped routes (capacity overflow)."""
+        self._buf.check()
+
+    @property
+    def overflow_word(self) -> torch.Tensor:
+        """The overflow word: [routes dropped, max(count << 24 | expert), invalid ids, 0] (sticky)."""
+        return self._buf.overflow_word
+
+    def __repr__(self) -> str:
+        return (f"commlib.EPBuffer(world_size={self.world_size}, max_tokens_per_rank={self.max_tokens_per_rank}, "
+                f"hidden={self.hidden}, num_experts={self.num_experts}, topk={self.topk}, capacity={self.capacity}, "
+                f"dtype={self.dtype}, device={self.device})")
+
+
+__all__ = ["EPBuffer", "EPDispatchResult", "EPHandle"]
