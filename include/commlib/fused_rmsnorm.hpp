@@ -51,14 +51,15 @@ class Communicator;
 struct TokenSlice {
   int64_t begin = 0;
   int64_t end = 0;
-  int64_t size() const { return end - begin; }
+  constexpr int64_t size() const { return end - begin; }
 };
 
-// Note [token slices].
-inline TokenSlice token_slice(int64_t num_tokens, int world_size, int rank) {
+// Note [token slices]. constexpr, so kernels call it too (nvcc --expt-relaxed-constexpr).
+constexpr TokenSlice token_slice(int64_t num_tokens, int world_size, int rank) {
   const int64_t per_rank = (num_tokens + world_size - 1) / world_size;
-  auto clamp = [&](int64_t v) { return v < num_tokens ? v : num_tokens; };
-  return {clamp(per_rank * rank), clamp(per_rank * (rank + 1))};
+  const int64_t begin = per_rank * rank < num_tokens ? per_rank * rank : num_tokens;
+  const int64_t end = per_rank * (rank + 1) < num_tokens ? per_rank * (rank + 1) : num_tokens;
+  return {begin, end};
 }
 
 // Whether `residual` holds all rows or only this rank's slice (kSharded only).
