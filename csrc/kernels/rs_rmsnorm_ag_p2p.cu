@@ -16,67 +16,12 @@
 
 #include "commlib/device/barrier.cuh"
 #include "commlib/device/dispatch.cuh"
-#include "commlib/device/vec.cuh"
 #include "commlib/env.hpp"
-#include "kernels/rs_rmsnorm_ag_params.hpp"
+#include "kernels/rs_rmsnorm_ag_common.cuh"
 
 namespace commlib::kernels {
 namespace {
-
-constexpr int kMaxThreads = 512;
-constexpr int kGroup = static_cast<int>(kFusedHiddenAlign);  // elements per 16-byte pack
-
-template <typename T>
-using Pack = device::Vec<T, kGroup>;
-
-// Chunk geometry shared by the kernel's phases.
-struct FusedChunk {
-  int64_t offset;      // first row (within each rank's slice) of this call
-  int64_t capacity;    // rows per owner in a workspace region
-  size_t half_bytes;   // bytes of one workspace half (16-byte multiple)
-};
-
-// q_k of Note [fused rmsnorm arithmetic]: the squares of one pack, summed left to right.
-__device__ __forceinline__ float sum_squares(const float (&r)[kGroup]) {
-  float acc = __fmul_rn(r[0], r[0]);
-#pragma unroll
-  for (int e = 1; e < kGroup; ++e) acc = __fadd_rn(acc, __fmul_rn(r[e], r[e]));
-  return acc;
-}
-
-// The pairwise tree of Note [fused rmsnorm arithmetic] over q_{t + j * blockDim} (thread t holds
-// j < kVecsPerThread): in registers for halves >= blockDim, then shared memory, then shuffles.
-// blockDim.x is a power of two >= 32. Returns the row's sum of squares on every thread.
-template <int kVecsPerThread>
-__device__ __forceinline__ float block_sum_squares(float (&q)[kVecsPerThread], float* scratch) {
-#pragma unroll
-  for (int h = kVecsPerThread / 2; h >= 1; h /= 2) {
-#pragma unroll
-    for (int j = 0; j < h; ++j) q[j] = __fadd_rn(q[j], q[j + h]);
-  }
-  float s = q[0];
-  const int t = static_cast<int>(threadIdx.x);
-  if (blockDim.x > 32) {
-    scratch[t] = s;
-    __syncthreads();
-    for (int half = static_cast<int>(blockDim.x) / 2; half >= 32; half /= 2) {
-      if (t < half) {
-        s = __fadd_rn(s, scratch[t + half]);
-        scratch[t] = s;
-      }
-      __syncthreads();
-    }
-  }
-  if (t < 32) {
-#pragma unroll
-    for (int half = 16; half >= 1; half /= 2) s = __fadd_rn(s, __shfl_down_sync(0xffffffffu, s, half));
-    if (t == 0) scratch[kMaxThreads] = s;
-  }
-  __syncthreads();
-  const float total = scratch[kMaxThreads];
-  __syncthreads();  // scratch is reused by the next row
-  return total;
-}
+using namespace fused_detail;
 
 template <typename T, int kWorldSize, int kVecsPerThread>
 __global__ void __launch_bounds__(kMaxThreads)
@@ -96,12 +41,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   auto region = [&](int owner_rank, int which) {  // which: 0 X, 1 O, 2 R
     return p.workspace.peer<char>(owner_rank) + half + which * region_bytes;
   };
-  auto chunk_rows = [&](int d) {  // [first token, count) of owner d in this call
-    const TokenSlice s = token_slice(a.num_tokens, world, d);
-    const int64_t first = s.begin + chunk.offset;
-    const int64_t count = s.end - first;
-    return TokenSlice{first, first + (count < 0 ? 0 : (count < chunk.capacity ? count : chunk.capacity))};
-  };
+  auto chunk_rows = [&](int d) { return fused_detail::chunk_rows(a, chunk, world, d); };
   const T* x = static_cast<const T*>(a.x);
   T* out = static_cast<T*>(a.out);
   T* residual = static_cast<T*>(a.residual);
@@ -206,21 +146,10 @@ __global__ void __launch_bounds__(kMaxThreads)
   device::call_end(p.barrier);
 }
 
-bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
-
-int64_t next_pow2(int64_t v) {
-  int64_t p = 1;
-  while (p < v) p <<= 1;
-  return p;
-}
-
 template <typename T, int kWorldSize>
 Status launch_typed(const RsRmsNormAgP2pParams& params, const FusedChunk& chunk, int blocks, Stream stream) {
-  const int64_t num_packs = params.args.hidden / kGroup;
-  const int64_t padded = next_pow2(num_packs);
-  // A power of two in [32, 512]: the tree of Note [fused rmsnorm arithmetic] is the same for any.
-  const int threads = static_cast<int>(std::clamp<int64_t>(padded, 32, kMaxThreads));
-  const int64_t per_thread = std::max<int64_t>(1, padded / threads);
+  const int threads = fused_threads(params.args.hidden);
+  const int64_t per_thread = fused_packs_per_thread(params.args.hidden);
   auto go = [&](auto kernel) {
     kernel<<<blocks, threads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(params, chunk);
     const cudaError_t err = cudaGetLastError();
