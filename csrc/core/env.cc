@@ -25,6 +25,9 @@ const std::vector<Knob>& knobs() {
       {"COMMLIB_TREE_MAX_BYTES", "0",
        "GPU all_reduce: largest message for tree (two-shot); larger go to NCCL where attached; "
        "0 uses the built-in or tuned table."},
+      {"COMMLIB_FLAT_LL_MAX_BYTES", "0",
+       "GPU all_reduce: flat messages of at most this many bytes use the barrier-free LL variant "
+       "(a ready flag in every 8 bytes; csrc/kernels/all_reduce_flat_ll.cu); 0: off."},
       {"COMMLIB_GPU_WORKSPACE_BYTES", "67108864",
        "Bytes of each rank's symmetric GPU workspace used for copy-in of non-symmetric tensors."},
       {"COMMLIB_TUNE_FILE", "",

@@ -131,6 +131,39 @@ class Communicator:
 
     all_reduce_ = all_reduce
 
+    def symmetric_empty(self, shape, dtype: torch.dtype = torch.bfloat16, device=None) -> torch.Tensor:
+        """An uninitialised CUDA tensor in symmetric memory (mapped into every rank's GPU).
+
+        Collective: every rank must call it with the same shape and dtype, in the same order as
+        its other symmetric allocations (a mismatch raises ``commlib.PeerError``). ``device``:
+        a CUDA device (default: the current one). ``all_reduce`` on the whole tensor (on every
+        rank) reads the peers' tensors directly instead of copying into the workspace first
+        (zero-copy; tree algorithm). Freeing it is local.
+        """
+        if isinstance(shape, int):
+            shape = (shape,)
+        shape = [int(d) for d in shape]
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"symmetric_empty: dtype must be a torch.dtype, got {type(dtype).__name__}")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+                else torch.device("cuda")
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise TypeError(f"symmetric_empty: device {device} not supported; supported: cuda")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return self._comm.symmetric_empty(shape, dtype, device)
+
+    def check_gpu_error(self) -> None:
+        """Raises ``commlib.TimeoutError`` if an earlier GPU wait of this communicator expired.
+
+        Reads a host-mapped word (no synchronisation); call it after ``torch.cuda.synchronize()``
+        to learn whether all queued collectives completed. Every GPU collective also checks first.
+        """
+        if hasattr(self._comm, "check_gpu_error"):
+            self._comm.check_gpu_error()
+
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op="sum") -> torch.Tensor:
         """``output`` (n elements) receives this rank's slice of the reduction of ``input`` (world × n)."""
         _check_tensor("reduce_scatter", "output", output)

@@ -1,0 +1,229 @@
+#!/usr/bin/env python3
+"""GPU all-reduce benchmark: commlib flat / tree / auto vs NCCL vs torch symmetric memory.
+
+Spawns its own processes (no torchrun):   python bench/gpu_all_reduce.py [--out FILE]
+
+Per size (bf16, 1 KiB .. 256 MiB): every implementation runs on the same random inputs; results
+are first checked against NCCL (bf16 tolerance; commlib flat/tree/auto must also agree bitwise
+with each other), then timed as CUDA-graph replays of `ops` back-to-back all-reduces; the per-op
+time is the median over replays of (replay time / ops). Buffers are restored from pristine copies
+between replays (not timed), so values stay finite. Prints a markdown table with ratios vs NCCL.
+Columns:
+  nccl            dist.all_reduce (NCCL, NVLS off as set by the machine's environment)
+  flat / tree     commlib, forced algorithm, copy-in from an ordinary tensor
+  tree-sym        commlib tree on a comm.symmetric_empty tensor (zero-copy)
+  auto            commlib's choice (shown in the algo column); "nccl" choices run tree here
+  symm-1shot      torch.ops.symm_mem.one_shot_all_reduce (out of place), when available
+  symm-2shot      torch.ops.symm_mem.two_shot_all_reduce_ (in place), when available
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import socket
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SIZES = [1 << k for k in range(10, 29, 2)]  # 1 KiB .. 256 MiB
+COLUMNS = ["nccl", "flat", "tree", "tree-sym", "auto", "symm-1shot", "symm-2shot"]
+
+
+def ops_for(nbytes: int) -> int:
+    return 50 if nbytes <= (1 << 20) else 20 if nbytes <= (16 << 20) else 4
+
+
+def fmt_bytes(n: int) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div:
+            return f"{n // div} {unit}"
+    return f"{n} B"
+
+
+def time_graph(fn, restore, ops: int, replays: int) -> float:
+    """Median µs per op of a CUDA graph holding `ops` calls of fn()."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up outside capture (first-use set-up, NCCL/symm-mem init)
+            restore()
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(ops):
+            fn()
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for i in range(replays + 3):
+        restore()
+        if i == 0:
+            dist.barrier(device_ids=[torch.cuda.current_device()])
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) * 1000.0 / ops)
+    del graph
+    return statistics.median(times)
+
+
+def worker(rank: int, world: int, port: int, args, queue):
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never multicast (DESIGN.md, Safety)
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=dev)
+    import commlib
+    comm = commlib.Communicator(dist.PrefixStore("commlib-bench", store), rank, world, "bench")
+    group_name = dist.group.WORLD.group_name
+    symm = None
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+        if hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, "two_shot_all_reduce_"):
+            symm = symm_mem
+    except Exception:  # noqa: BLE001
+        symm = None
+
+    rows = []
+    sizes = [s for s in SIZES if s <= args.max_bytes]
+    for nbytes in sizes:
+        count = nbytes // 2
+        g = torch.Generator(device=dev).manual_seed(1234 + rank)
+        pristine = (torch.rand(count, generator=g, device=dev) * 2 - 1).to(torch.bfloat16)
+        ref = pristine.clone()
+        dist.all_reduce(ref)
+        row = {"bytes": nbytes, "algo": commlib._C.select_all_reduce_algorithm(nbytes, world, torch.bfloat16)}
+        bufs, fns, notes = {}, {}, []
+
+        def plain():
+            return torch.empty(count, dtype=torch.bfloat16, device=dev)
+
+        bufs["nccl"] = plain()
+        fns["nccl"] = lambda b=bufs["nccl"]: dist.all_reduce(b)
+        for algo in ("flat", "tree", "auto"):
+            bufs[algo] = plain()
+            fns[algo] = lambda b=bufs[algo], a=algo: comm.all_reduce(b, algo=a)
+        bufs["tree-sym"] = comm.symmetric_empty((count,), torch.bfloat16, dev)
+        fns["tree-sym"] = lambda b=bufs["tree-sym"]: comm.all_reduce(b, algo="tree")
+        if symm is not None:
+            try:
+                t1 = symm.empty(count, dtype=torch.bfloat16, device=dev)
+                symm.rendezvous(t1, group_name)
+                t2 = symm.empty(count, dtype=torch.bfloat16, device=dev)
+                symm.rendezvous(t2, group_name)
+                bufs["symm-1shot"], bufs["symm-2shot"] = t1, t2
+                fns["symm-1shot"] = lambda b=t1: torch.ops.symm_mem.one_shot_all_reduce(b, "sum", group_name)
+                fns["symm-2shot"] = lambda b=t2: torch.ops.symm_mem.two_shot_all_reduce_(b, "sum", group_name)
+            except Exception as e:  # noqa: BLE001
+                notes.append(f"torch symm_mem unavailable: {type(e).__name__}: {e}"[:200])
+
+        # Correctness first, on the same inputs.
+        results = {}
+        for name, fn in fns.items():
+            bufs[name].copy_(pristine)
+            out = fn()
+            results[name] = out if name == "symm-1shot" else bufs[name]
+        torch.cuda.synchronize()
+        for name, got in results.items():
+            ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
+            if not ok:
+                notes.append(f"{name}: WRONG RESULT vs NCCL")
+        for name in ("tree", "auto", "tree-sym"):
+            if not torch.equal(results[name], results["flat"]):
+                notes.append(f"{name} != flat bitwise")
+
+        for name, fn in fns.items():
+            buf = bufs[name]
+            row[name] = time_graph(fn, lambda b=buf: b.copy_(pristine), ops_for(nbytes), args.replays)
+        row["notes"] = "; ".join(notes)
+        rows.append(row)
+        if rank == 0:
+            print(f"{fmt_bytes(nbytes):>8}: " + ", ".join(f"{k} {row[k]:.1f}" for k in COLUMNS if k in row)
+                  + (f"  [{row['notes']}]" if notes else ""), flush=True)
+        del bufs, fns, results
+        torch.cuda.empty_cache()
+    if rank == 0:
+        queue.put(rows)
+    comm.close()
+    dist.destroy_process_group()
+
+
+def render(rows, world: int, command: str) -> str:
+    def cell(row, key):
+        return f"{row[key]:.1f}" if key in row else "n/a"
+
+    def ratio(row, key):
+        return f"{row['nccl'] / row[key]:.2f}x" if key in row else "n/a"
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "?"
+    lines = [
+        f"# GPU all-reduce, bf16, {world} ranks, CUDA-graph replay (µs per op, median)",
+        "",
+        f"- command: `{command}`",
+        f"- machine: {socket.gethostname()}, {world}x {gpu}, torch {torch.__version__}, "
+        f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, Python {platform.python_version()}",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
+        "- ratios are NCCL time / commlib time (> 1: commlib faster)",
+        "",
+        "| bytes | NCCL | flat | tree | tree-sym | auto (algo) | symm 1-shot | symm 2-shot "
+        "| flat vs NCCL | tree vs NCCL | auto vs NCCL | tree vs symm 2-shot | notes |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        vs2 = f"{r['symm-2shot'] / r['tree']:.2f}x" if "symm-2shot" in r else "n/a"
+        lines.append(
+            f"| {fmt_bytes(r['bytes'])} | {cell(r, 'nccl')} | {cell(r, 'flat')} | {cell(r, 'tree')} | "
+            f"{cell(r, 'tree-sym')} | {cell(r, 'auto')} ({r['algo']}) | {cell(r, 'symm-1shot')} | "
+            f"{cell(r, 'symm-2shot')} | {ratio(r, 'flat')} | {ratio(r, 'tree')} | {ratio(r, 'auto')} | {vs2} | "
+            f"{r['notes']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--max-bytes", type=int, default=256 << 20)
+    parser.add_argument("--out", type=Path, help="also write the markdown table here")
+    args = parser.parse_args()
+    if torch.cuda.device_count() < args.world_size:
+        sys.exit(f"needs {args.world_size} GPUs, found {torch.cuda.device_count()}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, args.world_size, port, args, queue)) for r in range(args.world_size)]
+    for p in procs:
+        p.start()
+    import queue as queue_mod
+    while True:
+        try:
+            rows = queue.get(timeout=5)
+            break
+        except queue_mod.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    p.kill()
+                sys.exit("a benchmark process failed (see its traceback above)")
+    for p in procs:
+        p.join()
+    command = "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    table = render(rows, args.world_size, command)
+    print(table)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(table)
+
+
+if __name__ == "__main__":
+    main()

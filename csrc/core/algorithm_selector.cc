@@ -1,0 +1,224 @@
+#include "core/algorithm_selector.hpp"
+
+#include <cctype>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <vector>
+
+#include "commlib/env.hpp"
+#include "commlib/errors.hpp"
+
+namespace commlib {
+namespace {
+
+// From the 2x H200 baselines in DESIGN.md (torch symmetric memory one-shot vs two-shot vs NCCL);
+// commlib-tune re-measures. Larger worlds move more data per rank in one-shot, so its limit falls.
+struct BuiltinRow {
+  int max_world_size;
+  AllReduceLimits limits;
+};
+constexpr BuiltinRow kBuiltinAllReduceTable[] = {
+    {2, {128u << 10, 64u << 20}},
+    {4, {64u << 10, 32u << 20}},
+    {8, {32u << 10, 16u << 20}},
+    {1 << 30, {16u << 10, 8u << 20}},
+};
+
+// ---- a minimal JSON reader: objects, arrays, strings, numbers, true/false/null ----
+struct Json {
+  enum class Kind { kNull, kBool, kNumber, kString, kArray, kObject } kind = Kind::kNull;
+  double number = 0;
+  bool boolean = false;
+  std::string string;
+  std::vector<Json> array;
+  std::map<std::string, Json> object;
+};
+
+class JsonParser {
+ public:
+  JsonParser(const std::string& text, const std::string& path) : s_(text), path_(path) {}
+  Json parse() {
+    Json v = value();
+    skip();
+    if (i_ != s_.size()) fail("trailing characters");
+    return v;
+  }
+
+ private:
+  [[noreturn]] void fail(const char* why) {
+    throw InvalidArgument(detail::concat("COMMLIB_TUNE_FILE: cannot parse '", path_, "': ", why, " at offset ", i_));
+  }
+  void skip() {
+    while (i_ < s_.size() && std::isspace(static_cast<unsigned char>(s_[i_]))) ++i_;
+  }
+  bool eat(char c) {
+    skip();
+    if (i_ < s_.size() && s_[i_] == c) {
+      ++i_;
+      return true;
+    }
+    return false;
+  }
+  std::string str() {
+    if (!eat('"')) fail("expected a string");
+    std::string out;
+    while (i_ < s_.size() && s_[i_] != '"') {
+      if (s_[i_] == '\\' && i_ + 1 < s_.size()) ++i_;
+      out += s_[i_++];
+    }
+    if (i_ >= s_.size()) fail("unterminated string");
+    ++i_;
+    return out;
+  }
+  Json value() {
+    skip();
+    if (i_ >= s_.size()) fail("unexpected end");
+    Json v;
+    const char c = s_[i_];
+    if (c == '{') {
+      ++i_;
+      v.kind = Json::Kind::kObject;
+      if (eat('}')) return v;
+      do {
+        std::string key = str();
+        if (!eat(':')) fail("expected ':'");
+        v.object[key] = value();
+      } while (eat(','));
+      if (!eat('}')) fail("expected '}'");
+    } else if (c == '[') {
+      ++i_;
+      v.kind = Json::Kind::kArray;
+      if (eat(']')) return v;
+      do {
+        v.array.push_back(value());
+      } while (eat(','));
+      if (!eat(']')) fail("expected ']'");
+    } else if (c == '"') {
+      v.kind = Json::Kind::kString;
+      v.string = str();
+    } else if (s_.compare(i_, 4, "true") == 0 || s_.compare(i_, 5, "false") == 0) {
+      v.kind = Json::Kind::kBool;
+      v.boolean = s_[i_] == 't';
+      i_ += v.boolean ? 4 : 5;
+    } else if (s_.compare(i_, 4, "null") == 0) {
+      i_ += 4;
+    } else {
+      char* end = nullptr;
+      v.number = std::strtod(s_.c_str() + i_, &end);
+      if (end == s_.c_str() + i_) fail("unexpected character");
+      v.kind = Json::Kind::kNumber;
+      i_ = static_cast<size_t>(end - s_.c_str());
+    }
+    return v;
+  }
+  const std::string& s_;
+  const std::string& path_;
+  size_t i_ = 0;
+};
+
+struct TuneEntry {
+  int world_size;
+  std::string dtype;  // empty: any
+  AllReduceLimits limits;
+};
+
+std::vector<TuneEntry> load_tune_file(const std::string& path) {
+  std::ifstream in(path);
+  COMMLIB_CHECK(in.good(), InvalidArgument, "COMMLIB_TUNE_FILE: cannot read '", path, "'");
+  std::stringstream text;
+  text << in.rdbuf();
+  const Json root = JsonParser(text.str(), path).parse();
+  COMMLIB_CHECK(root.kind == Json::Kind::kObject, InvalidArgument, "COMMLIB_TUNE_FILE: '", path,
+                "' must hold a JSON object");
+  std::vector<TuneEntry> entries;
+  auto it = root.object.find("all_reduce");
+  if (it == root.object.end()) return entries;
+  COMMLIB_CHECK(it->second.kind == Json::Kind::kArray, InvalidArgument, "COMMLIB_TUNE_FILE: '", path,
+                "': \"all_reduce\" must be a list");
+  for (const Json& e : it->second.array) {
+    auto num = [&](const char* key) -> double {
+      auto f = e.object.find(key);
+      COMMLIB_CHECK(f != e.object.end() && f->second.kind == Json::Kind::kNumber && f->second.number >= 0,
+                    InvalidArgument, "COMMLIB_TUNE_FILE: '", path, "': an all_reduce entry lacks a non-negative \"",
+                    key, "\"");
+      return f->second.number;
+    };
+    COMMLIB_CHECK(e.kind == Json::Kind::kObject, InvalidArgument, "COMMLIB_TUNE_FILE: '", path,
+                  "': all_reduce entries must be objects");
+    TuneEntry t{static_cast<int>(num("world_size")), "",
+                {static_cast<size_t>(num("flat_max_bytes")), static_cast<size_t>(num("tree_max_bytes"))}};
+    auto d = e.object.find("dtype");
+    if (d != e.object.end() && d->second.kind == Json::Kind::kString) t.dtype = d->second.string;
+    entries.push_back(t);
+  }
+  return entries;
+}
+
+std::string tune_file_path() {
+  std::string path = env::get("COMMLIB_TUNE_FILE");
+  if (!path.empty()) return path;
+  const char* home = std::getenv("HOME");
+  if (home == nullptr) return "";
+  path = std::string(home) + "/.cache/commlib/tune.json";
+  return std::ifstream(path).good() ? path : "";
+}
+
+const std::vector<TuneEntry>& tune_entries(const std::string& path) {
+  static std::mutex mutex;
+  static std::map<std::string, std::vector<TuneEntry>> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache.find(path);
+  if (it == cache.end()) it = cache.emplace(path, load_tune_file(path)).first;
+  return it->second;
+}
+
+}  // namespace
+
+AllReduceLimits all_reduce_limits(int world_size, DataType dtype) {
+  const char* what = "select_all_reduce_algorithm";
+  COMMLIB_CHECK(world_size >= 1, InvalidArgument, what, ": world_size ", world_size, " must be >= 1");
+  COMMLIB_CHECK(is_reducible(dtype), TypeMismatch, what, ": dtype ", dtype_name(dtype),
+                " not supported; supported: float32, float16, bfloat16");
+  AllReduceLimits limits{};
+  for (const BuiltinRow& row : kBuiltinAllReduceTable) {
+    if (world_size <= row.max_world_size) {
+      limits = row.limits;
+      break;
+    }
+  }
+  const std::string path = tune_file_path();
+  if (!path.empty()) {
+    bool dtype_specific = false;
+    for (const TuneEntry& e : tune_entries(path)) {
+      if (e.world_size != world_size) continue;
+      if (e.dtype.empty() && !dtype_specific) {
+        limits = e.limits;
+      } else if (e.dtype == dtype_name(dtype)) {
+        limits = e.limits;
+        dtype_specific = true;
+      }
+    }
+  }
+  const int64_t flat = env::get_int("COMMLIB_FLAT_MAX_BYTES");
+  const int64_t tree = env::get_int("COMMLIB_TREE_MAX_BYTES");
+  COMMLIB_CHECK(flat >= 0, InvalidArgument, "COMMLIB_FLAT_MAX_BYTES=", flat, " must be >= 0");
+  COMMLIB_CHECK(tree >= 0, InvalidArgument, "COMMLIB_TREE_MAX_BYTES=", tree, " must be >= 0");
+  if (flat > 0) limits.flat_max_bytes = static_cast<size_t>(flat);
+  if (tree > 0) limits.tree_max_bytes = static_cast<size_t>(tree);
+  return limits;
+}
+
+Algorithm select_all_reduce_algorithm(size_t bytes, int world_size, DataType dtype) {
+  const AllReduceLimits limits = all_reduce_limits(world_size, dtype);
+  const std::string forced = env::get("COMMLIB_ALLREDUCE_ALGO");
+  const Algorithm algo = parse_algorithm("COMMLIB_ALLREDUCE_ALGO", forced);
+  if (algo != Algorithm::kAuto) return algo;
+  if (bytes <= limits.flat_max_bytes) return Algorithm::kFlat;
+  if (bytes <= limits.tree_max_bytes) return Algorithm::kTree;
+  return Algorithm::kNccl;
+}
+
+}  // namespace commlib

@@ -1,0 +1,43 @@
+// GPU all-reduce algorithm choice by (bytes, world size, dtype).
+//
+// Order of precedence (highest first):
+//   1. COMMLIB_ALLREDUCE_ALGO=flat|tree|nccl forces one algorithm for every size;
+//   2. COMMLIB_FLAT_MAX_BYTES / COMMLIB_TREE_MAX_BYTES (non-zero) replace the limits below;
+//   3. the tune cache (COMMLIB_TUNE_FILE, else ~/.cache/commlib/tune.json when it exists);
+//   4. the built-in table (kBuiltinAllReduceTable in algorithm_selector.cc).
+// bytes <= flat_max_bytes -> flat; <= tree_max_bytes -> tree; larger -> nccl.
+// The direct API has no NCCL engine: there "nccl" runs tree (docs/gpu-allreduce.md); the torch
+// backend routes it to NCCL.
+//
+// Note [tune file format]
+// JSON written by commlib-tune (python/commlib/tune.py), read here:
+//   {"version": 1,
+//    "all_reduce": [
+//      {"world_size": 2, "dtype": "bfloat16", "flat_max_bytes": 131072, "tree_max_bytes": 67108864},
+//      {"world_size": 4, "flat_max_bytes": 65536, "tree_max_bytes": 33554432}, ...]}
+// An entry applies to its world_size and, if "dtype" is present ("float32", "float16",
+// "bfloat16"), to that dtype only; a dtype-specific entry wins over a generic one. Unknown keys
+// are ignored (other collectives may add their own sections). A file that cannot be read or
+// parsed raises InvalidArgument naming the path. Files are read once per path per process.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "commlib/types.hpp"
+
+namespace commlib {
+
+struct AllReduceLimits {
+  size_t flat_max_bytes;
+  size_t tree_max_bytes;
+};
+
+// The limits that apply to (world_size, dtype) after steps 2-4 above.
+AllReduceLimits all_reduce_limits(int world_size, DataType dtype);
+
+// Pure: never kAuto. Throws InvalidArgument for world_size < 1, TypeMismatch for a dtype that is
+// not reducible, InvalidArgument for a bad COMMLIB_* value or tune file.
+Algorithm select_all_reduce_algorithm(size_t bytes, int world_size, DataType dtype);
+
+}  // namespace commlib

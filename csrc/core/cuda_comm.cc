@@ -1,0 +1,213 @@
+#include "core/cuda_comm.hpp"
+
+#include <atomic>
+#include <cstring>
+
+#include "commlib/env.hpp"
+#include "commlib/errors.hpp"
+#include "core/algorithm_selector.hpp"
+#include "kernels/all_reduce_params.hpp"
+#include "transport/cuda_ipc.hpp"
+
+namespace commlib {
+
+CudaComm* create_cuda_comm(Communicator& comm, int device) { return new CudaComm(comm, device); }
+void destroy_cuda_comm(CudaComm* cuda) { delete cuda; }
+
+namespace {
+
+// Payload of one LL call; larger LL messages run as several calls.
+constexpr size_t kLLBytesPerCall = 256u << 10;
+
+void cuda_check(cudaError_t err, const char* what, const char* call) {
+  COMMLIB_CHECK(err == cudaSuccess, CudaError, what, ": ", call, " failed: ", cudaGetErrorString(err));
+}
+
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    cudaGetDevice(&previous_);
+    if (previous_ != device) cudaSetDevice(device);
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+
+ private:
+  int previous_ = 0;
+};
+
+}  // namespace
+
+CudaComm::CudaComm(Communicator& comm, int device)
+    : device_(device), rank_(comm.rank()), world_size_(comm.world_size()) {
+  const char* what = "cuda communicator";
+  int count = 0;
+  cuda_check(cudaGetDeviceCount(&count), what, "cudaGetDeviceCount");
+  COMMLIB_CHECK(device >= 0 && device < count, InvalidArgument, what, ": device ", device,
+                " out of range; valid: 0..", count - 1);
+  DeviceGuard guard(device_);
+  cuda_check(cudaFree(nullptr), what, "cudaFree(0) (context creation)");
+  timeout_ns_ = static_cast<uint64_t>(comm.timeout().count()) * 1000000ull;
+  ipc_ = std::make_unique<CudaIpc>(comm.store(), comm.prefix(), rank_, world_size_, device_, comm.peer_pids()[0],
+                                   comm.timeout());
+  cuda_check(cudaMalloc(&state_, sizeof(BarrierCallState)), what, "cudaMalloc");
+  cuda_check(cudaMemset(state_, 0, sizeof(BarrierCallState)), what, "cudaMemset");
+  cuda_check(cudaHostAlloc(&error_host_, sizeof(DeviceErrorWord), cudaHostAllocMapped), what, "cudaHostAlloc");
+  std::memset(error_host_, 0, sizeof(DeviceErrorWord));
+  cuda_check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_device_), error_host_, 0), what,
+             "cudaHostGetDevicePointer");
+  cuda_check(cudaEventCreateWithFlags(&last_done_, cudaEventDisableTiming), what, "cudaEventCreate");
+  if (ipc_->p2p_ok()) {
+    signal_pad_ = ipc_->allocate(sizeof(uint64_t) * kMaxBarrierBlocks * kMaxDeviceRanks, ZeroFill::kYes, what);
+    const int64_t ws = env::get_int("COMMLIB_GPU_WORKSPACE_BYTES");
+    COMMLIB_CHECK(ws >= (1 << 16), InvalidArgument, "COMMLIB_GPU_WORKSPACE_BYTES=", ws, " too small; minimum 65536");
+    workspace_ = ipc_->allocate(static_cast<size_t>(ws), ZeroFill::kNo, what);
+    ll_lines_ = ipc_->allocate(kernels::ll_buffer_bytes(world_size_, kLLBytesPerCall), ZeroFill::kYes, what);
+  }
+  cuda_check(cudaDeviceSynchronize(), what, "cudaDeviceSynchronize");
+}
+
+CudaComm::~CudaComm() {
+  DeviceGuard guard(device_);
+  // In-flight kernels may still use the mappings; every wait is bounded, so this returns.
+  cudaDeviceSynchronize();
+  user_buffers_.clear();
+  ll_lines_.reset();
+  workspace_.reset();
+  signal_pad_.reset();
+  ipc_.reset();
+  if (last_done_ != nullptr) cudaEventDestroy(last_done_);
+  if (state_ != nullptr) cudaFree(state_);
+  if (error_host_ != nullptr) cudaFreeHost(error_host_);
+  cudaGetLastError();
+}
+
+bool CudaComm::p2p_ok() const { return ipc_->p2p_ok(); }
+const std::string& CudaComm::peer_problem() const { return ipc_->problem(); }
+
+std::shared_ptr<SymmetricBuffer> CudaComm::allocate_symmetric(size_t bytes) {
+  DeviceGuard guard(device_);
+  auto buffer = ipc_->allocate(bytes, ZeroFill::kNo, "symmetric_empty");
+  std::erase_if(user_buffers_, [](const std::weak_ptr<SymmetricBuffer>& w) { return w.expired(); });
+  user_buffers_.push_back(buffer);
+  return buffer;
+}
+
+std::shared_ptr<SymmetricBuffer> CudaComm::find_symmetric(const void* ptr, size_t bytes, size_t* offset) const {
+  for (const auto& weak : user_buffers_) {
+    auto buffer = weak.lock();
+    if (buffer && buffer->contains(ptr, bytes)) {
+      *offset = static_cast<size_t>(static_cast<const char*>(ptr) - static_cast<const char*>(buffer->local()));
+      return buffer;
+    }
+  }
+  return nullptr;
+}
+
+BarrierDevice CudaComm::barrier_handle() const {
+  BarrierDevice bar{};
+  for (int r = 0; r < world_size_; ++r) bar.flags[r] = static_cast<uint64_t*>(signal_pad_->peer(r));
+  bar.state = state_;
+  bar.error = error_device_;
+  bar.timeout_ns = timeout_ns_;
+  bar.rank = rank_;
+  bar.world_size = world_size_;
+  return bar;
+}
+
+void CudaComm::check_error(const char* what) const {
+  const auto* word = static_cast<volatile DeviceErrorWord*>(error_host_);
+  if (word->failed == 0) return;
+  std::atomic_thread_fence(std::memory_order_acquire);
+  throw Timeout(detail::concat(
+      what, ": a GPU wait of this communicator timed out earlier: rank ", word->rank, " waited ",
+      word->elapsed_ns / 1000000, " ms for rank ", word->peer, " at phase '",
+      kernels::all_reduce_phase_name(word->phase), "' (block ", word->block, ", collective call #", word->call,
+      "); the communicator is unusable, create a new one"));
+}
+
+void CudaComm::begin_op(cudaStream_t stream, const char* what) {
+  check_error(what);
+  COMMLIB_CHECK(ipc_->p2p_ok(), PeerError, what, ": GPU peer memory unavailable: ", ipc_->problem());
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cuda_check(cudaStreamIsCapturing(stream, &capture), what, "cudaStreamIsCapturing");
+  if (capture == cudaStreamCaptureStatusNone && has_last_ && stream != last_stream_) {
+    // Keeps this communicator's calls in call order across streams (the barrier counts calls).
+    cuda_check(cudaStreamWaitEvent(stream, last_done_, 0), what, "cudaStreamWaitEvent");
+  }
+}
+
+void CudaComm::end_op(cudaStream_t stream, const char* what) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cuda_check(cudaStreamIsCapturing(stream, &capture), what, "cudaStreamIsCapturing");
+  if (capture != cudaStreamCaptureStatusNone) return;
+  cuda_check(cudaEventRecord(last_done_, stream), what, "cudaEventRecord");
+  last_stream_ = stream;
+  has_last_ = true;
+}
+
+void CudaComm::all_reduce(const void* input, void* output, size_t count, DataType dtype, ReduceOp op,
+                          Algorithm algo, cudaStream_t stream) {
+  const char* what = "all_reduce";
+  COMMLIB_CHECK(op == ReduceOp::kSum || op == ReduceOp::kAvg, InvalidArgument, what, ": op ", reduce_op_name(op),
+                " not supported for CUDA tensors; supported: sum, avg");
+  COMMLIB_CHECK(is_reducible(dtype), TypeMismatch, what, ": dtype ", dtype_name(dtype),
+                " not supported; supported: float32, float16, bfloat16");
+  COMMLIB_CHECK(algo != Algorithm::kNccl, InvalidArgument, what,
+                ": algo 'nccl' needs an NCCL engine (the ddacomm torch backend); supported here: auto, flat, tree");
+  if (count == 0) {
+    check_error(what);
+    return;
+  }
+  const size_t bytes = count * dtype_size(dtype);
+  if (algo == Algorithm::kAuto) {
+    algo = select_all_reduce_algorithm(bytes, world_size_, dtype);
+    if (algo == Algorithm::kNccl) algo = Algorithm::kTree;  // no NCCL engine in the direct API
+  }
+  DeviceGuard guard(device_);
+  begin_op(stream, what);
+  Status status;
+  const int64_t ll_max = env::get_int("COMMLIB_FLAT_LL_MAX_BYTES");
+  if (algo == Algorithm::kFlat && ll_max > 0 && bytes <= static_cast<size_t>(ll_max)) {
+    kernels::AllReduceFlatLLParams p;
+    p.input = input;
+    p.output = output;
+    p.count = count;
+    p.dtype = dtype;
+    p.op = op;
+    p.lines = ll_lines_->device_handle();
+    p.max_bytes_per_call = kLLBytesPerCall;
+    p.barrier = barrier_handle();
+    status = kernels::launch_all_reduce_flat_ll(p, stream);
+  } else if (algo == Algorithm::kFlat) {
+    kernels::AllReduceFlatParams p;
+    p.input = input;
+    p.output = output;
+    p.count = count;
+    p.dtype = dtype;
+    p.op = op;
+    p.workspace = workspace_->device_handle();
+    p.barrier = barrier_handle();
+    status = kernels::launch_all_reduce_flat(p, stream);
+  } else {
+    kernels::AllReduceTreeParams p;
+    p.input = input;
+    p.output = output;
+    p.count = count;
+    p.dtype = dtype;
+    p.op = op;
+    p.workspace = workspace_->device_handle();
+    p.barrier = barrier_handle();
+    size_t offset = 0;
+    std::shared_ptr<SymmetricBuffer> sym;
+    if (input == output && (reinterpret_cast<uintptr_t>(output) & 15u) == 0 &&
+        (sym = find_symmetric(output, bytes, &offset)) != nullptr) {
+      p.source_kind = kernels::AllReduceSource::kSymmetricInput;
+      p.source = sym->device_handle_at(offset);
+    }
+    status = kernels::launch_all_reduce_tree(p, stream);
+  }
+  throw_if_error(status);
+  end_op(stream, what);
+}
+
+}  // namespace commlib

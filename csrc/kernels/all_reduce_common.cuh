@@ -1,0 +1,82 @@
+// Pieces shared by the all-reduce kernels: element-exact loads/stores of one Vec at index v of a
+// user tensor (full 16-byte access when aligned and complete, element by element otherwise),
+// the ordered fp32 reduction of one Vec over the ranks, and argument checks.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "commlib/device/vec.cuh"
+#include "kernels/all_reduce_params.hpp"
+
+namespace commlib::kernels {
+
+template <typename T>
+using Pack = device::Vec<T>;
+
+template <typename T>
+__device__ __forceinline__ Pack<T> load_pack(const T* base, size_t v, size_t count, bool aligned) {
+  constexpr int N = Pack<T>::kNumElems;
+  const size_t first = v * N;
+  const int n = count - first >= static_cast<size_t>(N) ? N : static_cast<int>(count - first);
+  if (aligned && n == N) return Pack<T>::load(base + first);
+  return Pack<T>::load_partial(base + first, n);
+}
+
+template <typename T>
+__device__ __forceinline__ void store_pack(T* base, size_t v, size_t count, bool aligned, const Pack<T>& x) {
+  constexpr int N = Pack<T>::kNumElems;
+  const size_t first = v * N;
+  const int n = count - first >= static_cast<size_t>(N) ? N : static_cast<int>(count - first);
+  if (aligned && n == N) {
+    x.store(base + first);
+  } else {
+    x.store_partial(base + first, n);
+  }
+}
+
+// Reduces pack v of srcs[0..world) in rank order (Note [reduction order]). All loads are issued
+// before the first add so the peers' latencies overlap.
+template <typename T, int kWorldSize, ReduceOp kOp>
+__device__ __forceinline__ Pack<T> reduce_pack(const T* const* srcs, int world, size_t v, size_t count,
+                                               bool full_width) {
+  constexpr int kCap = kWorldSize > 0 ? kWorldSize : kMaxDeviceRanks;
+  Pack<T> xs[kCap];
+#pragma unroll
+  for (int r = 0; r < kCap; ++r) {
+    if (kWorldSize > 0 || r < world) xs[r] = load_pack(srcs[r], v, count, full_width);
+  }
+  auto acc = device::acc_init(xs[0]);
+#pragma unroll
+  for (int r = 1; r < kCap; ++r) {
+    if (kWorldSize > 0 || r < world) device::acc_add(acc, xs[r]);
+  }
+  if constexpr (kOp == ReduceOp::kAvg) device::acc_div(acc, static_cast<float>(world));
+  return device::acc_cast<T>(acc);
+}
+
+inline bool is_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+inline Status check_common(const char* what, DataType dtype, ReduceOp op, const BarrierDevice& bar) {
+  if (op != ReduceOp::kSum && op != ReduceOp::kAvg) {
+    return Status(StatusCode::kInvalidArgument, detail::concat(what, ": op ", reduce_op_name(op),
+                                                               " not supported on GPU; supported: sum, avg"));
+  }
+  if (!is_reducible(dtype)) {
+    return Status(StatusCode::kInvalidArgument, detail::concat(what, ": dtype ", dtype_name(dtype),
+                                                               " not supported; supported: float32, float16, bfloat16"));
+  }
+  if (bar.world_size < 1 || bar.world_size > kMaxDeviceRanks || bar.rank < 0 || bar.rank >= bar.world_size) {
+    return Status(StatusCode::kInvalidArgument, detail::concat(what, ": world_size ", bar.world_size, " / rank ",
+                                                               bar.rank, " invalid; supported world sizes: 1..",
+                                                               kMaxDeviceRanks));
+  }
+  return Status::ok();
+}
+
+inline Status cuda_status(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) return Status::ok();
+  return Status(StatusCode::kCudaError, detail::concat(what, ": kernel launch failed: ", cudaGetErrorString(err)));
+}
+
+}  // namespace commlib::kernels

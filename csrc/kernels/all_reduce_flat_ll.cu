@@ -1,0 +1,123 @@
+// One-shot all-reduce without a barrier, for the smallest messages: each rank pushes its input to
+// every peer as flag-carrying LL lines (Note [LL lines] in all_reduce_params.hpp), then waits for
+// the peers' lines in its own buffer, line by line, and reduces in rank order. One NVLink write
+// latency instead of a write + barrier round trip + read.
+#include "commlib/device/barrier.cuh"
+#include "commlib/device/dispatch.cuh"
+#include "kernels/all_reduce_common.cuh"
+
+namespace commlib::kernels {
+namespace {
+
+constexpr int kLLThreads = 512;
+constexpr int kLLMaxBlocks = 32;
+
+template <typename T, int kWorldSize, ReduceOp kOp>
+__global__ void __launch_bounds__(kLLThreads) all_reduce_flat_ll_kernel(AllReduceFlatLLParams p) {
+  constexpr int N = Pack<T>::kNumElems;
+  constexpr int kCap = kWorldSize > 0 ? kWorldSize : kMaxDeviceRanks;
+  const device::CallInfo call = device::call_begin(p.barrier);
+  if (!call.ok) return;
+  const int world = kWorldSize > 0 ? kWorldSize : p.barrier.world_size;
+  const int rank = p.barrier.rank;
+  const uint32_t flag = static_cast<uint32_t>(call.call + 1);
+  const size_t num_packs = (p.count + N - 1) / N;
+  const size_t slot_bytes = 2 * p.max_bytes_per_call;  // lines of one source rank
+  const size_t parity = (call.call & 1) * static_cast<size_t>(world) * slot_bytes;
+  const T* in = static_cast<const T*>(p.input);
+  T* out = static_cast<T*>(p.output);
+  const bool in_aligned = (reinterpret_cast<uintptr_t>(in) & 15u) == 0;
+  const bool out_aligned = (reinterpret_cast<uintptr_t>(out) & 15u) == 0;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  const size_t first = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+
+  // Push: pack v (16 bytes) becomes lines 2v and 2v + 1 of slot `rank` in every peer's buffer.
+  for (size_t v = first; v < num_packs; v += stride) {
+    const Pack<T> x = load_pack(in, v, p.count, in_aligned);
+    const uint4 raw = *reinterpret_cast<const uint4*>(&x);
+    const uint4 line0{raw.x, flag, raw.y, flag}, line1{raw.z, flag, raw.w, flag};
+    for (int i = 1; i < world; ++i) {
+      const int q = (rank + i) % world;
+      uint4* dst = reinterpret_cast<uint4*>(p.lines.peer<char>(q) + parity + rank * slot_bytes) + 2 * v;
+      device::st_volatile_v4_u32(dst, line0);
+      device::st_volatile_v4_u32(dst + 1, line1);
+    }
+  }
+
+  int failed = 0;
+  for (size_t v = first; v < num_packs && !failed; v += stride) {
+    Pack<T> xs[kCap];
+#pragma unroll
+    for (int r = 0; r < kCap; ++r) {
+      if (kWorldSize == 0 && r >= world) continue;
+      if (r == rank) {
+        xs[r] = load_pack(in, v, p.count, in_aligned);
+        continue;
+      }
+      const uint4* src = reinterpret_cast<const uint4*>(p.lines.local<char>() + parity + r * slot_bytes) + 2 * v;
+      uint4 a = device::ld_volatile_v4_u32(src), b = device::ld_volatile_v4_u32(src + 1);
+      if (a.y != flag || a.w != flag || b.y != flag || b.w != flag) {
+        const uint64_t start = device::globaltimer_ns();
+        while (a.y != flag || a.w != flag || b.y != flag || b.w != flag) {
+          a = device::ld_volatile_v4_u32(src);
+          b = device::ld_volatile_v4_u32(src + 1);
+          const uint64_t elapsed = device::globaltimer_ns() - start;
+          if (elapsed > p.barrier.timeout_ns) {
+            device::record_timeout(p.barrier, r, static_cast<int>(AllReducePhase::kLLData), elapsed, call.call);
+            failed = 1;
+            break;
+          }
+        }
+      }
+      const uint4 raw{a.x, a.z, b.x, b.z};
+      xs[r] = *reinterpret_cast<const Pack<T>*>(&raw);
+    }
+    if (failed) break;
+    auto acc = device::acc_init(xs[0]);
+#pragma unroll
+    for (int r = 1; r < kCap; ++r) {
+      if (kWorldSize > 0 || r < world) device::acc_add(acc, xs[r]);
+    }
+    if constexpr (kOp == ReduceOp::kAvg) device::acc_div(acc, static_cast<float>(world));
+    store_pack(out, v, p.count, out_aligned, device::acc_cast<T>(acc));
+  }
+  if (__syncthreads_or(failed)) return;
+  device::call_end(p.barrier);
+}
+
+}  // namespace
+
+Status launch_all_reduce_flat_ll(const AllReduceFlatLLParams& params, Stream stream) {
+  const char* what = "all_reduce(flat, LL)";
+  Status status = check_common(what, params.dtype, params.op, params.barrier);
+  if (!status.is_ok() || params.count == 0) return status;
+  const size_t esize = dtype_size(params.dtype);
+  const size_t chunk = params.max_bytes_per_call / 16 * 16 / esize;
+  if (chunk == 0 || params.lines.bytes < ll_buffer_bytes(params.barrier.world_size, params.max_bytes_per_call)) {
+    return Status(StatusCode::kInvalidArgument, detail::concat(what, ": LL buffer too small"));
+  }
+  const int max_blocks = params.max_blocks > 0 ? params.max_blocks : kLLMaxBlocks;
+  for (size_t first = 0; first < params.count; first += chunk) {
+    AllReduceFlatLLParams p = params;
+    p.count = std::min(chunk, params.count - first);
+    p.input = static_cast<const char*>(params.input) + first * esize;
+    p.output = static_cast<char*>(params.output) + first * esize;
+    const size_t num_packs = (p.count * esize + 15) / 16;
+    const int threads = static_cast<int>(std::min<size_t>(kLLThreads, std::max<size_t>(32, (num_packs + 31) / 32 * 32)));
+    const int blocks = static_cast<int>(std::min<size_t>(max_blocks, (num_packs + threads - 1) / threads));
+    COMMLIB_DISPATCH_FLOAT_DTYPE(p.dtype, T, return Status(StatusCode::kInvalidArgument, what), [&] {
+      COMMLIB_DISPATCH_WORLD_SIZE(p.barrier.world_size, kWorldSize, [&] {
+        if (p.op == ReduceOp::kAvg) {
+          all_reduce_flat_ll_kernel<T, kWorldSize, ReduceOp::kAvg><<<blocks, threads, 0, stream>>>(p);
+        } else {
+          all_reduce_flat_ll_kernel<T, kWorldSize, ReduceOp::kSum><<<blocks, threads, 0, stream>>>(p);
+        }
+      });
+    });
+    status = cuda_status(what);
+    if (!status.is_ok()) return status;
+  }
+  return Status::ok();
+}
+
+}  // namespace commlib::kernels

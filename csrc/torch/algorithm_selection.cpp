@@ -1,0 +1,43 @@
+// commlib._C.select_all_reduce_algorithm / all_reduce_limits: the pure GPU all-reduce choice
+// (csrc/core/algorithm_selector.hpp), for the torch backend, commlib-tune and tests. No GPU needed.
+#include <torch/csrc/utils/pybind.h>
+
+#include "core/algorithm_selector.hpp"
+#include "torch/bindings.hpp"
+#include "torch/torch_common.hpp"
+
+namespace py = pybind11;
+
+namespace commlib::torch_layer {
+namespace {
+
+DataType reducible(at::ScalarType type, const char* what) {
+  COMMLIB_CHECK(type == at::kFloat || type == at::kHalf || type == at::kBFloat16, TypeMismatch, what, ": dtype ",
+                dtype_str(type), " not supported; supported: float32, float16, bfloat16");
+  return to_data_type(type, what);
+}
+
+BindingRegistrar reg("algorithm_selection", [](py::module_& m) {
+  m.def(
+      "select_all_reduce_algorithm",
+      [](int64_t bytes, int world_size, at::ScalarType dtype) {
+        const char* what = "select_all_reduce_algorithm";
+        COMMLIB_CHECK(bytes >= 0, InvalidArgument, what, ": bytes ", bytes, " must be >= 0");
+        return std::string(
+            algorithm_name(select_all_reduce_algorithm(static_cast<size_t>(bytes), world_size, reducible(dtype, what))));
+      },
+      py::arg("bytes"), py::arg("world_size"), py::arg("dtype"),
+      "The GPU all-reduce algorithm ('flat', 'tree' or 'nccl') for a message of `bytes` bytes; honours "
+      "COMMLIB_ALLREDUCE_ALGO, COMMLIB_FLAT_MAX_BYTES, COMMLIB_TREE_MAX_BYTES and COMMLIB_TUNE_FILE.");
+  m.def(
+      "all_reduce_limits",
+      [](int world_size, at::ScalarType dtype) {
+        const AllReduceLimits limits = all_reduce_limits(world_size, reducible(dtype, "all_reduce_limits"));
+        return std::make_pair(limits.flat_max_bytes, limits.tree_max_bytes);
+      },
+      py::arg("world_size"), py::arg("dtype"),
+      "(flat_max_bytes, tree_max_bytes) that apply to (world_size, dtype) after overrides.");
+});
+
+}  // namespace
+}  // namespace commlib::torch_layer

@@ -1,0 +1,99 @@
+// GPU entry points of the torch layer: all_reduce on CUDA tensors and symmetric tensors.
+// Everything runs on the tensor device's current stream; nothing here synchronises the host.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "core/algorithm_selector.hpp"
+#include "core/cuda_comm.hpp"
+#include "torch/bindings.hpp"
+#include "torch/torch_common.hpp"
+
+namespace py = pybind11;
+
+namespace commlib::torch_layer {
+namespace {
+
+CudaComm& cuda_state(Communicator& comm, const at::Device& device, const char* what) {
+  COMMLIB_CHECK(device.is_cuda(), TypeMismatch, what, ": device ", device.str(), " not supported; supported: cuda");
+  const int index = device.has_index() ? device.index() : c10::cuda::current_device();
+  if (comm.has_cuda()) {
+    CudaComm& cuda = comm.cuda(index);
+    COMMLIB_CHECK(cuda.device() == index, InvalidArgument, what, ": tensor is on cuda:", index,
+                  " but this communicator's GPU state lives on cuda:", cuda.device(),
+                  "; use one device per communicator");
+    return cuda;
+  }
+  c10::cuda::CUDAGuard guard(index);
+  return comm.cuda(index);
+}
+
+}  // namespace
+
+void all_reduce_cuda(Communicator& comm, at::Tensor& t, ReduceOp op, Algorithm algo) {
+  const char* what = "all_reduce";
+  const DataType dtype = reducible_type(t, what);
+  TORCH_CHECK(t.is_cuda(), what, ": expected a CUDA tensor");
+  COMMLIB_CHECK(op == ReduceOp::kSum || op == ReduceOp::kAvg, InvalidArgument, what, ": op ", reduce_op_name(op),
+                " not supported for CUDA tensors; supported: sum, avg");
+  COMMLIB_CHECK(algo != Algorithm::kNccl, InvalidArgument, what,
+                ": algo 'nccl' needs an NCCL engine (the ddacomm torch backend); supported here: auto, flat, tree");
+  CudaComm& cuda = cuda_state(comm, t.device(), what);
+  c10::cuda::CUDAGuard guard(t.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+  with_contiguous(t, [&](at::Tensor& c) {
+    cuda.all_reduce(c.data_ptr(), c.data_ptr(), static_cast<size_t>(c.numel()), dtype, op, algo, stream);
+  });
+}
+
+namespace {
+
+at::Tensor symmetric_empty(Communicator& comm, const std::vector<int64_t>& shape, at::ScalarType dtype,
+                           const at::Device& device) {
+  const char* what = "symmetric_empty";
+  COMMLIB_CHECK(device.is_cuda(), TypeMismatch, what, ": device ", device.str(), " not supported; supported: cuda");
+  int64_t numel = 1;
+  for (int64_t d : shape) {
+    COMMLIB_CHECK(d >= 0, InvalidArgument, what, ": shape has a negative dimension ", d);
+    numel *= d;
+  }
+  CudaComm& cuda = cuda_state(comm, device, what);
+  const at::Device dev(at::kCUDA, cuda.device());
+  const size_t bytes = std::max<size_t>(1, static_cast<size_t>(numel) * c10::elementSize(dtype));
+  std::shared_ptr<SymmetricBuffer> buffer = cuda.allocate_symmetric(bytes);
+  void* data = buffer->local();
+  // The tensor keeps the mapping alive; freeing it is local (peers keep their own mappings).
+  return at::from_blob(
+      data, shape, [buffer](void*) mutable { buffer.reset(); }, at::TensorOptions().dtype(dtype).device(dev));
+}
+
+// Adds a method to the Communicator class that module.cpp defined (binding files stay independent).
+template <typename F, typename... Extra>
+void add_method(py::object cls, const char* name, F&& fn, const Extra&... extra) {
+  cls.attr(name) = py::cpp_function(std::forward<F>(fn), py::name(name), py::is_method(cls),
+                                    py::sibling(py::getattr(cls, name, py::none())), extra...);
+}
+
+BindingRegistrar reg("cuda_all_reduce", [](py::module_& m) {
+  py::object cls = m.attr("Communicator");
+  add_method(
+      cls, "symmetric_empty",
+      [](Communicator& c, const std::vector<int64_t>& shape, at::ScalarType dtype, const at::Device& device) {
+        return symmetric_empty(c, shape, dtype, device);
+      },
+      py::arg("shape"), py::arg("dtype"), py::arg("device"), py::call_guard<py::gil_scoped_release>());
+  add_method(
+      cls, "check_gpu_error",
+      [](Communicator& c) {
+        if (c.has_cuda()) c.cuda(0).check_error("check_gpu_error");
+      },
+      "Raises commlib.TimeoutError if a GPU wait of this communicator expired (no synchronisation).");
+  add_method(
+      cls, "gpu_p2p_ok",
+      [](Communicator& c, const at::Device& device) { return cuda_state(c, device, "gpu_p2p_ok").p2p_ok(); },
+      py::arg("device"), py::call_guard<py::gil_scoped_release>());
+});
+
+}  // namespace
+}  // namespace commlib::torch_layer

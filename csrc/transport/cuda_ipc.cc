@@ -1,0 +1,288 @@
+#include "transport/cuda_ipc.hpp"
+
+#include <cuda_runtime.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <functional>
+
+#include "bootstrap/bootstrap.hpp"
+#include "commlib/errors.hpp"
+#include "core/cuda_driver.hpp"
+
+namespace commlib {
+namespace {
+
+constexpr uint64_t kMagic = 0x636f6d6d6c696231ull;  // "commlib1"
+
+struct FdHeader {
+  uint64_t magic;
+  uint64_t sequence;
+  uint64_t bytes;
+  int32_t rank;
+  int32_t pad;
+};
+
+struct AllocInfo {
+  uint64_t sequence;
+  uint64_t bytes;
+};
+
+struct DeviceInfo {
+  char bus_id[32];
+  int32_t can_reach_all;  // filled in a second round
+};
+
+void cuda_check(cudaError_t err, const char* what, const char* call) {
+  COMMLIB_CHECK(err == cudaSuccess, CudaError, what, ": ", call, " failed: ", cudaGetErrorString(err));
+}
+
+sockaddr_un make_addr(const std::string& name, socklen_t& len) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  // Abstract namespace: sun_path[0] == '\0', nothing on the file system to clean up.
+  const size_t n = std::min(name.size(), sizeof(addr.sun_path) - 2);
+  std::memcpy(addr.sun_path + 1, name.data(), n);
+  len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + n);
+  return addr;
+}
+
+}  // namespace
+
+CudaIpc::CudaIpc(Store& store, std::string prefix, int rank, int world_size, int device, int64_t rank0_pid,
+                 std::chrono::milliseconds timeout)
+    : store_(store),
+      prefix_(std::move(prefix)),
+      rank_(rank),
+      world_size_(world_size),
+      device_(device),
+      rank0_pid_(rank0_pid),
+      timeout_(timeout) {
+  const char* what = "cuda ipc";
+  COMMLIB_CHECK(world_size_ <= kMaxDeviceRanks, InvalidArgument, what, ": world_size ", world_size_,
+                " too large for GPU peer memory; supported: 1..", kMaxDeviceRanks);
+  Bootstrap bootstrap(store_, prefix_ + "/cuda", rank_, world_size_);
+
+  // P2P reachability of every pair, agreed by all ranks.
+  DeviceInfo mine{};
+  cuda_check(cudaDeviceGetPCIBusId(mine.bus_id, sizeof(mine.bus_id), device_), what, "cudaDeviceGetPCIBusId");
+  auto infos = bootstrap.all_gather("busid", to_bytes(mine));
+  std::string local_problem;
+  for (int r = 0; r < world_size_ && local_problem.empty(); ++r) {
+    const auto theirs = from_bytes<DeviceInfo>(infos[r]);
+    if (r == rank_ || std::strncmp(theirs.bus_id, mine.bus_id, sizeof(mine.bus_id)) == 0) continue;
+    int peer_device = -1;
+    if (cudaDeviceGetByPCIBusId(&peer_device, theirs.bus_id) != cudaSuccess) {
+      cudaGetLastError();  // not visible here: cuMemSetAccess decides at the first allocation
+      continue;
+    }
+    int can = 0;
+    cuda_check(cudaDeviceCanAccessPeer(&can, device_, peer_device), what, "cudaDeviceCanAccessPeer");
+    if (!can) {
+      local_problem = detail::concat("rank ", rank_, " (GPU ", mine.bus_id, ") cannot access the memory of rank ", r,
+                                     " (GPU ", theirs.bus_id, "): no P2P path");
+    }
+  }
+  auto problems = bootstrap.all_gather("p2p", std::vector<uint8_t>(local_problem.begin(), local_problem.end()));
+  for (const auto& p : problems) {
+    if (!p.empty() && p2p_ok_) {
+      p2p_ok_ = false;
+      problem_.assign(p.begin(), p.end());
+    }
+  }
+
+  listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  COMMLIB_CHECK(listen_fd_ >= 0, Error, what, ": socket() failed: ", std::strerror(errno));
+  socklen_t len = 0;
+  sockaddr_un addr = make_addr(socket_name(rank_), len);
+  COMMLIB_CHECK(::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), len) == 0, Error, what,
+                ": bind() of the abstract socket '", socket_name(rank_), "' failed: ", std::strerror(errno));
+  COMMLIB_CHECK(::listen(listen_fd_, world_size_ + 8) == 0, Error, what, ": listen() failed: ", std::strerror(errno));
+  bootstrap.barrier("listening");
+}
+
+CudaIpc::~CudaIpc() {
+  if (listen_fd_ >= 0) ::close(listen_fd_);
+}
+
+std::string CudaIpc::socket_name(int rank) const {
+  return detail::concat("commlib-ipc-", rank0_pid_, "-", std::hash<std::string>{}(prefix_), "-", rank);
+}
+
+void CudaIpc::exchange_fds(int my_fd, uint64_t sequence, size_t bytes, std::vector<int>& peer_fds, const char* what) {
+  for (int r = 0; r < world_size_; ++r) {
+    if (r == rank_) continue;
+    const int s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    COMMLIB_CHECK(s >= 0, Error, what, ": socket() failed: ", std::strerror(errno));
+    socklen_t len = 0;
+    sockaddr_un addr = make_addr(socket_name(r), len);
+    if (::connect(s, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+      const int e = errno;
+      ::close(s);
+      throw PeerError(detail::concat(what, ": rank ", rank_, " cannot connect to rank ", r, "'s socket: ",
+                                     std::strerror(e), " (is rank ", r, " on this node?)"));
+    }
+    FdHeader header{kMagic, sequence, bytes, rank_, 0};
+    iovec iov{&header, sizeof(header)};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
+    cmsg->cmsg_level = SOL_SOCKET;
+    cmsg->cmsg_type = SCM_RIGHTS;
+    cmsg->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(cmsg), &my_fd, sizeof(int));
+    const ssize_t sent = ::sendmsg(s, &msg, MSG_NOSIGNAL);
+    const int e = errno;
+    ::close(s);
+    COMMLIB_CHECK(sent == static_cast<ssize_t>(sizeof(header)), PeerError, what, ": sending the handle to rank ", r,
+                  " failed: ", std::strerror(e));
+  }
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  for (int received = 0; received < world_size_ - 1; ++received) {
+    pollfd pfd{listen_fd_, POLLIN, 0};
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    const int ready = ::poll(&pfd, 1, static_cast<int>(std::max<int64_t>(0, left.count())));
+    COMMLIB_CHECK(ready > 0, Timeout, what, ": rank ", rank_, " timed out after ", timeout_.count(),
+                  " ms waiting for peers' memory handles (allocation #", sequence, ", received ", received, " of ",
+                  world_size_ - 1, ")");
+    const int s = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    COMMLIB_CHECK(s >= 0, Error, what, ": accept() failed: ", std::strerror(errno));
+    FdHeader header{};
+    iovec iov{&header, sizeof(header)};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    const ssize_t got = ::recvmsg(s, &msg, MSG_CMSG_CLOEXEC | MSG_WAITALL);
+    ::close(s);
+    cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
+    COMMLIB_CHECK(got == static_cast<ssize_t>(sizeof(header)) && header.magic == kMagic && cmsg != nullptr &&
+                      cmsg->cmsg_type == SCM_RIGHTS,
+                  PeerError, what, ": rank ", rank_, " received a malformed handle message");
+    int fd = -1;
+    std::memcpy(&fd, CMSG_DATA(cmsg), sizeof(int));
+    const int from = header.rank;
+    if (from < 0 || from >= world_size_ || from == rank_ || header.sequence != sequence || header.bytes != bytes ||
+        peer_fds[from] >= 0) {
+      ::close(fd);
+      throw PeerError(detail::concat(what, ": allocation mismatch: rank ", rank_, " is at allocation #", sequence,
+                                     " of ", bytes, " bytes but rank ", from, " sent allocation #", header.sequence,
+                                     " of ", header.bytes, " bytes"));
+    }
+    peer_fds[from] = fd;
+  }
+}
+
+std::shared_ptr<SymmetricBuffer> CudaIpc::allocate(size_t bytes, ZeroFill zero, const char* what) {
+  COMMLIB_CHECK(p2p_ok_, PeerError, what, ": GPU peer memory unavailable: ", problem_);
+  COMMLIB_CHECK(bytes > 0, InvalidArgument, what, ": symmetric allocation of 0 bytes; must be > 0");
+  const auto& drv = cuda::driver();
+  cuda_check(cudaSetDevice(device_), what, "cudaSetDevice");
+  const uint64_t sequence = sequence_++;
+  Bootstrap bootstrap(store_, prefix_ + "/cuda/alloc/" + std::to_string(sequence), rank_, world_size_);
+
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device_;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  size_t granularity = 0;
+  cuda::check(drv.cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), what,
+              "cuMemGetAllocationGranularity");
+  const size_t rounded = (bytes + granularity - 1) / granularity * granularity;
+
+  // Sizes first, through the store: a mismatch is reported on every rank before any mapping.
+  const AllocInfo mine{sequence, rounded};
+  auto all = bootstrap.all_gather("size", to_bytes(mine));
+  for (int r = 0; r < world_size_; ++r) {
+    const auto theirs = from_bytes<AllocInfo>(all[r]);
+    COMMLIB_CHECK(theirs.sequence == sequence && theirs.bytes == rounded, PeerError, what,
+                  ": symmetric allocation mismatch: rank ", rank_, " allocates #", sequence, " of ", bytes,
+                  " bytes (", rounded, " rounded) but rank ", r, " allocates #", theirs.sequence, " of ", theirs.bytes,
+                  " bytes (rounded); every rank must allocate the same sizes in the same order");
+  }
+
+  CUmemGenericAllocationHandle handle{};
+  cuda::check(drv.cuMemCreate(&handle, rounded, &prop, 0), what, "cuMemCreate");
+  int my_fd = -1;
+  std::vector<int> peer_fds(world_size_, -1);
+  std::vector<CUmemGenericAllocationHandle> handles(world_size_, 0);
+  std::vector<CUdeviceptr> ptrs(world_size_, 0);
+  auto cleanup = [&, rounded] {
+    for (int r = 0; r < world_size_; ++r) {
+      if (ptrs[r] != 0) {
+        drv.cuMemUnmap(ptrs[r], rounded);
+        drv.cuMemAddressFree(ptrs[r], rounded);
+      }
+      if (handles[r] != 0) drv.cuMemRelease(handles[r]);
+      if (peer_fds[r] >= 0) ::close(peer_fds[r]);
+    }
+    if (my_fd >= 0) ::close(my_fd);
+  };
+  handles[rank_] = handle;
+  try {
+    cuda::check(drv.cuMemExportToShareableHandle(&my_fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0), what,
+                "cuMemExportToShareableHandle");
+    exchange_fds(my_fd, sequence, rounded, peer_fds, what);
+    CUmemAccessDesc access{};
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = device_;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    for (int r = 0; r < world_size_; ++r) {
+      if (r != rank_) {
+        cuda::check(drv.cuMemImportFromShareableHandle(&handles[r], reinterpret_cast<void*>(static_cast<intptr_t>(peer_fds[r])),
+                                                       CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+                    what, "cuMemImportFromShareableHandle");
+        ::close(peer_fds[r]);
+        peer_fds[r] = -1;
+      }
+      cuda::check(drv.cuMemAddressReserve(&ptrs[r], rounded, granularity, 0, 0), what, "cuMemAddressReserve");
+      cuda::check(drv.cuMemMap(ptrs[r], rounded, 0, handles[r], 0), what, "cuMemMap");
+      const CUresult res = drv.cuMemSetAccess(ptrs[r], rounded, &access, 1);
+      if (res != CUDA_SUCCESS && r != rank_) {
+        throw PeerError(detail::concat(what, ": rank ", rank_, " cannot map the memory of rank ", r,
+                                       " (cuMemSetAccess failed with ", static_cast<int>(res),
+                                       "): no P2P path between their GPUs"));
+      }
+      cuda::check(res, what, "cuMemSetAccess");
+    }
+    // The mappings keep the memory alive; the handles are no longer needed.
+    for (int r = 0; r < world_size_; ++r) {
+      drv.cuMemRelease(handles[r]);
+      handles[r] = 0;
+    }
+    ::close(my_fd);
+    my_fd = -1;
+    if (zero == ZeroFill::kYes) {
+      cuda_check(cudaMemset(reinterpret_cast<void*>(ptrs[rank_]), 0, rounded), what, "cudaMemset");
+      cuda_check(cudaDeviceSynchronize(), what, "cudaDeviceSynchronize");
+    }
+  } catch (...) {
+    cleanup();
+    throw;
+  }
+  bootstrap.barrier("mapped");
+
+  std::vector<void*> peers(world_size_);
+  for (int r = 0; r < world_size_; ++r) peers[r] = reinterpret_cast<void*>(ptrs[r]);
+  auto release = [ptrs, rounded] {
+    const auto& d = cuda::driver();
+    for (CUdeviceptr p : ptrs) {
+      d.cuMemUnmap(p, rounded);
+      d.cuMemAddressFree(p, rounded);
+    }
+  };
+  return std::make_shared<SymmetricBuffer>(std::move(peers), rank_, rounded, sequence, std::move(release));
+}
+
+}  // namespace commlib

@@ -1,0 +1,102 @@
+// Per-block flag barrier across the ranks of a communicator, with bounded waits.
+//
+// Note [flag barrier]
+// Each rank owns a signal pad (symmetric memory): flags[block][peer], written only by `peer`.
+// A collective call has a number `call` (BarrierCallState::calls, read by every block at kernel
+// start with call_begin and advanced by the last block to finish with call_end) and up to
+// kBarrierPhasesPerCall barrier phases. At phase p, block b of rank r stores
+// call * kBarrierPhasesPerCall + p + 1 into flags[b][r] of every peer (release, system scope:
+// publishes every write this block made before the barrier), then waits until its own
+// flags[b][q] reaches that value for every peer q (acquire, system scope: makes the peers'
+// published writes visible to this block). Values only grow, so nothing is ever reset, and a peer
+// that is already further ahead satisfies the wait.
+// Consequences kernels rely on: blocks only synchronise with the block of the same index on the
+// peers, so block b of every rank must touch the same data; and since kernels of one communicator
+// run in stream order, once any block of call k has passed a barrier, every peer has finished call
+// k - 1 entirely (so two alternating workspace halves need no trailing barrier).
+// Every wait is bounded by BarrierDevice::timeout_ns: on expiry the first waiter records rank,
+// peer, phase, block and elapsed time in the host-mapped DeviceErrorWord, the state is poisoned
+// (later calls return at once) and the kernel returns; the host raises Timeout naming them.
+#pragma once
+
+#include <cstdint>
+
+#include "commlib/device/ptx.cuh"
+#include "commlib/symmetric_buffer.hpp"
+
+namespace commlib::device {
+
+struct CallInfo {
+  uint64_t call;
+  bool ok;  // false: the communicator is poisoned, return at once
+};
+
+// Every thread of every block calls this first.
+__device__ __forceinline__ CallInfo call_begin(const BarrierDevice& bar) {
+  CallInfo info;
+  info.call = ld_volatile_u64(&bar.state->calls);
+  info.ok = ld_volatile_u32(&bar.state->poisoned) == 0;
+  return info;
+}
+
+// Every block calls this last (all threads), unless a wait failed.
+__device__ __forceinline__ void call_end(const BarrierDevice& bar) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    // Device scope: orders this block's read of `calls` before its count, for the last block.
+    fence_acq_rel_gpu();
+    const uint32_t done = atomicAdd(&bar.state->blocks_done, 1u);
+    if (done == gridDim.x * gridDim.y * gridDim.z - 1) {
+      bar.state->blocks_done = 0;
+      bar.state->calls = bar.state->calls + 1;
+    }
+  }
+}
+
+__device__ __noinline__ inline void record_timeout(const BarrierDevice& bar, int peer, int phase, uint64_t elapsed,
+                                                   uint64_t call) {
+  // The first waiter to fail on this rank claims the record (device memory: no atomics on the
+  // host-mapped word, which PCIe need not support).
+  if (atomicCAS(&bar.state->poisoned, 0u, 1u) == 0u) {
+    bar.error->rank = bar.rank;
+    bar.error->peer = peer;
+    bar.error->phase = phase;
+    bar.error->block = static_cast<int32_t>(blockIdx.x);
+    bar.error->elapsed_ns = elapsed;
+    bar.error->call = call;
+    // Publishes the fields above to the host before `failed`.
+    st_release_sys_u32(&bar.error->failed, 1u);
+  }
+}
+
+// Block-wide barrier with the same block index on every peer (Note [flag barrier]).
+// Returns false on every thread of the block if a wait timed out (the caller must return).
+__device__ __forceinline__ bool barrier_block(const BarrierDevice& bar, uint64_t call, int phase) {
+  __syncthreads();  // this block's writes happen-before the release below (CTA scope, then cumulative)
+  const int t = static_cast<int>(threadIdx.x);
+  int failed = 0;
+  if (t < bar.world_size && t != bar.rank) {
+    const uint64_t value = call * kBarrierPhasesPerCall + static_cast<uint64_t>(phase) + 1;
+    // Publishes this block's writes to peer t: its wait acquires this flag.
+    st_release_sys_u64(bar.flags[t] + blockIdx.x * kMaxDeviceRanks + bar.rank, value);
+    const uint64_t* mine = bar.flags[bar.rank] + blockIdx.x * kMaxDeviceRanks + t;
+    // Makes peer t's writes before its release visible to this block (with the __syncthreads below).
+    if (ld_acquire_sys_u64(mine) < value) {
+      const uint64_t start = globaltimer_ns();
+      uint32_t spins = 0;
+      while (ld_acquire_sys_u64(mine) < value) {
+        if ((++spins & 255u) == 0u) {
+          const uint64_t elapsed = globaltimer_ns() - start;
+          if (elapsed > bar.timeout_ns) {
+            record_timeout(bar, t, phase, elapsed, call);
+            failed = 1;
+            break;
+          }
+        }
+      }
+    }
+  }
+  return __syncthreads_or(failed) == 0;
+}
+
+}  // namespace commlib::device

@@ -1,0 +1,305 @@
+"""GPU all-reduce (flat one-shot, tree two-shot) over NVLink peer memory. Needs >= 2 GPUs.
+
+References, per test: the documented ordered fp32 reduction (Note [reduction order]: ranks in
+order 0..n-1, one rounding, avg = sum / n) computed on the CPU, which every algorithm must match
+bit for bit; an fp64 sum within the dtype's rounding; NCCL on the same inputs within bf16/fp16
+tolerance. Inputs are random (never zeros); user buffers carry NaN guard regions so a write out of
+bounds, or an element left unwritten, fails the test.
+"""
+from datetime import timedelta
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+SIZES = [1, 2, 7, 8, 9, 15, 16, 17, 255, 1023, 4097, 65535, 65537, (1 << 20) + 3, 3 * (1 << 20) + 7]
+
+
+def rank_input(rank, count, dtype, salt=0):
+    g = torch.Generator().manual_seed(1000003 * rank + 7919 * count + salt)
+    return (torch.rand(count, generator=g, dtype=torch.float64) * 4 - 2).to(dtype)
+
+
+def ordered_reference(inputs, op, n):
+    acc = inputs[0].float()
+    for x in inputs[1:]:
+        acc = acc + x.float()
+    if op == "avg":
+        acc = acc / torch.full_like(acc, float(n))  # a true division, also on CUDA
+    return acc.to(inputs[0].dtype)
+
+
+def bits(t):
+    return t.contiguous().view(INT_VIEW[t.dtype])
+
+
+def _run_case(ctx, comm, count, dtype, op, algo, pad, salt=0):
+    """All-reduces a [pad | count | pad] window of a NaN-filled buffer; returns the result (CPU)."""
+    dev = torch.device("cuda", ctx.device)
+    n = ctx.world_size
+    inputs = [rank_input(r, count, dtype, salt) for r in range(n)]
+    buf = torch.full((count + 2 * pad,), float("nan"), dtype=dtype, device=dev)
+    view = buf[pad:pad + count]
+    view.copy_(inputs[ctx.rank])
+    comm.all_reduce(view, op=op, algo=algo)
+    out = buf.cpu()
+    assert torch.isnan(out[:pad].float()).all() and torch.isnan(out[pad + count:].float()).all(), \
+        f"{algo} wrote outside the tensor (count={count}, pad={pad})"
+    got = out[pad:pad + count]
+    expected = ordered_reference(inputs, op, n)
+    assert torch.equal(bits(got), bits(expected)), \
+        f"{algo} {op} {dtype} count={count} pad={pad}: differs from the ordered fp32 reference"
+    ref64 = sum(x.double() for x in inputs) / (n if op == "avg" else 1)
+    torch.testing.assert_close(got.double(), ref64, rtol=TOL[dtype], atol=TOL[dtype])
+    return got
+
+
+def _vs_references(ctx, dtype_name, op):
+    dtype = DTYPES[dtype_name]
+    for count in SIZES:
+        for pad in (0, 1, 8):  # aligned, unaligned by one element, aligned with an offset
+            results = [_run_case(ctx, ctx.comm, count, dtype, op, algo, pad) for algo in ("flat", "tree", "auto")]
+            assert torch.equal(bits(results[0]), bits(results[1])), "flat != tree"
+    return True
+
+
+@pytest.mark.parametrize("op", ["sum", "avg"])
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_all_reduce_matches_ordered_and_fp64_references(ranks, dtype_name, op):
+    assert all(ranks(2).run(_vs_references, dtype_name, op))
+
+
+def _random_sizes_and_zero(ctx):
+    g = torch.Generator().manual_seed(42)  # same sizes on every rank
+    sizes = [0] + torch.randint(1, 300_000, (20,), generator=g).tolist()
+    for i, count in enumerate(sizes):
+        for algo in ("flat", "tree"):
+            dtype = list(DTYPES.values())[i % 3]
+            if count == 0:
+                t = torch.empty(0, dtype=dtype, device=f"cuda:{ctx.device}")
+                assert ctx.comm.all_reduce(t, algo=algo).numel() == 0
+            else:
+                _run_case(ctx, ctx.comm, count, dtype, "sum", algo, pad=i % 5, salt=i)
+    return True
+
+
+def test_random_odd_sizes_and_empty(ranks):
+    assert all(ranks(2).run(_random_sizes_and_zero))
+
+
+def _against_nccl(ctx):
+    import torch.distributed as dist
+    ctx.gloo()
+    nccl = ctx.scratch.get("nccl") or ctx.scratch.setdefault("nccl", dist.new_group(backend="nccl"))
+    dev = torch.device("cuda", ctx.device)
+    for dtype in DTYPES.values():
+        for count in (3, 4096, 262147, 4 << 20):
+            x = rank_input(ctx.rank, count, dtype, salt=3).to(dev)
+            theirs = x.clone()
+            dist.all_reduce(theirs, group=nccl)
+            for algo in ("flat", "tree", "auto"):
+                ours = x.clone()
+                ctx.comm.all_reduce(ours, algo=algo)
+                torch.testing.assert_close(ours.float(), theirs.float(), rtol=TOL[dtype], atol=TOL[dtype])
+    return True
+
+
+def test_against_nccl(ranks):
+    assert all(ranks(2).run(_against_nccl))
+
+
+def _workspace_chunking(ctx):
+    # COMMLIB_GPU_WORKSPACE_BYTES=131072: halves of 64 KiB, so these run as many chunks.
+    comm = ctx.new_comm("small-workspace")
+    for dtype in DTYPES.values():
+        for count in (32768 + 1, 300_001):
+            for algo in ("flat", "tree"):
+                _run_case(ctx, comm, count, dtype, "avg", algo, pad=3)
+    comm.close()
+    return True
+
+
+def test_messages_larger_than_the_workspace(ranks):
+    assert all(ranks(2, env={"COMMLIB_GPU_WORKSPACE_BYTES": "131072"}).run(_workspace_chunking))
+
+
+def _graph_replay(ctx, algo, symmetric):
+    dev = torch.device("cuda", ctx.device)
+    n, count, dtype = ctx.world_size, 50_001, torch.bfloat16
+    comm = ctx.comm
+    g = torch.Generator(device=dev).manual_seed(7)  # same on every rank: every rank knows all inputs
+    base = torch.rand(n, count, generator=g, device=dev) * 2 - 1
+    delta = torch.rand(n, count, generator=g, device=dev) * 0.01 + 0.001
+    src = torch.empty(count, dtype=dtype, device=dev)
+    if symmetric:
+        work = comm.symmetric_empty((count,), dtype, dev)
+    else:
+        work = torch.empty(count, dtype=dtype, device=dev)
+    out = torch.empty(count, dtype=dtype, device=dev)
+    comm.all_reduce(src.fill_(1), algo=algo)  # first use outside capture (creates GPU state)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            work.copy_(src)
+            comm.all_reduce(work, algo=algo)
+            comm.all_reduce(work, op="avg", algo=algo)  # two ops per replay
+            out.copy_(work)
+    torch.cuda.synchronize()
+    for i in range(1000):
+        inputs = (base + i * delta).to(dtype)  # changes between replays
+        src.copy_(inputs[ctx.rank])
+        out.fill_(float("nan"))
+        graph.replay()
+        first = ordered_reference(list(inputs), "sum", n)
+        expected = ordered_reference([first] * n, "avg", n)
+        assert torch.equal(bits(out), bits(expected)), f"replay {i}: wrong result"
+    return True
+
+
+@pytest.mark.parametrize("symmetric", [False, True], ids=["copy-in", "symmetric"])
+@pytest.mark.parametrize("algo", ["flat", "tree", "auto"])
+def test_cuda_graph_1000_replays_with_changing_inputs(ranks, algo, symmetric):
+    assert all(ranks(2).run(_graph_replay, algo, symmetric))
+
+
+def _symmetric_zero_copy(ctx):
+    dev = torch.device("cuda", ctx.device)
+    for dtype in DTYPES.values():
+        for count in (1, 17, 65537, (1 << 21) + 5):
+            inputs = [rank_input(r, count, dtype, salt=11) for r in range(ctx.world_size)]
+            for algo in ("tree", "flat", "auto"):
+                t = ctx.comm.symmetric_empty((count,), dtype, dev)
+                t.copy_(inputs[ctx.rank])
+                ctx.comm.all_reduce(t, algo=algo)
+                assert torch.equal(bits(t.cpu()), bits(ordered_reference(inputs, "sum", ctx.world_size))), \
+                    f"symmetric {algo} {dtype} count={count}"
+    # 2-D symmetric tensor, and one reused many times (the end barrier keeps iterations apart).
+    t = ctx.comm.symmetric_empty((64, 129), torch.float32, dev)
+    for i in range(50):
+        t.fill_(float(ctx.rank + 1 + i))
+        ctx.comm.all_reduce(t, algo="tree")
+        assert torch.equal(t, torch.full_like(t, float(sum(r + 1 + i for r in range(ctx.world_size)))))
+    return True
+
+
+def test_symmetric_empty_zero_copy(ranks):
+    assert all(ranks(2).run(_symmetric_zero_copy))
+
+
+def _symmetric_mismatch(ctx):
+    dev = torch.device("cuda", ctx.device)
+    comm = ctx.new_comm("mismatch")
+    comm.all_reduce(torch.ones(4, device=dev))
+    import commlib
+    with pytest.raises(commlib.PeerError, match=r"symmetric allocation mismatch"):
+        comm.symmetric_empty((1024 * (ctx.rank + 1) * 1024,), torch.float32, dev)
+    comm.close()
+    return True
+
+
+def test_symmetric_size_mismatch_is_an_error(ranks):
+    assert all(ranks(2).run(_symmetric_mismatch))
+
+
+def _two_communicators_two_streams(ctx):
+    dev = torch.device("cuda", ctx.device)
+    a, b = ctx.new_comm("two-a"), ctx.new_comm("two-b")
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    n = ctx.world_size
+    for i in range(20):
+        count = 1000 + 977 * i
+        xs = [rank_input(r, count, torch.bfloat16, salt=i) for r in range(n)]
+        ys = [rank_input(r, count + 1, torch.float32, salt=i) for r in range(n)]
+        x, y = xs[ctx.rank].to(dev), ys[ctx.rank].to(dev)
+        z = y.clone()
+        s1.wait_stream(torch.cuda.current_stream())
+        s2.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s1):
+            a.all_reduce(x, algo="flat" if i % 2 else "tree")
+            b.all_reduce(y, algo="tree")
+        with torch.cuda.stream(s2):  # same communicator, another stream, no user sync in between
+            a.all_reduce(z, algo="flat")
+        torch.cuda.synchronize()
+        assert torch.equal(bits(x.cpu()), bits(ordered_reference(xs, "sum", n)))
+        assert torch.equal(bits(y.cpu()), bits(ordered_reference(ys, "sum", n)))
+        assert torch.equal(bits(z.cpu()), bits(ordered_reference(ys, "sum", n)))
+    a.close()
+    b.close()
+    return True
+
+
+def test_two_communicators_and_two_streams(ranks):
+    assert all(ranks(2).run(_two_communicators_two_streams))
+
+
+def _other_device(ctx):
+    # Rank r uses the other rank's GPU: device ordinals differ from ranks, and the two processes
+    # still map each other's memory (bus ids are exchanged, not ordinals).
+    other = (ctx.device + 1) % torch.cuda.device_count()
+    dev = torch.device("cuda", other)
+    comm = ctx.new_comm("other-device")
+    with torch.cuda.device(other):
+        for count in (5, 70001):
+            _run_case_on(ctx, comm, dev, count)
+    comm.close()
+    return True
+
+
+def _run_case_on(ctx, comm, dev, count):
+    inputs = [rank_input(r, count, torch.float16, salt=5) for r in range(ctx.world_size)]
+    for algo in ("flat", "tree"):
+        t = inputs[ctx.rank].to(dev)
+        comm.all_reduce(t, algo=algo)
+        assert torch.equal(bits(t.cpu()), bits(ordered_reference(inputs, "sum", ctx.world_size)))
+
+
+def test_non_default_device_ordering(ranks):
+    assert all(ranks(2).run(_other_device))
+
+
+def _bad_inputs(ctx):
+    import commlib
+    dev = torch.device("cuda", ctx.device)
+    x = torch.ones(8, device=dev)
+    with pytest.raises(ValueError, match=r"all_reduce: op max not supported for CUDA tensors; supported: sum, avg"):
+        ctx.comm.all_reduce(x, op="max")
+    with pytest.raises(ValueError, match=r"algo 'nccl' needs an NCCL engine"):
+        ctx.comm.all_reduce(x, algo="nccl")
+    with pytest.raises(TypeError, match=r"dtype int32 not supported; supported: float32, float16, bfloat16"):
+        ctx.comm.all_reduce(torch.ones(8, dtype=torch.int32, device=dev))
+    ctx.comm.all_reduce(x)  # still usable
+    assert torch.equal(x, torch.full_like(x, float(ctx.world_size)))
+    assert isinstance(commlib.TimeoutError("x"), RuntimeError)
+    return True
+
+
+def test_bad_inputs_raise_synchronously(ranks):
+    assert all(ranks(2).run(_bad_inputs))
+
+
+def _timeout(ctx):
+    import commlib
+    dev = torch.device("cuda", ctx.device)
+    comm = ctx.new_comm("timeout", timeout=timedelta(seconds=2))
+    comm.all_reduce(torch.ones(4, device=dev))  # both ranks: creates the GPU state
+    torch.cuda.synchronize()
+    if ctx.rank == 0:  # rank 1 never joins: rank 0's wait must expire, not hang
+        comm.all_reduce(torch.ones(4, device=dev), algo="flat")
+        torch.cuda.synchronize()
+        with pytest.raises(commlib.TimeoutError, match=r"rank 0 waited \d+ ms for rank 1 at phase 'inputs ready"):
+            comm.check_gpu_error()
+        with pytest.raises(commlib.TimeoutError, match=r"all_reduce: a GPU wait of this communicator timed out"):
+            comm.all_reduce(torch.ones(4, device=dev))
+    comm.close()
+    return True
+
+
+def test_device_wait_times_out_with_a_clear_error(ranks):
+    assert all(ranks(2).run(_timeout, timeout=120))
