@@ -173,10 +173,6 @@ void check_fused_rmsnorm_args(const FusedRmsNormArgs& a, int world_size, int ran
                 " must be finite and >= 0");
   COMMLIB_CHECK(a.residual_layout == ResidualLayout::kFull || a.mode == ResidualMode::kSharded, InvalidArgument,
                 kWhat, ": a residual holding only this rank's slice needs residual_mode='sharded'");
-  if (a.num_tokens > 0) {
-    COMMLIB_CHECK(a.x != nullptr && a.out != nullptr && a.weight != nullptr, InvalidArgument, kWhat,
-                  ": null data pointer");
-  }
 }
 
 void fused_allreduce_rmsnorm_host(Communicator& comm, const FusedRmsNormArgs& args) {

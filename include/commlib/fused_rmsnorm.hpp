@@ -84,7 +84,8 @@ struct FusedRmsNormArgs {
 };
 
 // Throws InvalidArgument / TypeMismatch naming "fused_allreduce_rmsnorm", the value and the valid
-// set. Local: checks only this rank's arguments (the collective itself checks that ranks agree).
+// set. Local: checks only this rank's sizes and types, not the data pointers (the collective
+// itself checks that ranks agree).
 void check_fused_rmsnorm_args(const FusedRmsNormArgs& args, int world_size, int rank);
 
 // CPU path over the host shm transport. Collective; float32, float16 and bfloat16.

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
+import math
+
 import torch
 
 from . import _C
@@ -58,8 +60,12 @@ def reference_rmsnorm(summed: torch.Tensor, residual: torch.Tensor, weight: torc
         q = q[:, :p] + q[:, p:2 * p]
     sumsq = q[:, 0:1]
     variance = sumsq / torch.full_like(sumsq, float(hidden))
-    eps32 = torch.full_like(variance, eps)
-    rstd = torch.ones_like(variance) / torch.sqrt(variance + eps32)
+    shifted = variance + torch.full_like(variance, eps)
+    # torch's CPU float32 sqrt is not always correctly rounded (the kernels' is): take Python's
+    # double sqrt (correctly rounded) and round it to float32, which gives the float32 sqrt exactly.
+    root = torch.tensor([math.sqrt(v) for v in shifted.flatten().tolist()], dtype=torch.float32,
+                        device=shifted.device).reshape(tokens, 1)
+    rstd = torch.ones_like(root) / root
     out = ((rf * rstd) * weight.float()).to(dtype)
     return out, r
 
