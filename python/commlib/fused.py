@@ -39,7 +39,8 @@ def reference_rmsnorm(summed: torch.Tensor, residual: torch.Tensor, weight: torc
                       eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """The documented arithmetic on an already all-reduced ``summed`` (dtype of ``residual``).
 
-    Returns ``(out, new_residual)``; bitwise what the fused op gives. Pure torch, any device.
+    Returns ``(out, new_residual)``; bitwise what the fused op gives. Pure torch; run it on CPU
+    tensors for a bitwise reference (elementwise fp32 ops there are IEEE-exact).
     """
     dtype = residual.dtype
     r = (residual.float() + summed.float()).to(dtype)
