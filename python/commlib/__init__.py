@@ -5,6 +5,7 @@
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C
+from . import fused
 from .communicator import Communicator
 from .ep import EPBuffer, EPDispatchResult, EPHandle
 from .errors import CommError, PeerError, TimeoutError

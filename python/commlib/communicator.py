@@ -243,6 +243,25 @@ class Communicator:
         """Returns once every rank has entered the barrier."""
         self._comm.barrier()
 
+    # ---- fused operations (python/commlib/fused.py) ----
+    def fused_allreduce_rmsnorm(self, x, residual, weight, eps=1e-6, *, residual_mode="replicated", out=None,
+                                num_sms=None, algo="auto"):
+        """``residual += all_reduce(x); out = rms_norm(residual) * weight``; see ``commlib.fused``."""
+        from .fused import fused_allreduce_rmsnorm
+        return fused_allreduce_rmsnorm(self, x, residual, weight, eps, residual_mode=residual_mode, out=out,
+                                       num_sms=num_sms, algo=algo)
+
+    def token_slice(self, num_tokens: int):
+        """This rank's rows ``(begin, end)`` of ``num_tokens`` in the fused ops (ceil-split)."""
+        from .fused import token_slice
+        return token_slice(num_tokens, self.world_size, self.rank)
+
+    @property
+    def op_handle(self) -> int:
+        """The integer naming this communicator in ``torch.ops.ddacomm`` ops."""
+        from .fused import op_handle
+        return op_handle(self)
+
 
 @atexit.register
 def _close_all() -> None:

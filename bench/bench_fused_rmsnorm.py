@@ -1,0 +1,247 @@
+#!/usr/bin/env python3
+"""Fused all-reduce + residual add + RMSNorm: commlib (p2p) vs sequential NCCL vs torch two-shot.
+
+Spawns its own processes (no torchrun):   python bench/bench_fused_rmsnorm.py [--out FILE]
+
+hidden 8192 (default), bf16, 2 ranks, tokens 1 .. 16384. Per token count every implementation
+runs on the same random inputs and is checked first:
+  fused-rep / fused-shard   comm.fused_allreduce_rmsnorm, residual_mode replicated / sharded
+                            (out bitwise equal to commlib all_reduce + commlib.fused.reference_rmsnorm,
+                            and within bf16 tolerance of NCCL + torch rms_norm)
+  nccl-seq                  dist.all_reduce(x); residual += x; out = torch rms_norm(residual) * w
+  symm-2shot-seq            torch.ops.symm_mem.two_shot_all_reduce_ + add + rms_norm (when available)
+then timed as CUDA-graph replays of `ops` back-to-back calls (median over replays of replay/ops,
+µs). Inputs are restored from pristine copies between replays (not timed) so values stay finite.
+An SM sweep (num_sms 2, 4, 8, 16, 32) of fused-rep follows. Prints markdown; --out writes it.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import socket
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TOKENS = [1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384]
+SM_SWEEP = [2, 4, 8, 16, 32]
+EPS = 1e-6
+
+
+def ops_for(tokens: int) -> int:
+    return 50 if tokens <= 128 else 20 if tokens <= 2048 else 5
+
+
+def time_graph(fn, restore, ops: int, replays: int) -> float:
+    """Median µs per op of a CUDA graph holding `ops` calls of fn()."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up outside capture (first-use set-up)
+            restore()
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(ops):
+            fn()
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for i in range(replays + 3):
+        restore()
+        if i == 0:
+            dist.barrier(device_ids=[torch.cuda.current_device()])
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) * 1000.0 / ops)
+    del graph
+    return statistics.median(times)
+
+
+def rms_norm(t, w):
+    return torch.nn.functional.rms_norm(t, (t.shape[-1],), w, EPS)
+
+
+def worker(rank: int, world: int, port: int, args, queue):
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never multicast (DESIGN.md, Safety)
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=dev)
+    import commlib
+    from commlib.fused import reference_rmsnorm
+    comm = commlib.Communicator(dist.PrefixStore("commlib-bench", store), rank, world, "bench-fused")
+    group_name = dist.group.WORLD.group_name
+    symm = None
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+        if hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, "two_shot_all_reduce_"):
+            symm = symm_mem
+    except Exception:  # noqa: BLE001
+        symm = None
+    hidden, dtype = args.hidden, torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(77)
+    weight = (1 + 0.25 * torch.randn(hidden, generator=g, device=dev)).to(dtype)
+
+    rows, sweep = [], []
+    for tokens in [t for t in TOKENS if t <= args.max_tokens]:
+        gx = torch.Generator(device=dev).manual_seed(1234 + rank * 7 + tokens)
+        gr = torch.Generator(device=dev).manual_seed(99 + tokens)  # residual identical on every rank
+        x0 = torch.randn(tokens, hidden, generator=gx, device=dev).to(dtype)
+        res0 = (2 * torch.randn(tokens, hidden, generator=gr, device=dev)).to(dtype)
+        row, notes = {"tokens": tokens}, []
+        x, res, out = x0.clone(), res0.clone(), torch.empty_like(x0)
+
+        def restore():
+            x.copy_(x0)
+            res.copy_(res0)
+
+        # References: NCCL + torch, and commlib all_reduce + the documented arithmetic.
+        summed = x0.clone()
+        dist.all_reduce(summed)
+        ref_res = (res0.float() + summed.float()).to(dtype)
+        ref_out = rms_norm(ref_res, weight)
+        summed_c = x0.clone()
+        comm.all_reduce(summed_c)
+        exact_out, exact_res = reference_rmsnorm(summed_c.cpu(), res0.cpu(), weight.cpu(), EPS)
+
+        fns = {}
+        fns["fused-rep"] = lambda: comm.fused_allreduce_rmsnorm(x, res, weight, EPS, out=out)
+        fns["fused-shard"] = lambda: comm.fused_allreduce_rmsnorm(x, res, weight, EPS, out=out,
+                                                                  residual_mode="sharded")
+
+        def nccl_seq():
+            dist.all_reduce(x)
+            res.add_(x)
+            out.copy_(rms_norm(res, weight))
+        fns["nccl-seq"] = nccl_seq
+        if symm is not None:
+            try:
+                xs = symm.empty(tokens, hidden, dtype=dtype, device=dev)
+                symm.rendezvous(xs, group_name)
+
+                def symm_seq():
+                    xs.copy_(x)
+                    torch.ops.symm_mem.two_shot_all_reduce_(xs, "sum", group_name)
+                    res.add_(xs)
+                    out.copy_(rms_norm(res, weight))
+                fns["symm-2shot-seq"] = symm_seq
+            except Exception as e:  # noqa: BLE001
+                notes.append(f"torch symm_mem unavailable: {type(e).__name__}: {e}"[:160])
+
+        begin, end = comm.token_slice(tokens)
+        for name, fn in fns.items():
+            restore()
+            out.fill_(float("nan"))
+            fn()
+            torch.cuda.synchronize()
+            ok = torch.allclose(out.float(), ref_out.float(), rtol=5e-2, atol=5e-2)
+            if name.startswith("fused"):
+                ok = ok and torch.equal(out.cpu(), exact_out)
+                lo, hi = (0, tokens) if name == "fused-rep" else (begin, end)
+                ok = ok and torch.equal(res[lo:hi].cpu(), exact_res[lo:hi])
+            if not ok:
+                notes.append(f"{name}: WRONG RESULT")
+        for name, fn in fns.items():
+            row[name] = time_graph(fn, restore, ops_for(tokens), args.replays)
+        if tokens in args.sweep_tokens:
+            point = {"tokens": tokens}
+            for sms in SM_SWEEP:
+                point[sms] = time_graph(lambda s=sms: comm.fused_allreduce_rmsnorm(x, res, weight, EPS, out=out,
+                                                                                   num_sms=s),
+                                        restore, ops_for(tokens), args.replays)
+            sweep.append(point)
+        row["notes"] = "; ".join(notes)
+        rows.append(row)
+        if rank == 0:
+            print(f"{tokens:>6} tokens: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()
+                                                      if isinstance(v, float)) + (f" [{row['notes']}]" if notes else ""),
+                  flush=True)
+        torch.cuda.empty_cache()
+    if rank == 0:
+        queue.put((rows, sweep))
+    comm.close()
+    dist.destroy_process_group()
+
+
+def render(rows, sweep, world: int, hidden: int, command: str) -> str:
+    def cell(r, k):
+        return f"{r[k]:.1f}" if k in r else "n/a"
+
+    def speedup(r, k, base):
+        return f"{r[base] / r[k]:.2f}x" if k in r and base in r else "n/a"
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "?"
+    lines = [
+        f"# Fused all-reduce + residual add + RMSNorm, hidden {hidden}, bf16, {world} ranks "
+        "(CUDA-graph replay, µs per op, median)",
+        "",
+        f"- command: `{command}`",
+        f"- machine: {socket.gethostname()}, {world}x {gpu}, torch {torch.__version__}, "
+        f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, Python {platform.python_version()}",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
+        "- speed-ups are baseline time / fused time (> 1: fused faster); targets: >= 2x vs nccl-seq at "
+        "1-32 tokens, >= 1.8x at >= 128",
+        "",
+        "| tokens | fused-rep | fused-shard | nccl-seq | symm-2shot-seq | rep vs nccl | shard vs nccl "
+        "| rep vs symm | notes |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(f"| {r['tokens']} | {cell(r, 'fused-rep')} | {cell(r, 'fused-shard')} | {cell(r, 'nccl-seq')} | "
+                     f"{cell(r, 'symm-2shot-seq')} | {speedup(r, 'fused-rep', 'nccl-seq')} | "
+                     f"{speedup(r, 'fused-shard', 'nccl-seq')} | {speedup(r, 'fused-rep', 'symm-2shot-seq')} | "
+                     f"{r['notes']} |")
+    if sweep:
+        lines += ["", "## SM sweep (fused-rep, num_sms)", "",
+                  "| tokens | " + " | ".join(str(s) for s in SM_SWEEP) + " | best <= 16 SMs / best |",
+                  "| --- | " + " | ".join("---" for _ in SM_SWEEP) + " | --- |"]
+        for p in sweep:
+            best = min(p[s] for s in SM_SWEEP)
+            best16 = min(p[s] for s in SM_SWEEP if s <= 16)
+            lines.append(f"| {p['tokens']} | " + " | ".join(f"{p[s]:.1f}" for s in SM_SWEEP)
+                         + f" | {best / best16 * 100:.0f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=8192)
+    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--max-tokens", type=int, default=16384)
+    parser.add_argument("--sweep-tokens", type=int, nargs="*", default=[1, 128, 1024, 8192])
+    parser.add_argument("--out", type=Path, help="also write the markdown table here")
+    args = parser.parse_args()
+    if torch.cuda.device_count() < args.world_size:
+        sys.exit(f"needs {args.world_size} GPUs, found {torch.cuda.device_count()}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, args.world_size, port, args, queue)) for r in range(args.world_size)]
+    for p in procs:
+        p.start()
+    rows, sweep = queue.get()
+    for p in procs:
+        p.join()
+    text = render(rows, sweep, args.world_size, args.hidden, "python " + " ".join(sys.argv))
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+// torch layer of the fused all-reduce + residual add + RMSNorm (include/commlib/fused_rmsnorm.hpp):
+// argument checks, the op `torch.ops.ddacomm.fused_allreduce_rmsnorm` (CPU, CUDA and Meta kernels,
+// so torch.compile and CUDA graph capture see a plain mutating op), the registry of live
+// communicators that ops name by an integer handle, and the multicast guard's Python face.
+#include <torch/library.h>
+
+#include <mutex>
+#include <unordered_map>
+
+#include "commlib/fused_rmsnorm.hpp"
+#include "core/multicast_guard.hpp"
+#include "torch/bindings.hpp"
+#include "torch/fused_ops.hpp"
+#include "torch/torch_common.hpp"
+
+namespace py = pybind11;
+
+namespace commlib::torch_layer {
+namespace {
+
+constexpr const char* kWhat = "fused_allreduce_rmsnorm";
+
+struct HandleRegistry {
+  std::mutex mutex;
+  int64_t next = 1;
+  std::unordered_map<int64_t, std::weak_ptr<Communicator>> comms;
+};
+
+HandleRegistry& handles() {
+  static HandleRegistry* registry = new HandleRegistry;  // never destroyed: ops may run at exit
+  return *registry;
+}
+
+}  // namespace
+
+int64_t register_op_handle(const std::shared_ptr<Communicator>& comm) {
+  HandleRegistry& reg = handles();
+  std::lock_guard<std::mutex> lock(reg.mutex);
+  for (auto it = reg.comms.begin(); it != reg.comms.end();) {
+    it = it->second.expired() ? reg.comms.erase(it) : std::next(it);
+  }
+  const int64_t id = reg.next++;
+  reg.comms[id] = comm;
+  return id;
+}
+
+std::shared_ptr<Communicator> communicator_from_handle(int64_t handle, const char* what) {
+  HandleRegistry& reg = handles();
+  std::lock_guard<std::mutex> lock(reg.mutex);
+  auto it = reg.comms.find(handle);
+  std::shared_ptr<Communicator> comm = it == reg.comms.end() ? nullptr : it->second.lock();
+  COMMLIB_CHECK(comm != nullptr, InvalidArgument, what, ": communicator handle ", handle,
+                " does not name a live communicator (use Communicator.op_handle)");
+  return comm;
+}
+
+FusedAlgo parse_fused_algo(const std::string& name) {
+  if (name == "auto") return FusedAlgo::kAuto;
+  if (name == "p2p") return FusedAlgo::kP2p;
+  if (name == "multimem") return FusedAlgo::kMultimem;
+  throw InvalidArgument(detail::concat(kWhat, ": algo '", name, "' not supported; supported: auto, p2p, multimem"));
+}
+
+ResidualMode parse_residual_mode(const std::string& name) {
+  if (name == "replicated") return ResidualMode::kReplicated;
+  if (name == "sharded") return ResidualMode::kSharded;
+  throw InvalidArgument(
+      detail::concat(kWhat, ": residual_mode '", name, "' not supported; supported: replicated, sharded"));
+}
+
+FusedRmsNormArgs check_fused_tensors(Communicator& comm, const at::Tensor& x, const at::Tensor& residual,
+                                     const at::Tensor& weight, double eps, const at::Tensor& out,
+                                     ResidualMode mode, int64_t num_sms) {
+  check_cpu_or_cuda(x, kWhat, "x");
+  check_cpu_or_cuda(residual, kWhat, "residual");
+  check_cpu_or_cuda(weight, kWhat, "weight");
+  check_cpu_or_cuda(out, kWhat, "out");
+  const DataType dtype = reducible_type(x, kWhat);
+  for (const auto& [t, name] : {std::pair{&residual, "residual"}, {&weight, "weight"}, {&out, "out"}}) {
+    COMMLIB_CHECK(t->scalar_type() == x.scalar_type(), TypeMismatch, kWhat, ": dtype mismatch: ", name, " is ",
+                  dtype_str(t->scalar_type()), " but x is ", dtype_str(x.scalar_type()),
+                  "; x, residual, weight and out must have the same dtype");
+    COMMLIB_CHECK(t->device() == x.device(), TypeMismatch, kWhat, ": device mismatch: ", name, " is on ",
+                  t->device().str(), " but x is on ", x.device().str());
+  }
+  COMMLIB_CHECK(x.dim() == 2, InvalidArgument, kWhat, ": x must be 2-D [tokens, hidden]; got ", x.dim(),
+                "-D shape ", x.sizes());
+  const int64_t num_tokens = x.size(0);
+  const int64_t hidden = x.size(1);
+  COMMLIB_CHECK(hidden % kFusedHiddenAlign == 0 && hidden >= kFusedHiddenAlign && hidden <= kFusedMaxHidden,
+                InvalidArgument, kWhat, ": hidden size ", hidden, " not supported; supported: multiples of ",
+                kFusedHiddenAlign, " from ", kFusedHiddenAlign, " to ", kFusedMaxHidden);
+  COMMLIB_CHECK(weight.dim() == 1 && weight.size(0) == hidden, InvalidArgument, kWhat, ": weight must have shape [",
+                hidden, "]; got ", weight.sizes());
+  COMMLIB_CHECK(out.sizes() == x.sizes(), InvalidArgument, kWhat, ": out must have x's shape ", x.sizes(), "; got ",
+                out.sizes());
+  const TokenSlice mine = token_slice(num_tokens, comm.world_size(), comm.rank());
+  ResidualLayout layout = ResidualLayout::kFull;
+  const bool full = residual.dim() == 2 && residual.size(0) == num_tokens && residual.size(1) == hidden;
+  if (!full) {
+    const bool slice = residual.dim() == 2 && residual.size(0) == mine.size() && residual.size(1) == hidden;
+    COMMLIB_CHECK(slice && mode == ResidualMode::kSharded, InvalidArgument, kWhat, ": residual must have shape [",
+                  num_tokens, ", ", hidden, "]",
+                  mode == ResidualMode::kSharded
+                      ? detail::concat(" or this rank's slice [", mine.size(), ", ", hidden, "]")
+                      : std::string(""),
+                  " (residual_mode '", mode == ResidualMode::kSharded ? "sharded" : "replicated", "'); got ",
+                  residual.sizes());
+    layout = ResidualLayout::kSlice;
+  }
+  COMMLIB_CHECK(residual.is_contiguous() && out.is_contiguous(), InvalidArgument, kWhat,
+                ": residual and out are written in place and must be contiguous");
+  COMMLIB_CHECK(out.numel() == 0 || (out.data_ptr() != residual.data_ptr() && out.data_ptr() != x.data_ptr()),
+                InvalidArgument, kWhat, ": out must not alias x or residual");
+  COMMLIB_CHECK(num_sms >= 0 && num_sms <= 1024, InvalidArgument, kWhat, ": num_sms ", num_sms,
+                " out of range; valid: 0 (auto) or 1..1024");
+  FusedRmsNormArgs args;
+  args.num_tokens = num_tokens;
+  args.hidden = hidden;
+  args.dtype = dtype;
+  args.eps = static_cast<float>(eps);
+  args.mode = mode;
+  args.residual_layout = layout;
+  check_fused_rmsnorm_args(args, comm.world_size(), comm.rank());
+  return args;
+}
+
+void fused_allreduce_rmsnorm(Communicator& comm, const at::Tensor& x_in, at::Tensor& residual,
+                             const at::Tensor& weight_in, double eps, at::Tensor& out, ResidualMode mode,
+                             int64_t num_sms, FusedAlgo algo) {
+  // Refused before anything else, in particular before any CUDA call.
+  if (algo == FusedAlgo::kMultimem) require_multicast(kWhat);
+  FusedRmsNormArgs args = check_fused_tensors(comm, x_in, residual, weight_in, eps, out, mode, num_sms);
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor weight = weight_in.contiguous();
+  args.x = x.data_ptr();
+  args.weight = weight.data_ptr();
+  args.residual = residual.data_ptr();
+  args.out = out.data_ptr();
+  if (x.device().is_cuda()) {
+#if defined(COMMLIB_FUSED_CUDA)
+    return fused_allreduce_rmsnorm_cuda(comm, args, x, residual, weight, out, static_cast<int>(num_sms), algo);
+#else
+    throw TypeMismatch(detail::concat(kWhat, ": CUDA tensors are not supported by this build; supported: cpu"));
+#endif
+  }
+  COMMLIB_CHECK(algo != FusedAlgo::kMultimem, InvalidArgument, kWhat,
+                ": algo 'multimem' needs CUDA tensors; CPU tensors support: auto, p2p");
+  fused_allreduce_rmsnorm_host(comm, args);
+}
+
+namespace {
+
+// Typed commlib errors become the exceptions torch's dispatcher maps to ValueError / TypeError.
+template <typename F>
+void with_torch_errors(F&& body) {
+  try {
+    body();
+  } catch (const InvalidArgument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  } catch (const TypeMismatch& e) {
+    TORCH_CHECK_TYPE(false, e.what());
+  }
+}
+
+void fused_op(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight, double eps, at::Tensor out,
+              int64_t comm_handle, c10::string_view residual_mode, int64_t num_sms, c10::string_view algo) {
+  with_torch_errors([&] {
+    const FusedAlgo parsed_algo = parse_fused_algo(std::string(algo));
+    std::shared_ptr<Communicator> comm = communicator_from_handle(comm_handle, kWhat);
+    fused_allreduce_rmsnorm(*comm, x, residual, weight, eps, out, parse_residual_mode(std::string(residual_mode)),
+                            num_sms, parsed_algo);
+  });
+}
+
+// Shapes and dtypes only: the op mutates residual and out and returns nothing.
+void fused_op_meta(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight, double eps, at::Tensor out,
+                   int64_t comm_handle, c10::string_view residual_mode, int64_t num_sms, c10::string_view algo) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && out.sizes() == x.sizes(), kWhat, ": out must have x's shape");
+}
+
+}  // namespace
+}  // namespace commlib::torch_layer
+
+TORCH_LIBRARY_FRAGMENT(ddacomm, m) {
+  m.def(
+      "fused_allreduce_rmsnorm(Tensor x, Tensor(a!) residual, Tensor weight, float eps, Tensor(b!) out, int comm, "
+      "str residual_mode=\"replicated\", int num_sms=0, str algo=\"auto\") -> ()");
+}
+TORCH_LIBRARY_IMPL(ddacomm, CPU, m) { m.impl("fused_allreduce_rmsnorm", &commlib::torch_layer::fused_op); }
+TORCH_LIBRARY_IMPL(ddacomm, CUDA, m) { m.impl("fused_allreduce_rmsnorm", &commlib::torch_layer::fused_op); }
+TORCH_LIBRARY_IMPL(ddacomm, Meta, m) { m.impl("fused_allreduce_rmsnorm", &commlib::torch_layer::fused_op_meta); }
+
+namespace commlib::torch_layer {
+namespace {
+
+const BindingRegistrar kRegistrar("fused", [](py::module_& m) {
+  m.def(
+      "register_op_handle", [](const py::handle& comm) { return register_op_handle(communicator_from_python(comm)); },
+      py::arg("comm"), "An integer naming `comm` in torch.ops.ddacomm ops (held weakly).");
+  m.def(
+      "token_slice",
+      [](int64_t num_tokens, int world_size, int rank) {
+        COMMLIB_CHECK(world_size >= 1 && rank >= 0 && rank < world_size && num_tokens >= 0, InvalidArgument,
+                      "token_slice: need num_tokens >= 0 and 0 <= rank < world_size; got num_tokens ", num_tokens,
+                      ", world_size ", world_size, ", rank ", rank);
+        const TokenSlice s = token_slice(num_tokens, world_size, rank);
+        return py::make_tuple(s.begin, s.end);
+      },
+      py::arg("num_tokens"), py::arg("world_size"), py::arg("rank"));
+  m.def("multicast_allowed", [] {
+    const MulticastDecision d = multicast_decision();
+    return py::make_tuple(d.allowed, d.variable, d.reason);
+  }, "(allowed, deciding variable, reason) from the process environment; makes no CUDA call.");
+  m.def(
+      "multicast_decision_for",
+      [](const std::map<std::string, std::string>& vars) {
+        const MulticastDecision d = multicast_decision([&](const char* name) -> std::optional<std::string> {
+          auto it = vars.find(name);
+          if (it == vars.end()) return std::nullopt;
+          return it->second;
+        });
+        return py::make_tuple(d.allowed, d.variable, d.reason);
+      },
+      py::arg("variables"), "The guard's decision for the given variables instead of the environment.");
+  m.def(
+      "require_multicast", [](const std::string& what) { require_multicast(what.c_str()); }, py::arg("what"));
+});
+
+}  // namespace
+}  // namespace commlib::torch_layer

@@ -1,0 +1,45 @@
+// torch layer of the fused all-reduce + RMSNorm, shared by fused_ops.cpp and fused_ops_cuda.cpp.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <string>
+
+#include "commlib/communicator.hpp"
+#include "commlib/fused_rmsnorm.hpp"
+
+// The GPU path exists once the CUDA communicator (csrc/core/cuda_comm.hpp) is in the tree.
+#if defined(COMMLIB_TORCH_CUDA) && __has_include("core/cuda_comm.hpp")
+#define COMMLIB_FUSED_CUDA 1
+#endif
+
+namespace commlib::torch_layer {
+
+enum class FusedAlgo : int { kAuto = 0, kP2p = 1, kMultimem = 2 };
+
+FusedAlgo parse_fused_algo(const std::string& name);
+ResidualMode parse_residual_mode(const std::string& name);
+
+// Integer handles naming live communicators in torch.ops (held weakly).
+int64_t register_op_handle(const std::shared_ptr<Communicator>& comm);
+std::shared_ptr<Communicator> communicator_from_handle(int64_t handle, const char* what);
+
+// Checks shapes, dtypes, devices and sizes (raising the typed errors) and returns the argument
+// struct without data pointers.
+FusedRmsNormArgs check_fused_tensors(Communicator& comm, const at::Tensor& x, const at::Tensor& residual,
+                                     const at::Tensor& weight, double eps, const at::Tensor& out,
+                                     ResidualMode mode, int64_t num_sms);
+
+void fused_allreduce_rmsnorm(Communicator& comm, const at::Tensor& x, at::Tensor& residual,
+                             const at::Tensor& weight, double eps, at::Tensor& out, ResidualMode mode,
+                             int64_t num_sms, FusedAlgo algo);
+
+#if defined(COMMLIB_FUSED_CUDA)
+// csrc/torch/fused_ops_cuda.cpp: on the current stream of x's device; args has the data pointers.
+void fused_allreduce_rmsnorm_cuda(Communicator& comm, const FusedRmsNormArgs& args, const at::Tensor& x,
+                                  at::Tensor& residual, const at::Tensor& weight, at::Tensor& out, int num_sms,
+                                  FusedAlgo algo);
+#endif
+
+}  // namespace commlib::torch_layer

@@ -1,0 +1,165 @@
+"""GPU fused all-reduce + residual add + RMSNorm (P2P kernel). Needs >= 2 GPUs.
+
+References: commlib's unfused GPU ``all_reduce`` followed by ``commlib.fused.reference_rmsnorm``
+computed on the CPU (Note [fused rmsnorm arithmetic]) must match bit for bit; an fp64 computation
+within the dtype's rounding; NCCL-free. Outputs are NaN-poisoned first; sharded rows a rank does
+not own must come back untouched. The multimem variant is never run (DESIGN.md, Safety).
+"""
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}
+TOKENS = [1, 2, 3, 7, 33, 128, 1000, 4097]
+HIDDEN = [1024, 1032, 4096, 8192, 16384]
+
+
+def make_inputs(world_size, tokens, hidden, dtype, salt=0):
+    def gen(seed):
+        return torch.Generator().manual_seed(seed)
+    xs = [torch.randn(tokens, hidden, generator=gen(7 * r + 1000 * tokens + hidden + salt), dtype=torch.float64)
+          .to(dtype) for r in range(world_size)]
+    residual = (torch.randn(tokens, hidden, generator=gen(99 + tokens + salt), dtype=torch.float64) * 2).to(dtype)
+    weight = (1 + 0.25 * torch.randn(hidden, generator=gen(5 + hidden + salt), dtype=torch.float64)).to(dtype)
+    return xs, residual, weight
+
+
+def bits(t):
+    return t.contiguous().view(torch.int16)
+
+
+def _gpu_case(ctx, dtype_name, tokens_list, hidden_list, num_sms_list=(None,), eps=1e-6):
+    from commlib.fused import reference_rmsnorm
+    dev = torch.device("cuda", ctx.device)
+    dtype = DTYPES[dtype_name]
+    n, rank = ctx.world_size, ctx.rank
+    comm = ctx.comm
+    for hidden in hidden_list:
+        for tokens in tokens_list:
+            xs, residual0, weight = make_inputs(n, tokens, hidden, dtype)
+            x = xs[rank].to(dev)
+            summed = x.clone()
+            comm.all_reduce(summed)
+            ref_out, ref_res = reference_rmsnorm(summed.cpu(), residual0, weight, eps)
+            r64 = residual0.double() + sum(t.double() for t in xs)
+            out64 = r64 / torch.sqrt((r64 * r64).mean(dim=1, keepdim=True) + eps) * weight.double()
+            begin, end = comm.token_slice(tokens)
+            for num_sms in num_sms_list:
+                for mode in ("replicated", "sharded"):
+                    where = f"{mode} {dtype_name} tokens={tokens} hidden={hidden} num_sms={num_sms} rank={rank}"
+                    residual = residual0.to(dev)
+                    out = torch.full((tokens, hidden), float("nan"), dtype=dtype, device=dev)
+                    comm.fused_allreduce_rmsnorm(x, residual, weight.to(dev), eps, residual_mode=mode, out=out,
+                                                 num_sms=num_sms)
+                    got_out, got_res = out.cpu(), residual.cpu()
+                    assert torch.equal(bits(got_out), bits(ref_out)), f"{where}: out differs from unfused"
+                    lo, hi = (0, tokens) if mode == "replicated" else (begin, end)
+                    assert torch.equal(bits(got_res[lo:hi]), bits(ref_res[lo:hi])), f"{where}: residual differs"
+                    if mode == "sharded":
+                        keep = torch.ones(tokens, dtype=torch.bool)
+                        keep[begin:end] = False
+                        assert torch.equal(bits(got_res[keep]), bits(residual0[keep])), f"{where}: wrote foreign rows"
+                        res_slice = residual0[begin:end].to(dev)
+                        out2 = torch.full_like(out, float("nan"))
+                        comm.fused_allreduce_rmsnorm(x, res_slice, weight.to(dev), eps, residual_mode="sharded",
+                                                     out=out2, num_sms=num_sms)
+                        assert torch.equal(bits(out2.cpu()), bits(ref_out)), f"{where}: slice layout out"
+                        assert torch.equal(bits(res_slice.cpu()), bits(ref_res[begin:end])), f"{where}: slice res"
+                    torch.testing.assert_close(got_out.double(), out64, rtol=TOL[dtype], atol=TOL[dtype],
+                                               msg=f"{where}: vs fp64")
+    return True
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_fused_gpu_matches_unfused_bitwise(ranks, dtype_name):
+    ranks(2).run(_gpu_case, dtype_name, TOKENS, HIDDEN)
+
+
+def test_fused_gpu_num_sms(ranks):
+    ranks(2).run(_gpu_case, "bfloat16", [1, 5, 300], [8192], (1, 2, 4, 16, 32, 132))
+
+
+def test_fused_gpu_many_chunks(ranks):
+    # A 1 MiB workspace holds a few rows of hidden 8192 per call, so the launcher runs many calls.
+    ranks(2, env={"COMMLIB_GPU_WORKSPACE_BYTES": str(1 << 20)}).run(_gpu_case, "bfloat16", [1, 77, 1000], [8192])
+
+
+def test_fused_gpu_knob_num_sms(ranks):
+    ranks(2, env={"COMMLIB_FUSED_NUM_SMS": "3"}).run(_gpu_case, "float16", [1, 64], [4096])
+
+
+def _graph_and_compile(ctx):
+    from commlib.fused import reference_rmsnorm
+    dev = torch.device("cuda", ctx.device)
+    comm = ctx.comm
+    n, rank, tokens, hidden, dtype, eps = ctx.world_size, ctx.rank, 37, 8192, torch.bfloat16, 1e-5
+    xs, residual0, weight = make_inputs(n, tokens, hidden, dtype, salt=11)
+    x = xs[rank].to(dev)
+    w = weight.to(dev)
+    residual = residual0.to(dev)
+    out = torch.empty_like(x)
+
+    def expected(x_now, residual_now):
+        summed = x_now.clone()
+        comm.all_reduce(summed)
+        return reference_rmsnorm(summed.cpu(), residual_now.cpu(), weight, eps)
+
+    # CUDA graph capture: warm up eagerly (first-use set-up), capture, replay on fresh inputs.
+    comm.fused_allreduce_rmsnorm(x, residual, w, eps, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        comm.fused_allreduce_rmsnorm(x, residual, w, eps, out=out)
+    for step in range(3):
+        new_x = make_inputs(n, tokens, hidden, dtype, salt=20 + step)[0][rank].to(dev)
+        x.copy_(new_x)
+        residual.copy_(residual0.to(dev))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_res = expected(x, residual0)
+        assert torch.equal(bits(out.cpu()), bits(ref_out)), f"graph replay {step}: out"
+        assert torch.equal(bits(residual.cpu()), bits(ref_res)), f"graph replay {step}: residual"
+
+    # torch.compile (inductor, fullgraph) around the op with ops before and after it.
+    def layer(x, residual, w):
+        out = torch.empty_like(x)
+        torch.ops.ddacomm.fused_allreduce_rmsnorm(x * 1, residual, w, eps, out, comm.op_handle,
+                                                  "replicated", 0, "auto")
+        return out + 0
+
+    compiled = torch.compile(layer, fullgraph=True)
+    residual = residual0.to(dev)
+    got = compiled(x, residual, w)
+    ref_out, ref_res = expected(x, residual0)
+    assert torch.equal(bits(got.cpu()), bits(ref_out)) and torch.equal(bits(residual.cpu()), bits(ref_res))
+    return True
+
+
+def test_fused_gpu_graph_capture_and_compile(ranks):
+    ranks(2).run(_graph_and_compile)
+
+
+def _bad_inputs_gpu(ctx):
+    dev = torch.device("cuda", ctx.device)
+    comm = ctx.comm
+    x = torch.randn(4, 1024, device=dev)
+    with pytest.raises(TypeError, match="float32"):
+        comm.fused_allreduce_rmsnorm(x, x.clone(), torch.ones(1024, device=dev))
+    xb = x.bfloat16()
+    with pytest.raises(TypeError, match="device mismatch"):
+        comm.fused_allreduce_rmsnorm(xb, xb.clone(), torch.ones(1024, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="hidden size 1020"):
+        comm.fused_allreduce_rmsnorm(xb[:, :1020], xb[:, :1020].clone(), torch.ones(1020, dtype=torch.bfloat16,
+                                                                                     device=dev))
+    # multimem is refused before any CUDA work on these machines (kill switches set there).
+    with pytest.raises(ValueError, match="multicast refused"):
+        comm.fused_allreduce_rmsnorm(xb, xb.clone(), torch.ones(1024, dtype=torch.bfloat16, device=dev),
+                                     algo="multimem")
+    return _gpu_case(ctx, "bfloat16", [5], [1024])
+
+
+def test_fused_gpu_bad_inputs(ranks):
+    ranks(2).run(_bad_inputs_gpu)
