@@ -14,9 +14,10 @@
 namespace commlib {
 namespace {
 
-// World size 2: measured on 2x H200 (bench/results/gpu-all-reduce-2026-11-30.md, bf16, graph
-// replay): flat (with LL up to COMMLIB_FLAT_LL_MAX_BYTES) beats tree up to 1 MiB; tree beats NCCL
-// by 1.3x at 1-4 MiB but not at 16 MiB, so above 8 MiB the call goes to NCCL (where attached).
+// World size 2: measured on 2x H200 (bench/results/gpu-all-reduce-2026-11-30-b.md, bf16, graph
+// replay): flat (LL up to COMMLIB_FLAT_LL_MAX_BYTES) beats tree up to 256 KiB and loses at 1 MiB;
+// tree beats NCCL up to 16 MiB (1.1x) and loses at 64 MiB, so above 16 MiB the call goes to NCCL
+// (where attached).
 // Larger worlds are not measured yet: one-shot moves (n-1)x the message per rank, so its limit
 // falls with n. commlib-tune re-measures.
 struct BuiltinRow {
@@ -24,7 +25,7 @@ struct BuiltinRow {
   AllReduceLimits limits;
 };
 constexpr BuiltinRow kBuiltinAllReduceTable[] = {
-    {2, {1u << 20, 8u << 20}},
+    {2, {512u << 10, 16u << 20}},
     {4, {256u << 10, 8u << 20}},
     {8, {128u << 10, 8u << 20}},
     {1 << 30, {64u << 10, 4u << 20}},

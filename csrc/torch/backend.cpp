@@ -10,9 +10,9 @@
 //   CPU:  all_reduce / reduce / reduce_scatter (float32, float16, bfloat16; sum, avg, min, max,
 //         product), broadcast / all_gather / all_to_all (any dtype commlib moves as bytes),
 //         barrier -> commlib shm;  gather, scatter, send/recv, sparse, other dtypes/ops -> gloo.
-//   CUDA: all_reduce (sum/avg, float32/float16/bfloat16, contiguous, <= the GPU workspace) ->
-//         torch_layer::all_reduce_cuda when COMMLIB_BACKEND_CUDA_ALL_REDUCE is 1 (once
-//         csrc/torch/cuda_ops.cpp is merged); everything else -> NCCL.
+//   CUDA: all_reduce (sum/avg, float32/float16/bfloat16, contiguous, where the selector picks
+//         flat or tree for the byte count) -> torch_layer::all_reduce_cuda; everything else
+//         (including sizes where the selector picks "nccl") -> NCCL.
 #include "torch/backend.hpp"
 
 #include <c10/util/Exception.h>
@@ -24,6 +24,7 @@
 #include <optional>
 
 #include "commlib/env.hpp"
+#include "core/algorithm_selector.hpp"
 #include "commlib/errors.hpp"
 #include "torch/bindings.hpp"
 #include "torch/torch_common.hpp"
@@ -36,21 +37,8 @@
 
 #include <unordered_map>
 
-namespace commlib::torch_layer {
-// A weak stand-in for the GPU all-reduce of csrc/torch/cuda_ops.cpp (branch gpu-allreduce), which
-// torch_common.cpp already calls: it keeps the extension loadable until that file is linked in,
-// and its strong definition replaces this one without an edit here.
-__attribute__((weak)) void all_reduce_cuda(Communicator& comm, at::Tensor& t, ReduceOp op, Algorithm algo) {
-  throw Error("all_reduce_cuda: commlib's GPU all-reduce is not built into this extension");
-}
-}  // namespace commlib::torch_layer
 #endif
 
-// The one switch for CUDA all_reduce through the backend: 0 sends it to NCCL; set it to 1 once
-// csrc/torch/cuda_ops.cpp is merged (see DdaBackend::route_cuda_all_reduce).
-#ifndef COMMLIB_BACKEND_CUDA_ALL_REDUCE
-#define COMMLIB_BACKEND_CUDA_ALL_REDUCE 0
-#endif
 
 namespace py = pybind11;
 
@@ -321,12 +309,13 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::route_cuda_all_reduce(std::vector<at:
 #if defined(COMMLIB_TORCH_CUDA)
   at::Tensor& t = tensors[0];
   const auto op = to_reduce_op(opts.reduceOp);
-  constexpr bool linked = COMMLIB_BACKEND_CUDA_ALL_REDUCE != 0;
   // Every rank sees the same dtype, op and byte count (a matching collective), so this decision
   // is the same everywhere (Note [ddacomm routing]).
-  const bool eligible = linked && comm_ && !shut_down_ && op && (*op == ReduceOp::kSum || *op == ReduceOp::kAvg) &&
+  const bool eligible = comm_ && !shut_down_ && op && (*op == ReduceOp::kSum || *op == ReduceOp::kAvg) &&
                         is_reducible_type(t.scalar_type()) && t.layout() == at::kStrided &&
-                        t.numel() * t.element_size() <= env::get_int("COMMLIB_GPU_WORKSPACE_BYTES");
+                        select_all_reduce_algorithm(static_cast<size_t>(t.numel()) * t.element_size(),
+                                                    getSize(), to_data_type(t.scalar_type(), "allreduce")) !=
+                            Algorithm::kNccl;
   if (eligible && t.is_contiguous()) {
     const int device = t.device().index();
     c10::cuda::CUDAGuard device_guard(device);
