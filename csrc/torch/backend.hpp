@@ -49,7 +49,8 @@ class DdaBackend final : public c10d::Backend {
   const std::string getBackendName() const override { return "ddacomm"; }
   c10::intrusive_ptr<Options> getBackendOptions() override;
   void setTimeout(std::chrono::milliseconds timeout) override;
-  void setBoundDeviceId(std::optional<at::Device> device) override;
+  // Not `override`: torch 2.11's Backend has no such virtual (2.14 has; the signature matches).
+  void setBoundDeviceId(std::optional<at::Device> device);
   void shutdown() override;
   void abort() override;
 
