@@ -39,25 +39,10 @@
 
 #endif
 
-
 namespace py = pybind11;
 
 namespace commlib::torch_layer {
 namespace {
-
-// Runs `body`, turning commlib's typed errors into torch's (one error currency per layer).
-template <typename F>
-void translate_errors(F&& body) {
-  try {
-    body();
-  } catch (const InvalidArgument& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  } catch (const TypeMismatch& e) {
-    TORCH_CHECK_TYPE(false, e.what());
-  } catch (const Error& e) {
-    C10_THROW_ERROR(DistBackendError, e.what());
-  }
-}
 
 std::optional<ReduceOp> to_reduce_op(const c10d::ReduceOp& op) {
   switch (op.op_) {

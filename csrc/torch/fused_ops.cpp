@@ -151,21 +151,10 @@ void fused_allreduce_rmsnorm(Communicator& comm, const at::Tensor& x_in, at::Ten
 
 namespace {
 
-// Typed commlib errors become the exceptions torch's dispatcher maps to ValueError / TypeError.
-template <typename F>
-void with_torch_errors(F&& body) {
-  try {
-    body();
-  } catch (const InvalidArgument& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  } catch (const TypeMismatch& e) {
-    TORCH_CHECK_TYPE(false, e.what());
-  }
-}
 
 void fused_op(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight, double eps, at::Tensor out,
               int64_t comm_handle, c10::string_view residual_mode, int64_t num_sms, c10::string_view algo) {
-  with_torch_errors([&] {
+  translate_errors([&] {
     const FusedAlgo parsed_algo = parse_fused_algo(std::string(algo));
     std::shared_ptr<Communicator> comm = communicator_from_handle(comm_handle, kWhat);
     fused_allreduce_rmsnorm(*comm, x, residual, weight, eps, out, parse_residual_mode(std::string(residual_mode)),

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <memory>
@@ -35,6 +36,22 @@ void with_contiguous(at::Tensor& t, F&& body) {
   at::Tensor work = t.contiguous();
   body(work);
   t.copy_(work);
+}
+
+// Runs `body`, turning commlib's typed errors into torch's (one error currency per layer):
+// InvalidArgument -> ValueError, TypeMismatch -> TypeError, other commlib errors ->
+// DistBackendError. For code reached through the c10d backend or the torch dispatcher.
+template <typename F>
+void translate_errors(F&& body) {
+  try {
+    body();
+  } catch (const InvalidArgument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  } catch (const TypeMismatch& e) {
+    TORCH_CHECK_TYPE(false, e.what());
+  } catch (const Error& e) {
+    C10_THROW_ERROR(DistBackendError, e.what());
+  }
 }
 
 class TorchStore final : public Store {
