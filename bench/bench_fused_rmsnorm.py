@@ -21,13 +21,14 @@ import datetime
 import os
 import platform
 import socket
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from timing import time_graph
 
 TOKENS = [1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384]
 SM_SWEEP = [2, 4, 8, 16, 32]
@@ -36,36 +37,6 @@ EPS = 1e-6
 
 def ops_for(tokens: int) -> int:
     return 50 if tokens <= 128 else 20 if tokens <= 2048 else 5
-
-
-def time_graph(fn, restore, ops: int, replays: int) -> float:
-    """Median µs per op of a CUDA graph holding `ops` calls of fn()."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):  # warm-up outside capture (first-use set-up)
-            restore()
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(ops):
-            fn()
-    times = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for i in range(replays + 3):
-        restore()
-        if i == 0:
-            dist.barrier(device_ids=[torch.cuda.current_device()])
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end) * 1000.0 / ops)
-    del graph
-    return statistics.median(times)
 
 
 def rms_norm(t, w):

@@ -24,13 +24,14 @@ import datetime
 import os
 import platform
 import socket
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from timing import time_graph
 
 SIZES = [1 << k for k in range(10, 29, 2)]  # 1 KiB .. 256 MiB
 COLUMNS = ["nccl", "flat", "flat-ll", "tree", "tree-sym", "auto", "symm-1shot", "symm-2shot"]
@@ -61,36 +62,6 @@ def fmt_bytes(n: int) -> str:
         if n >= div:
             return f"{n // div} {unit}"
     return f"{n} B"
-
-
-def time_graph(fn, restore, ops: int, replays: int) -> float:
-    """Median µs per op of a CUDA graph holding `ops` calls of fn()."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):  # warm-up outside capture (first-use set-up, NCCL/symm-mem init)
-            restore()
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(ops):
-            fn()
-    times = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for i in range(replays + 3):
-        restore()
-        if i == 0:
-            dist.barrier(device_ids=[torch.cuda.current_device()])
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end) * 1000.0 / ops)
-    del graph
-    return statistics.median(times)
 
 
 def worker(rank: int, world: int, port: int, args, queue):
