@@ -9,7 +9,12 @@ The cache (``COMMLIB_TUNE_FILE``, default ``~/.cache/commlib/tune.json``) holds 
     {"version": 1,
      "entries": [{"key": {"device": "NVIDIA H200", "world_size": 2, "link": "nvlink", "version": "0.1.0"},
                   "all_reduce": {"flat_max_bytes": 262144, "tree_max_bytes": 33554432},
-                  "fused_num_sms": null}]}
+                  "fused_num_sms": null}],
+     "all_reduce": [{"world_size": 2, "flat_max_bytes": 262144, "tree_max_bytes": 33554432}]}
+
+``entries`` is what the Python side reads (keyed; CPU entries have link "shm"); ``all_reduce`` is
+rewritten from the GPU entries on every save and is what the C++ selector (GPU path, torch
+backend) reads: the file describes one machine.
 
 all_reduce with ``algo="auto"`` uses flat up to ``flat_max_bytes`` (inclusive), tree up to
 ``tree_max_bytes``, and NCCL above where an NCCL engine is attached (tree otherwise; on CPU there
@@ -129,6 +134,12 @@ def save(entry: dict, path: Optional[str] = None) -> Path:
     data = read_file(path)
     data["entries"] = [e for e in data["entries"] if e["key"] != entry["key"]] + [entry]
     _validate(data, p)
+    # The C++ selector (csrc/core/algorithm_selector.cc, used by the GPU path and the torch
+    # backend) reads the flat top-level list; it is derived from the GPU entries on every save.
+    data["all_reduce"] = [
+        {"world_size": e["key"]["world_size"], "flat_max_bytes": e["all_reduce"]["flat_max_bytes"],
+         "tree_max_bytes": e["all_reduce"]["tree_max_bytes"]}
+        for e in data["entries"] if e["key"].get("link") != "shm"]
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tune-", suffix=".json")
     with os.fdopen(fd, "w") as f:

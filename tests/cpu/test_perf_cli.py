@@ -141,6 +141,26 @@ def test_tuner_writes_and_reads_back(tmp_path):
     assert tune.load(other["key"], str(cache))["fused_num_sms"] == 8
 
 
+def test_gpu_tune_entry_reaches_the_cpp_selector(tmp_path):
+    """A GPU entry saved by commlib-tune is what the C++ selector (GPU path, backend) uses."""
+    sys.path.insert(0, str(ROOT / "python"))
+    from commlib import tune
+    cache = tmp_path / "gpu-tune.json"
+    key = {"device": "NVIDIA H200", "world_size": 2, "link": "nvlink", "version": "0.1.0"}
+    tune.save({"key": key, "all_reduce": {"flat_max_bytes": 12288, "tree_max_bytes": 3 << 20},
+               "fused_num_sms": None}, str(cache))
+    tune.save({"key": {**key, "device": "cpu model", "link": "shm"},
+               "all_reduce": {"flat_max_bytes": 1, "tree_max_bytes": 2}, "fused_num_sms": None}, str(cache))
+    env = dict(os.environ, COMMLIB_TUNE_FILE=str(cache))
+    code = ("import torch, commlib; from commlib import _C; "
+            "print(_C.all_reduce_limits(2, torch.bfloat16), _C.select_all_reduce_algorithm(12289, 2, torch.bfloat16))")
+    for name in ("COMMLIB_FLAT_MAX_BYTES", "COMMLIB_TREE_MAX_BYTES", "COMMLIB_ALLREDUCE_ALGO"):
+        env.pop(name, None)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["(12288,", f"{3 << 20})", "tree"], r.stdout
+
+
 def test_tune_file_malformed_raises(tmp_path):
     sys.path.insert(0, str(ROOT / "python"))
     from commlib import tune
