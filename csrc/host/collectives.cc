@@ -55,8 +55,8 @@ void Communicator::all_reduce_host(void* data, size_t count, DataType dtype, Red
     } else {
       // Slice r of every slot is reduced by rank r into its own slot, then gathered by all. A rank
       // reads its own slice straight from the user buffer, so only the peers' slices are copied in.
-      const size_t slice = std::max(kSliceAlign / esize, align_down((len + n - 1) / n + kSliceAlign / esize - 1,
-                                                                      kSliceAlign / esize));
+      const size_t elems_per_line = kSliceAlign / esize;
+      const size_t slice = align_down((len + n - 1) / n + elems_per_line - 1, elems_per_line);  // rounded up
       auto slice_begin = [&](int r) { return std::min(len, slice * r); };
       const size_t lo = slice_begin(rank_), hi = slice_begin(rank_ + 1);
       std::memcpy(mine, user, lo * esize);
