@@ -36,7 +36,7 @@ MulticastDecision multicast_decision(const EnvLookup& lookup) {
   if (!opt_in.has_value() || *opt_in != "1") {
     return {false, "COMMLIB_ENABLE_MULTICAST",
             detail::concat("COMMLIB_ENABLE_MULTICAST=", opt_in.value_or("<unset>"),
-                           "; multicast needs the explicit opt-in COMMLIB_ENABLE_MULTICAST=1")};
+                           "; multicast needs the explicit opt-in COMMLIB_ENABLE_MULTICAST set to 1")};
   }
   return {true, "", ""};
 }

@@ -1,6 +1,6 @@
 // The one gate in front of every NVLink multicast (NVLS / multimem) path (DESIGN.md, Safety).
 //
-// A multicast path runs only when COMMLIB_ENABLE_MULTICAST=1 is set AND none of the kill switches
+// A multicast path runs only when COMMLIB_ENABLE_MULTICAST set to 1 is set AND none of the kill switches
 // is set: COMMLIB_DISABLE_MULTICAST=1, NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
 // NVSHMEM_DISABLE_NVLS=1 (for the last three, any value other than the one that enables
 // multicast counts as set). Decided from the environment only: no CUDA driver or runtime call is

@@ -5,7 +5,7 @@
 // loads, and pushes the normalised row with one multicast store instead of n - 1 peer stores.
 //
 // SAFETY: never launched unless the multicast guard allowed it (csrc/core/multicast_guard.hpp:
-// explicit COMMLIB_ENABLE_MULTICAST=1 and no kill switch); nothing in this file creates a
+// explicit COMMLIB_ENABLE_MULTICAST set to 1 and no kill switch); nothing in this file creates a
 // multicast object. On the lent machines it is compiled and its SASS inspected only.
 //
 // Bitwise note: the switch sums in its own order (fp32 accumulation requested with .acc::f32

@@ -88,7 +88,7 @@ def fused_allreduce_rmsnorm(comm, x: torch.Tensor, residual: torch.Tensor, weigh
 
     ``out``: optional [tokens, hidden] output (must not alias x or residual); ``num_sms``: CTAs of
     the GPU kernel (None: ``COMMLIB_FUSED_NUM_SMS`` or by size); ``algo``: ``auto``/``p2p``, or
-    ``multimem`` (NVLink multicast: needs ``COMMLIB_ENABLE_MULTICAST=1`` and no kill switch).
+    ``multimem`` (NVLink multicast: needs ``COMMLIB_ENABLE_MULTICAST` set to 1` and no kill switch).
     Returns ``(out, residual)``.
     """
     for name, t in (("x", x), ("residual", residual), ("weight", weight)):
