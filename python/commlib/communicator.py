@@ -12,18 +12,21 @@ import torch.distributed as dist
 from . import _C
 
 _OPS = ("sum", "avg", "min", "max", "prod")
+_OP_SET = frozenset(_OPS)
+_TORCH_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MIN: "min",
+              dist.ReduceOp.MAX: "max", dist.ReduceOp.PRODUCT: "prod"}
 _ALGOS = ("auto", "flat", "tree", "nccl")
 _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 
 
 def _op_name(what: str, op) -> str:
     """Accepts "sum" ... or a ``torch.distributed.ReduceOp``; returns the lower-case name."""
+    if isinstance(op, str) and op in _OP_SET:  # the common case, on the per-call path
+        return op
     if isinstance(op, str):
         name = op.lower()
     else:
-        mapping = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MIN: "min",
-                   dist.ReduceOp.MAX: "max", dist.ReduceOp.PRODUCT: "prod"}
-        name = mapping.get(op)
+        name = _TORCH_OPS.get(op)
         if name is None:
             raise ValueError(f"{what}: op {op} not supported; supported: {', '.join(_OPS)}")
     if name not in _OPS:
@@ -58,6 +61,7 @@ class Communicator:
             raise ValueError(f"Communicator: timeout must be a positive timedelta, got {timeout!r}")
         self._comm = _C.Communicator(store, int(rank), int(world_size), str(name), timeout.total_seconds())
         self._store = store
+        self._tuned_flat_max = False
         _live.add(self)
 
     @classmethod
@@ -126,7 +130,7 @@ class Communicator:
         _check_tensor("all_reduce", "tensor", tensor)
         if algo not in _ALGOS:
             raise ValueError(f"all_reduce: algo '{algo}' not supported; supported: {', '.join(_ALGOS)}")
-        if algo == "auto" and tensor.device.type == "cpu":
+        if algo == "auto" and not tensor.is_cuda:
             algo = self._host_auto_algo(tensor.numel() * tensor.element_size())
         self._comm.all_reduce(tensor, _op_name("all_reduce", op), algo)
         return tensor
@@ -169,8 +173,8 @@ class Communicator:
     def _host_auto_algo(self, nbytes: int) -> str:
         """CPU auto selection: the commlib-tune cache's flat limit when it has an entry for this
         machine (and COMMLIB_HOST_TREE_THRESHOLD is unset), else "auto" (the built-in threshold)."""
-        flat_max = getattr(self, "_tuned_flat_max", False)
-        if flat_max is False:
+        flat_max = self._tuned_flat_max
+        if flat_max is False:  # not looked up yet
             from .tune import host_flat_max_bytes
             flat_max = self._tuned_flat_max = host_flat_max_bytes(self.world_size)
         if flat_max is None:
