@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import platform
 import socket
 import sys
@@ -26,9 +25,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from timing import time_graph
+from common import init_rank, publish, run_ranks, time_graph
 
 TOKENS = [1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384]
 SM_SWEEP = [2, 4, 8, 16, 32]
@@ -44,22 +42,9 @@ def rms_norm(t, w):
 
 
 def worker(rank: int, world: int, port: int, args, queue):
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never multicast (DESIGN.md, Safety)
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=300))
-    dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=dev)
-    import commlib
     from commlib.fused import reference_rmsnorm
-    comm = commlib.Communicator(dist.PrefixStore("commlib-bench", store), rank, world, "bench-fused")
+    dev, comm, symm = init_rank(rank, world, port, "bench-fused")
     group_name = dist.group.WORLD.group_name
-    symm = None
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
-        if hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, "two_shot_all_reduce_"):
-            symm = symm_mem
-    except Exception:  # noqa: BLE001
-        symm = None
     hidden, dtype = args.hidden, torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(77)
     weight = (1 + 0.25 * torch.randn(hidden, generator=g, device=dev)).to(dtype)
@@ -194,24 +179,8 @@ def main():
     parser.add_argument("--sweep-tokens", type=int, nargs="*", default=[1, 128, 1024, 8192])
     parser.add_argument("--out", type=Path, help="also write the markdown table here")
     args = parser.parse_args()
-    if torch.cuda.device_count() < args.world_size:
-        sys.exit(f"needs {args.world_size} GPUs, found {torch.cuda.device_count()}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args.world_size, port, args, queue)) for r in range(args.world_size)]
-    for p in procs:
-        p.start()
-    rows, sweep = queue.get()
-    for p in procs:
-        p.join()
-    text = render(rows, sweep, args.world_size, args.hidden, "python " + " ".join(sys.argv))
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    rows, sweep = run_ranks(worker, args.world_size, args)
+    publish(render(rows, sweep, args.world_size, args.hidden, "python " + " ".join(sys.argv)), args.out)
 
 
 if __name__ == "__main__":

@@ -29,9 +29,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from timing import time_graph
+from common import init_rank, publish, run_ranks, time_graph
 
 SIZES = [1 << k for k in range(10, 29, 2)]  # 1 KiB .. 256 MiB
 COLUMNS = ["nccl", "flat", "flat-ll", "tree", "tree-sym", "auto", "symm-1shot", "symm-2shot"]
@@ -65,21 +64,9 @@ def fmt_bytes(n: int) -> str:
 
 
 def worker(rank: int, world: int, port: int, args, queue):
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never multicast (DESIGN.md, Safety)
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=300))
-    dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=dev)
+    dev, comm, symm = init_rank(rank, world, port, "bench")
     import commlib
-    comm = commlib.Communicator(dist.PrefixStore("commlib-bench", store), rank, world, "bench")
     group_name = dist.group.WORLD.group_name
-    symm = None
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
-        if hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, "two_shot_all_reduce_"):
-            symm = symm_mem
-    except Exception:  # noqa: BLE001
-        symm = None
 
     rows = []
     sizes = [s for s in SIZES if s <= args.max_bytes]
@@ -188,34 +175,9 @@ def main():
     parser.add_argument("--max-bytes", type=int, default=256 << 20)
     parser.add_argument("--out", type=Path, help="also write the markdown table here")
     args = parser.parse_args()
-    if torch.cuda.device_count() < args.world_size:
-        sys.exit(f"needs {args.world_size} GPUs, found {torch.cuda.device_count()}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args.world_size, port, args, queue)) for r in range(args.world_size)]
-    for p in procs:
-        p.start()
-    import queue as queue_mod
-    while True:
-        try:
-            rows = queue.get(timeout=5)
-            break
-        except queue_mod.Empty:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                for p in procs:
-                    p.kill()
-                sys.exit("a benchmark process failed (see its traceback above)")
-    for p in procs:
-        p.join()
+    rows = run_ranks(worker, args.world_size, args)
     command = "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
-    table = render(rows, args.world_size, command)
-    print(table)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(table)
+    publish(render(rows, args.world_size, command), args.out)
 
 
 if __name__ == "__main__":
