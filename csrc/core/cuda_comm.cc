@@ -23,6 +23,21 @@ void cuda_check(cudaError_t err, const char* what, const char* call) {
   COMMLIB_CHECK(err == cudaSuccess, CudaError, what, ": ", call, " failed: ", cudaGetErrorString(err));
 }
 
+// The fields every all-reduce kernel's params take.
+template <typename P>
+P all_reduce_params(const void* input, void* output, size_t count, DataType dtype, ReduceOp op,
+                    const BarrierDevice& barrier, int64_t max_blocks) {
+  P p;
+  p.input = input;
+  p.output = output;
+  p.count = count;
+  p.dtype = dtype;
+  p.op = op;
+  p.barrier = barrier;
+  p.max_blocks = static_cast<int>(max_blocks);
+  return p;
+}
+
 class DeviceGuard {
  public:
   explicit DeviceGuard(int device) {
@@ -171,38 +186,20 @@ void CudaComm::all_reduce(const void* input, void* output, size_t count, DataTyp
                 max_blocks, " out of range; valid: 0..", kMaxBarrierBlocks);
   const int64_t ll_max = env::get_int("COMMLIB_FLAT_LL_MAX_BYTES");
   if (algo == Algorithm::kFlat && ll_max > 0 && bytes <= static_cast<size_t>(ll_max)) {
-    kernels::AllReduceFlatLLParams p;
-    p.input = input;
-    p.output = output;
-    p.count = count;
-    p.dtype = dtype;
-    p.op = op;
+    auto p = all_reduce_params<kernels::AllReduceFlatLLParams>(input, output, count, dtype, op, barrier_handle(),
+                                            max_blocks);
     p.lines = ll_lines_->device_handle();
     p.max_bytes_per_call = kLLBytesPerCall;
-    p.barrier = barrier_handle();
-    p.max_blocks = static_cast<int>(max_blocks);
     status = kernels::launch_all_reduce_flat_ll(p, stream);
   } else if (algo == Algorithm::kFlat) {
-    kernels::AllReduceFlatParams p;
-    p.input = input;
-    p.output = output;
-    p.count = count;
-    p.dtype = dtype;
-    p.op = op;
+    auto p = all_reduce_params<kernels::AllReduceFlatParams>(input, output, count, dtype, op, barrier_handle(),
+                                            max_blocks);
     p.workspace = workspace_->device_handle();
-    p.barrier = barrier_handle();
-    p.max_blocks = static_cast<int>(max_blocks);
     status = kernels::launch_all_reduce_flat(p, stream);
   } else {
-    kernels::AllReduceTreeParams p;
-    p.input = input;
-    p.output = output;
-    p.count = count;
-    p.dtype = dtype;
-    p.op = op;
+    auto p = all_reduce_params<kernels::AllReduceTreeParams>(input, output, count, dtype, op, barrier_handle(),
+                                            max_blocks);
     p.workspace = workspace_->device_handle();
-    p.barrier = barrier_handle();
-    p.max_blocks = static_cast<int>(max_blocks);
     size_t offset = 0;
     std::shared_ptr<SymmetricBuffer> sym;
     if (input == output && (reinterpret_cast<uintptr_t>(output) & 15u) == 0 &&
