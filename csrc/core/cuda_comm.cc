@@ -185,20 +185,18 @@ void CudaComm::all_reduce(const void* input, void* output, size_t count, DataTyp
   COMMLIB_CHECK(max_blocks >= 0 && max_blocks <= kMaxBarrierBlocks, InvalidArgument, "COMMLIB_ALLREDUCE_MAX_BLOCKS=",
                 max_blocks, " out of range; valid: 0..", kMaxBarrierBlocks);
   const int64_t ll_max = env::get_int("COMMLIB_FLAT_LL_MAX_BYTES");
+  const BarrierDevice barrier = barrier_handle();
   if (algo == Algorithm::kFlat && ll_max > 0 && bytes <= static_cast<size_t>(ll_max)) {
-    auto p = all_reduce_params<kernels::AllReduceFlatLLParams>(input, output, count, dtype, op, barrier_handle(),
-                                            max_blocks);
+    auto p = all_reduce_params<kernels::AllReduceFlatLLParams>(input, output, count, dtype, op, barrier, max_blocks);
     p.lines = ll_lines_->device_handle();
     p.max_bytes_per_call = kLLBytesPerCall;
     status = kernels::launch_all_reduce_flat_ll(p, stream);
   } else if (algo == Algorithm::kFlat) {
-    auto p = all_reduce_params<kernels::AllReduceFlatParams>(input, output, count, dtype, op, barrier_handle(),
-                                            max_blocks);
+    auto p = all_reduce_params<kernels::AllReduceFlatParams>(input, output, count, dtype, op, barrier, max_blocks);
     p.workspace = workspace_->device_handle();
     status = kernels::launch_all_reduce_flat(p, stream);
   } else {
-    auto p = all_reduce_params<kernels::AllReduceTreeParams>(input, output, count, dtype, op, barrier_handle(),
-                                            max_blocks);
+    auto p = all_reduce_params<kernels::AllReduceTreeParams>(input, output, count, dtype, op, barrier, max_blocks);
     p.workspace = workspace_->device_handle();
     size_t offset = 0;
     std::shared_ptr<SymmetricBuffer> sym;
