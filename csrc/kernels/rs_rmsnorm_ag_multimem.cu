@@ -19,9 +19,31 @@
 namespace commlib::kernels {
 namespace {
 using namespace fused_detail;
-using device::multimem_ld_reduce_add_v4_bf16x2;
-using device::multimem_ld_reduce_add_v4_f16x2;
-using device::multimem_st_v4_f32;
+
+// PTX wrappers named after the instruction (kernel-local until ptx.cuh grows a multimem section).
+// multimem.ld_reduce: the sum over every rank's copy of the 16 bytes at the multicast address.
+__device__ __forceinline__ uint4 multimem_ld_reduce_add_v4_bf16x2(const void* mc_addr) {
+  uint4 v;
+  asm volatile("multimem.ld_reduce.relaxed.sys.global.add.v4.bf16x2 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(mc_addr)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ uint4 multimem_ld_reduce_add_v4_f16x2(const void* mc_addr) {
+  uint4 v;
+  asm volatile("multimem.ld_reduce.relaxed.sys.global.add.v4.f16x2 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(mc_addr)
+               : "memory");
+  return v;
+}
+// multimem.st: stores the 16 bytes to every rank's copy.
+__device__ __forceinline__ void multimem_st_v4_f32(void* mc_addr, uint4 v) {
+  asm volatile("multimem.st.relaxed.sys.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(mc_addr), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
 
 template <typename T>
 __device__ __forceinline__ Pack<T> multimem_sum(const void* mc_addr) {

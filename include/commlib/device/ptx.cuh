@@ -92,30 +92,4 @@ __device__ __forceinline__ void st_volatile_v4_u32(void* addr, uint4 v) {
                : "memory");
 }
 
-// ---- NVLink multicast (sm_90+). Only for addresses of a multicast object, which only the guarded
-// multimem path may create (csrc/core/multicast_guard.hpp); never executed on the lent machines. ----
-// multimem.ld_reduce: the sum over every rank's copy of the 16 bytes at the multicast address.
-__device__ __forceinline__ uint4 multimem_ld_reduce_add_v4_bf16x2(const void* mc_addr) {
-  uint4 v;
-  asm volatile("multimem.ld_reduce.relaxed.sys.global.add.v4.bf16x2 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(mc_addr)
-               : "memory");
-  return v;
-}
-__device__ __forceinline__ uint4 multimem_ld_reduce_add_v4_f16x2(const void* mc_addr) {
-  uint4 v;
-  asm volatile("multimem.ld_reduce.relaxed.sys.global.add.v4.f16x2 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(mc_addr)
-               : "memory");
-  return v;
-}
-// multimem.st: stores the 16 bytes to every rank's copy.
-__device__ __forceinline__ void multimem_st_v4_f32(void* mc_addr, uint4 v) {
-  asm volatile("multimem.st.relaxed.sys.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(mc_addr), "r"(v.x), "r"(v.y),
-               "r"(v.z), "r"(v.w)
-               : "memory");
-}
-
 }  // namespace commlib::device
