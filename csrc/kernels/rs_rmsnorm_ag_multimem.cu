@@ -20,7 +20,8 @@ namespace commlib::kernels {
 namespace {
 using namespace fused_detail;
 
-// PTX wrappers named after the instruction (kernel-local until ptx.cuh grows a multimem section).
+// PTX wrappers named after the instruction. Kept in this file, not device/ptx.cuh, so that the
+// headers every other kernel includes cannot issue multicast (tests/cpu/test_all_reduce_selection.py).
 // multimem.ld_reduce: the sum over every rank's copy of the 16 bytes at the multicast address.
 __device__ __forceinline__ uint4 multimem_ld_reduce_add_v4_bf16x2(const void* mc_addr) {
   uint4 v;
