@@ -111,6 +111,16 @@ def main() -> int:
         buf_direct = src.clone()
         direct = graph_us(lambda: comm.all_reduce(buf_direct), 20, 50, args.repeats)
         rows.append(("graph: dist.all_reduce vs direct API", g_dda, direct, "ddacomm / direct", g_dda / direct))
+        # Where the eager time goes: the direct API, the backend object without torch.distributed's
+        # Python layer, and the cost of launching one trivial kernel from Python on this machine.
+        e_direct = eager_us(lambda: comm.all_reduce(buf_direct), args.iters, args.repeats)
+        rows.append(("eager: dist.all_reduce vs direct API", t_dda, e_direct, "ddacomm / direct", t_dda / e_direct))
+        backend = dist.group.WORLD._get_backend(torch.device("cuda"))
+        e_backend = eager_us(lambda: backend.allreduce([buf_dda]).wait(), args.iters, args.repeats)
+        rows.append(("eager: backend.allreduce([t]) (no dist Python layer)", e_backend, t_nccl, "ddacomm / nccl",
+                     e_backend / t_nccl))
+        e_launch = eager_us(lambda: buf_direct.add_(0), args.iters, args.repeats)
+        rows.append(("eager: one tensor.add_ (launch floor)", e_launch, t_nccl, "launch / nccl", e_launch / t_nccl))
     except Exception as e:  # noqa: BLE001 - the direct GPU path is optional (gpu-allreduce branch)
         if rank == 0:
             print(f"direct API not measured: {type(e).__name__}: {e}", file=sys.stderr)

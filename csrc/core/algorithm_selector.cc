@@ -167,7 +167,14 @@ std::string tune_file_path() {
   const char* home = std::getenv("HOME");
   if (home == nullptr) return "";
   path = std::string(home) + "/.cache/commlib/tune.json";
-  return std::ifstream(path).good() ? path : "";
+  // Looked up once per path: this runs on every all-reduce, and opening a file there costs more
+  // than the kernel (the file's contents are cached once read, below, in the same way).
+  static std::mutex mutex;
+  static std::map<std::string, bool> exists;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = exists.find(path);
+  if (it == exists.end()) it = exists.emplace(path, std::ifstream(path).good()).first;
+  return it->second ? path : "";
 }
 
 const std::vector<TuneEntry>& tune_entries(const std::string& path) {

@@ -42,12 +42,16 @@ class DeviceGuard {
  public:
   explicit DeviceGuard(int device) {
     cudaGetDevice(&previous_);
-    if (previous_ != device) cudaSetDevice(device);
+    changed_ = previous_ != device;
+    if (changed_) cudaSetDevice(device);
   }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
+  ~DeviceGuard() {
+    if (changed_) cudaSetDevice(previous_);
+  }
 
  private:
   int previous_ = 0;
+  bool changed_ = false;
 };
 
 }  // namespace

@@ -35,7 +35,9 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <mutex>
 #include <unordered_map>
+#include <vector>
 
 #endif
 
@@ -102,13 +104,47 @@ class CompletedWork final : public c10d::Work {
 };
 
 #if defined(COMMLIB_TORCH_CUDA)
-// A timing-free CUDA event (ATen's CUDAEvent pulls in the cuBLAS/cuSPARSE headers).
+// Timing-free CUDA events, reused: creating one per call costs more than the all-reduce kernel's
+// launch. Events belong to the device that was current at creation, so the pool is per device.
+class EventPool {
+ public:
+  static cudaEvent_t acquire(int device) {
+    EventPool& pool = instance();
+    {
+      std::lock_guard<std::mutex> lock(pool.mutex_);
+      auto& free = pool.free_[device];
+      if (!free.empty()) {
+        cudaEvent_t event = free.back();
+        free.pop_back();
+        return event;
+      }
+    }
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    cudaEvent_t event = nullptr;
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    return event;
+  }
+  static void release(int device, cudaEvent_t event) {
+    EventPool& pool = instance();
+    std::lock_guard<std::mutex> lock(pool.mutex_);
+    pool.free_[device].push_back(event);
+  }
+
+ private:
+  // Never destroyed: events may be released during interpreter exit, after static destructors.
+  static EventPool& instance() {
+    static auto* pool = new EventPool();
+    return *pool;
+  }
+  std::mutex mutex_;
+  std::unordered_map<int, std::vector<cudaEvent_t>> free_;
+};
+
+// A timing-free CUDA event from the pool (ATen's CUDAEvent pulls in the cuBLAS/cuSPARSE headers).
 class StreamEvent {
  public:
-  StreamEvent() { C10_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming)); }
-  ~StreamEvent() {
-    if (event_ != nullptr) C10_CUDA_CHECK_WARN(cudaEventDestroy(event_));
-  }
+  explicit StreamEvent(int device) : device_(device), event_(EventPool::acquire(device)) {}
+  ~StreamEvent() { EventPool::release(device_, event_); }
   StreamEvent(const StreamEvent&) = delete;
   StreamEvent& operator=(const StreamEvent&) = delete;
   void record(const c10::cuda::CUDAStream& stream) { C10_CUDA_CHECK(cudaEventRecord(event_, stream.stream())); }
@@ -127,7 +163,8 @@ class StreamEvent {
   }
 
  private:
-  cudaEvent_t event_ = nullptr;
+  int device_;
+  cudaEvent_t event_;
 };
 
 // A CUDA call enqueued on a stream; `end_` is recorded after its last kernel. wait() makes the
@@ -135,13 +172,8 @@ class StreamEvent {
 class CudaWork final : public c10d::Work {
  public:
   CudaWork(int rank, c10d::OpType op, std::vector<at::Tensor> outputs, c10::cuda::CUDAStream stream)
-      : Work(rank, op), outputs_(std::move(outputs)), device_(stream.device()) {
+      : Work(rank, op), outputs_(std::move(outputs)), device_(stream.device()), stream_(stream), end_(device_.index()) {
     end_.record(stream);
-    c10::cuda::CUDAStreamGuard guard(stream);
-    // The future's value is usable once the work's stream reached this point.
-    future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
-                                                       std::vector<c10::Device>{device_});
-    future_->markCompleted(c10::IValue(outputs_));
   }
   bool isCompleted() override { return end_.query(); }
   bool isSuccess() const override { return true; }
@@ -151,11 +183,23 @@ class CudaWork final : public c10d::Work {
   }
   void synchronize() override { wait(kNoTimeout); }
   std::vector<at::Tensor> result() override { return outputs_; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  // Built on first use: most callers never ask, and building it costs as much as the launch.
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    if (!future_) {
+      // Marked complete on the work's stream: users of the value wait for that stream to reach this
+      // point, which is after the collective (later work on it only makes them wait longer).
+      c10::cuda::CUDAStreamGuard guard(stream_);
+      future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                         std::vector<c10::Device>{device_});
+      future_->markCompleted(c10::IValue(outputs_));
+    }
+    return future_;
+  }
 
  private:
   std::vector<at::Tensor> outputs_;
   c10::Device device_;
+  c10::cuda::CUDAStream stream_;
   StreamEvent end_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
@@ -296,29 +340,30 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::route_cuda_all_reduce(std::vector<at:
   const auto op = to_reduce_op(opts.reduceOp);
   // Every rank sees the same dtype, op and byte count (a matching collective), so this decision
   // is the same everywhere (Note [ddacomm routing]).
-  const bool eligible = comm_ && !shut_down_ && op && (*op == ReduceOp::kSum || *op == ReduceOp::kAvg) &&
-                        is_reducible_type(t.scalar_type()) && t.layout() == at::kStrided &&
-                        select_all_reduce_algorithm(static_cast<size_t>(t.numel()) * t.element_size(),
-                                                    getSize(), to_data_type(t.scalar_type(), "allreduce")) !=
-                            Algorithm::kNccl;
+  const bool candidate = comm_ && !shut_down_ && op && (*op == ReduceOp::kSum || *op == ReduceOp::kAvg) &&
+                         is_reducible_type(t.scalar_type()) && t.layout() == at::kStrided;
+  const Algorithm algo = candidate ? select_all_reduce_algorithm(static_cast<size_t>(t.numel()) * t.element_size(),
+                                                                 getSize(), to_data_type(t.scalar_type(), "allreduce"))
+                                   : Algorithm::kNccl;
+  const bool eligible = algo != Algorithm::kNccl;
   if (eligible && t.is_contiguous()) {
     const int device = t.device().index();
     c10::cuda::CUDAGuard device_guard(device);
     const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device);
     if (!opts.asyncOp) {
-      translate_errors([&] { torch_layer::all_reduce_cuda(*comm_, t, *op, Algorithm::kAuto); });
+      translate_errors([&] { torch_layer::all_reduce_cuda(*comm_, t, *op, algo); });
       ++num_fast_calls_;
       return c10::make_intrusive<CudaWork>(getRank(), c10d::OpType::ALLREDUCE, tensors, current);
     }
     // async_op: the internal stream starts after the caller's pending work, and the caller's
     // allocator must not reuse `t` before the internal stream is done with it.
     c10::cuda::CUDAStream internal = cuda_state_->stream_for(device);
-    StreamEvent start;
+    StreamEvent start(device);
     start.record(current);
     start.block(internal);
     {
       c10::cuda::CUDAStreamGuard stream_guard(internal);
-      translate_errors([&] { torch_layer::all_reduce_cuda(*comm_, t, *op, Algorithm::kAuto); });
+      translate_errors([&] { torch_layer::all_reduce_cuda(*comm_, t, *op, algo); });
     }
     t.record_stream(internal);
     ++num_fast_calls_;

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One GPU-machine session in one command: build, then the named steps, each under its own time
+# limit, logging to $OUT (default ./gpu-run). A step that fails or times out is reported and the
+# next one still runs. Steps:
+#   test:NAME[:SECONDS]     pytest tests/gpu/NAME.py
+#   bench:NAME[:SECONDS]    a benchmark below, its markdown table written to $OUT/NAME.md
+#   perf[:SECONDS]          commlib-perf all_reduce sample (ddacomm vs nccl vs symm, graph) + plot
+# Example:  bash bench/gpu_suite.sh test:test_all_reduce:240 bench:allreduce:120
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-run}
+mkdir -p "$OUT"
+export COMMLIB_TIMEOUT_MS=${COMMLIB_TIMEOUT_MS:-30000} COMMLIB_TEST_TIMEOUT_S=${COMMLIB_TEST_TIMEOUT_S:-240}
+start=$(date +%s)
+if ! MAX_JOBS=${MAX_JOBS:-16} make build >"$OUT/build.log" 2>&1; then
+  tail -40 "$OUT/build.log"
+  exit 1
+fi
+PY=$(cat .build/python)
+echo "== built in $(( $(date +%s) - start )) s"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -2
+
+run_step() {  # name seconds command...
+  local name=$1 secs=$2
+  shift 2
+  local t0=$(date +%s)
+  timeout --signal=KILL "$secs" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc in $(( $(date +%s) - t0 )) s"
+  tail -${TAIL:-6} "$OUT/$name.log"
+}
+
+for step in "$@"; do
+  IFS=: read -r kind name secs <<<"$step"
+  case $kind in
+    test)
+      run_step "$name" "${secs:-300}" "$PY" -m pytest "tests/gpu/$name.py" -q -x -rs --durations=8 ;;
+    bench)
+      case $name in
+        allreduce) run_step bench-allreduce "${secs:-180}" "$PY" bench/gpu_all_reduce.py --out "$OUT/allreduce.md" ;;
+        fused) run_step bench-fused "${secs:-180}" "$PY" bench/bench_fused_rmsnorm.py --replays 10 --sweep-tokens 1024 --out "$OUT/fused.md" ;;
+        ep) run_step bench-ep "${secs:-180}" "$PY" bench/bench_ep.py --tokens 1,8,32,128,512,4096 --out "$OUT/ep.md" ;;
+        backend) run_step bench-backend "${secs:-120}" "$PY" -m torch.distributed.run --nproc_per_node 2 bench/bench_backend.py --out "$OUT/backend.md" ;;
+        *) echo "unknown bench $name" ;;
+      esac ;;
+    perf)
+      run_step perf "${name:-240}" "$PY" -m commlib.perf all_reduce -b 1K -e 256M -f 4 -n 20 -w 5 -G 10 -d bfloat16 \
+        --backend ddacomm nccl symm --json "$OUT/perf.json" --plot "$OUT/perf.png" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
+echo "== total $(( $(date +%s) - start )) s"
