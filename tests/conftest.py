@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import glob
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import sys
+import time
 import traceback
 from datetime import timedelta
 
 import pytest
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("COMMLIB_TEST_TIMEOUT_S", "600"))
+ERROR_GRACE_S = 20.0
 
 
 def pytest_configure(config):
@@ -145,21 +148,37 @@ class RankPool:
         return self.collect(timeout)
 
     def collect(self, timeout: float):
+        """Waits for every rank's answer. Once one rank has failed, the others get ERROR_GRACE_S more
+        (they are often stuck in a collective the failed rank never joined), so the failure is
+        reported promptly instead of after the whole timeout; such a pool is replaced."""
         results, errors = [None] * self.world_size, {}
-        for rank, conn in enumerate(self.conns):
-            if not conn.poll(timeout):
+        conn_rank = {id(conn): rank for rank, conn in enumerate(self.conns)}
+        pending = list(self.conns)
+        deadline = time.monotonic() + timeout
+        while pending:
+            ready = mp_connection.wait(pending, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
                 self.broken = True
-                raise TimeoutError(f"rank {rank} did not answer within {timeout} s")
-            try:
-                msg = conn.recv()
-            except EOFError:
-                self.broken = True
-                errors[rank] = ("EOFError", f"rank {rank} exited")
-                continue
-            if msg[0] == "ok":
-                results[rank] = msg[1]
-            else:
-                errors[rank] = (msg[2], msg[1])
+                silent = sorted(conn_rank[id(c)] for c in pending)
+                if errors:
+                    errors[silent[0]] = ("TimeoutError", f"ranks {silent} did not answer after another rank failed")
+                    break
+                raise TimeoutError(f"ranks {silent} did not answer within {timeout} s")
+            for conn in ready:
+                pending.remove(conn)
+                rank = conn_rank[id(conn)]
+                try:
+                    msg = conn.recv()
+                except EOFError:
+                    self.broken = True
+                    errors[rank] = ("EOFError", f"rank {rank} exited")
+                    continue
+                if msg[0] == "ok":
+                    results[rank] = msg[1]
+                else:
+                    errors[rank] = (msg[2], msg[1])
+            if errors:
+                deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
         if errors:
             raise RankFailure(errors)
         return results
@@ -170,6 +189,10 @@ class RankPool:
         self.broken = True
 
     def close(self):
+        if self.broken:  # a rank may be stuck in a collective: do not wait for it
+            for p in self.procs:
+                if p.is_alive():
+                    p.kill()
         for conn, p in zip(self.conns, self.procs):
             if p.is_alive():
                 try:

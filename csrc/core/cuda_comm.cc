@@ -149,17 +149,18 @@ void CudaComm::begin_op(cudaStream_t stream, const char* what) {
   COMMLIB_CHECK(ipc_->p2p_ok(), PeerError, what, ": GPU peer memory unavailable: ", ipc_->problem());
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   cuda_check(cudaStreamIsCapturing(stream, &capture), what, "cudaStreamIsCapturing");
-  if (capture == cudaStreamCaptureStatusNone && has_last_ && stream != last_stream_) {
+  capturing_ = capture != cudaStreamCaptureStatusNone;
+  if (!capturing_ && has_last_ && stream != last_stream_) {
     // Keeps this communicator's calls in call order across streams (the barrier counts calls).
+    // The event is recorded only here, when the stream changes, not after every call: recorded
+    // now on the previous stream, it covers that stream's earlier collectives all the same.
+    cuda_check(cudaEventRecord(last_done_, last_stream_), what, "cudaEventRecord");
     cuda_check(cudaStreamWaitEvent(stream, last_done_, 0), what, "cudaStreamWaitEvent");
   }
 }
 
-void CudaComm::end_op(cudaStream_t stream, const char* what) {
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  cuda_check(cudaStreamIsCapturing(stream, &capture), what, "cudaStreamIsCapturing");
-  if (capture != cudaStreamCaptureStatusNone) return;
-  cuda_check(cudaEventRecord(last_done_, stream), what, "cudaEventRecord");
+void CudaComm::end_op(cudaStream_t stream, const char* /*what*/) {
+  if (capturing_) return;
   last_stream_ = stream;
   has_last_ = true;
 }

@@ -81,6 +81,7 @@ class CudaComm {
   cudaEvent_t last_done_ = nullptr;
   cudaStream_t last_stream_ = nullptr;
   bool has_last_ = false;
+  bool capturing_ = false;  // whether the call between begin_op and end_op is being captured
 };
 
 }  // namespace commlib

@@ -178,7 +178,9 @@ class CudaWork final : public c10d::Work {
   bool isCompleted() override { return end_.query(); }
   bool isSuccess() const override { return true; }
   bool wait(std::chrono::milliseconds /*timeout*/) override {
-    end_.block(c10::cuda::getCurrentCUDAStream(device_.index()));
+    // On the stream the work ran on (every synchronous call), the stream is already in order.
+    const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device_.index());
+    if (current != stream_) end_.block(current);
     return true;
   }
   void synchronize() override { wait(kNoTimeout); }

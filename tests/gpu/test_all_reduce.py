@@ -6,6 +6,7 @@ bit for bit; an fp64 sum within the dtype's rounding; NCCL on the same inputs wi
 tolerance. Inputs are random (never zeros); user buffers carry NaN guard regions so a write out of
 bounds, or an element left unwritten, fails the test.
 """
+import functools
 from datetime import timedelta
 
 import pytest
@@ -19,6 +20,7 @@ TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 SIZES = [1, 2, 7, 8, 9, 15, 16, 17, 255, 1023, 4097, 65535, 65537, (1 << 20) + 3, 3 * (1 << 20) + 7]
 
 
+@functools.lru_cache(maxsize=16)  # the CPU references dominate the run time; every case reuses them
 def rank_input(rank, count, dtype, salt=0):
     g = torch.Generator().manual_seed(1000003 * rank + 7919 * count + salt)
     return (torch.rand(count, generator=g, dtype=torch.float64) * 4 - 2).to(dtype)
@@ -33,6 +35,14 @@ def ordered_reference(inputs, op, n):
     return acc.to(inputs[0].dtype)
 
 
+@functools.lru_cache(maxsize=8)
+def references(count, dtype, op, n, salt):
+    """(inputs of every rank, the ordered fp32 result, the fp64 result) for one case."""
+    inputs = [rank_input(r, count, dtype, salt) for r in range(n)]
+    ref64 = sum(x.double() for x in inputs) / (n if op == "avg" else 1)
+    return inputs, ordered_reference(inputs, op, n), ref64
+
+
 def bits(t):
     return t.contiguous().view(INT_VIEW[t.dtype])
 
@@ -41,7 +51,7 @@ def _run_case(ctx, comm, count, dtype, op, algo, pad, salt=0):
     """All-reduces a [pad | count | pad] window of a NaN-filled buffer; returns the result (CPU)."""
     dev = torch.device("cuda", ctx.device)
     n = ctx.world_size
-    inputs = [rank_input(r, count, dtype, salt) for r in range(n)]
+    inputs, expected, ref64 = references(count, dtype, op, n, salt)
     buf = torch.full((count + 2 * pad,), float("nan"), dtype=dtype, device=dev)
     view = buf[pad:pad + count]
     view.copy_(inputs[ctx.rank])
@@ -50,10 +60,8 @@ def _run_case(ctx, comm, count, dtype, op, algo, pad, salt=0):
     assert torch.isnan(out[:pad].float()).all() and torch.isnan(out[pad + count:].float()).all(), \
         f"{algo} wrote outside the tensor (count={count}, pad={pad})"
     got = out[pad:pad + count]
-    expected = ordered_reference(inputs, op, n)
     assert torch.equal(bits(got), bits(expected)), \
         f"{algo} {op} {dtype} count={count} pad={pad}: differs from the ordered fp32 reference"
-    ref64 = sum(x.double() for x in inputs) / (n if op == "avg" else 1)
     torch.testing.assert_close(got.double(), ref64, rtol=TOL[dtype], atol=TOL[dtype])
     return got
 

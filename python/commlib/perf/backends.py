@@ -1,7 +1,9 @@
 """Backends commlib-perf times side by side: one small adapter per library, same verbs.
 
 * ``ddacomm``: commlib's direct API (``commlib.Communicator``), CPU tensors over shared memory,
-  CUDA tensors over peer memory on the current stream; ``--algo`` picks flat / tree / auto.
+  CUDA tensors over peer memory on the current stream; ``--algo`` picks flat / tree / auto. With
+  ``auto``, CUDA all-reduces that the selection table gives to NCCL go to an NCCL group, as the
+  ``"ddacomm"`` torch backend does.
 * ``gloo`` / ``nccl``: ``torch.distributed`` on a process group of that backend.
 * ``symm``: torch symmetric memory (CUDA, all_reduce sum only): the input is copied into a
   symmetric buffer, then one-shot (``--algo flat``) or two-shot (``tree``; ``auto`` picks by size).
@@ -46,11 +48,14 @@ class DDAComm(Backend):
     name = "ddacomm"
     capturable = True
 
-    def __init__(self, store, rank: int, world_size: int, algo: str):
+    def __init__(self, store, rank: int, world_size: int, algo: str, device: torch.device):
         import commlib
         self.algo = algo
+        self.world_size = world_size
         self.comm = commlib.Communicator(dist.PrefixStore(f"commlib-perf/ddacomm-{algo}", store), rank, world_size,
                                          name=f"perf-{algo}")
+        # The engine for the sizes where NCCL is the faster one (auto only, as in the torch backend).
+        self.nccl = dist.new_group(backend="nccl") if device.type == "cuda" and algo == "auto" else None
 
     def label(self) -> str:
         return self.name if self.algo == "auto" else f"{self.name}:{self.algo}"
@@ -62,6 +67,12 @@ class DDAComm(Backend):
             raise Unsupported(f"{self.name}: {e}") from e
 
     def all_reduce(self, t, redop):
+        if self.nccl is not None and t.is_cuda and redop in ("sum", "avg"):
+            import commlib
+            nbytes = t.numel() * t.element_size()
+            if commlib._C.select_all_reduce_algorithm(nbytes, self.world_size, t.dtype) == "nccl":
+                dist.all_reduce(t, op=_DIST_OPS[redop], group=self.nccl)
+                return
         self._call(self.comm.all_reduce, t, redop, self.algo)
 
     def reduce_scatter(self, out, inp, redop):
@@ -173,7 +184,7 @@ def make(spec: str, *, store, rank: int, world_size: int, algo: str, device: tor
     name, own_algo = split_name(spec)
     algo = own_algo or algo
     if name == "ddacomm":
-        return DDAComm(store, rank, world_size, algo)
+        return DDAComm(store, rank, world_size, algo, device)
     if name == "gloo":
         return TorchDist("gloo")
     if name == "nccl":
