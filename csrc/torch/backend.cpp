@@ -86,21 +86,53 @@ at::Device device_of(const std::vector<at::Tensor>& ts, const char* what) {
 class CompletedWork final : public c10d::Work {
  public:
   CompletedWork(int rank, c10d::OpType op, std::vector<at::Tensor> outputs)
-      : Work(rank, op),
-        outputs_(std::move(outputs)),
-        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {
-    future_->markCompleted(c10::IValue(outputs_));
-  }
+      : Work(rank, op), outputs_(std::move(outputs)) {}
   bool isCompleted() override { return true; }
   bool isSuccess() const override { return true; }
   bool wait(std::chrono::milliseconds /*timeout*/) override { return true; }
   void synchronize() override {}
   std::vector<at::Tensor> result() override { return outputs_; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {  // built on first use
+    if (!future_) {
+      future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+      future_->markCompleted(c10::IValue(outputs_));
+    }
+    return future_;
+  }
 
  private:
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// The works an inner backend returned inside one coalescing region (batch_isend_irecv on CPU
+// tensors: gloo's sends and receives), finished together.
+class JoinedWork final : public c10d::Work {
+ public:
+  JoinedWork(int rank, std::vector<c10::intrusive_ptr<c10d::Work>> works)
+      : Work(rank, c10d::OpType::COALESCED), works_(std::move(works)) {}
+  bool isCompleted() override {
+    for (auto& w : works_) {
+      if (!w->isCompleted()) return false;
+    }
+    return true;
+  }
+  bool isSuccess() const override {
+    for (const auto& w : works_) {
+      if (!w->isSuccess()) return false;
+    }
+    return true;
+  }
+  bool wait(std::chrono::milliseconds timeout) override {
+    for (auto& w : works_) w->wait(timeout);
+    return true;
+  }
+  void synchronize() override {
+    for (auto& w : works_) w->synchronize();
+  }
+
+ private:
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
 };
 
 #if defined(COMMLIB_TORCH_CUDA)
@@ -288,7 +320,32 @@ c10d::Backend& DdaBackend::nccl(const char* what) {
     TORCH_CHECK(nccl_, what, ": creating the inner NCCL backend failed");
     if (auto device = getBoundDeviceId()) nccl_->setBoundDeviceId(device);
   }
+  if (coalescing_ && !nccl_coalescing_) {
+    // The first NCCL op of a coalescing region: NCCL groups it and the rest (ncclGroupStart/End),
+    // which batch_isend_irecv needs (two ranks sending to each other would otherwise deadlock).
+    nccl_->startCoalescing();
+    nccl_coalescing_ = true;
+  }
   return *nccl_;
+}
+
+void DdaBackend::startCoalescing() {
+  // A region left by an exception never reached endCoalescing; its collected works are dropped.
+  coalesced_cpu_works_.clear();
+  coalescing_ = true;
+}
+
+c10::intrusive_ptr<c10d::Work> DdaBackend::endCoalescing() {
+  TORCH_CHECK(coalescing_, "endCoalescing: the ddacomm process group is not coalescing");
+  coalescing_ = false;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works = std::move(coalesced_cpu_works_);
+  coalesced_cpu_works_.clear();
+  if (nccl_coalescing_) {
+    nccl_coalescing_ = false;
+    if (auto work = nccl_->endCoalescing()) works.push_back(std::move(work));
+  }
+  if (works.size() == 1) return works[0];
+  return c10::make_intrusive<JoinedWork>(getRank(), std::move(works));
 }
 
 c10d::Backend& DdaBackend::inner(const at::Device& device, const char* what) {
@@ -299,6 +356,7 @@ c10d::Backend& DdaBackend::inner(const at::Device& device, const char* what) {
   }
   TORCH_CHECK_TYPE(device.is_cpu(), what, ": tensors on device ", device.str(),
                    " are not supported; supported: cpu, cuda");
+  collect_next_work_ = coalescing_;
   return *gloo_;
 }
 
@@ -312,6 +370,8 @@ bool DdaBackend::cpu_fast(const std::vector<at::Tensor>& tensors) const {
 
 c10::intrusive_ptr<c10d::Work> DdaBackend::fallback(c10::intrusive_ptr<c10d::Work> work) {
   ++num_fallback_calls_;
+  if (collect_next_work_ && work) coalesced_cpu_works_.push_back(work);  // gloo inside a coalescing region
+  collect_next_work_ = false;
   return work;
 }
 

@@ -106,6 +106,12 @@ class DdaBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
 
+  // Coalescing regions (batch_isend_irecv, _coalescing_manager): NCCL ops inside one are grouped by
+  // the inner NCCL backend; gloo's works are joined into the work endCoalescing returns.
+  bool supportsCoalescing() const override { return true; }
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+
  private:
   // The inner backend for tensors on `device` (gloo for CPU, NCCL for CUDA).
   c10d::Backend& inner(const at::Device& device, const char* what);
@@ -128,6 +134,10 @@ class DdaBackend final : public c10d::Backend {
   int64_t num_fallback_calls_ = 0;
   bool cuda_used_ = false;
   bool shut_down_ = false;
+  bool coalescing_ = false;
+  bool nccl_coalescing_ = false;    // the inner NCCL backend's startCoalescing was called
+  bool collect_next_work_ = false;  // the next fallback() work is gloo's, inside a coalescing region
+  std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_cpu_works_;
 #if defined(COMMLIB_TORCH_CUDA)
   struct CudaState;
   std::unique_ptr<CudaState> cuda_state_;
