@@ -222,14 +222,44 @@ AllReduceLimits all_reduce_limits(int world_size, DataType dtype) {
   return limits;
 }
 
-Algorithm select_all_reduce_algorithm(size_t bytes, int world_size, DataType dtype) {
-  const AllReduceLimits limits = all_reduce_limits(world_size, dtype);
-  const std::string forced = env::get("COMMLIB_ALLREDUCE_ALGO");
-  const Algorithm algo = parse_algorithm("COMMLIB_ALLREDUCE_ALGO", forced);
-  if (algo != Algorithm::kAuto) return algo;
+namespace {
+
+Algorithm forced_algorithm() {
+  return parse_algorithm("COMMLIB_ALLREDUCE_ALGO", env::get("COMMLIB_ALLREDUCE_ALGO"));
+}
+
+Algorithm choose(size_t bytes, Algorithm forced, const AllReduceLimits& limits) {
+  if (forced != Algorithm::kAuto) return forced;
   if (bytes <= limits.flat_max_bytes) return Algorithm::kFlat;
   if (bytes <= limits.tree_max_bytes) return Algorithm::kTree;
   return Algorithm::kNccl;
+}
+
+int reducible_index(DataType dtype) {
+  switch (dtype) {
+    case DataType::kFloat32: return 0;
+    case DataType::kFloat16: return 1;
+    case DataType::kBFloat16: return 2;
+    default: break;
+  }
+  throw TypeMismatch(detail::concat("select_all_reduce_algorithm: dtype ", dtype_name(dtype),
+                                    " not supported; supported: float32, float16, bfloat16"));
+}
+
+}  // namespace
+
+Algorithm select_all_reduce_algorithm(size_t bytes, int world_size, DataType dtype) {
+  const AllReduceLimits limits = all_reduce_limits(world_size, dtype);
+  return choose(bytes, forced_algorithm(), limits);
+}
+
+AllReduceSelector::AllReduceSelector(int world_size)
+    : forced_(forced_algorithm()),
+      limits_{all_reduce_limits(world_size, DataType::kFloat32), all_reduce_limits(world_size, DataType::kFloat16),
+              all_reduce_limits(world_size, DataType::kBFloat16)} {}
+
+Algorithm AllReduceSelector::select(size_t bytes, DataType dtype) const {
+  return choose(bytes, forced_, limits_[reducible_index(dtype)]);
 }
 
 }  // namespace commlib

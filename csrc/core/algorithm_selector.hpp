@@ -40,4 +40,17 @@ AllReduceLimits all_reduce_limits(int world_size, DataType dtype);
 // not reducible, InvalidArgument for a bad COMMLIB_* value or tune file.
 Algorithm select_all_reduce_algorithm(size_t bytes, int world_size, DataType dtype);
 
+// The same choice with the environment and tune file read once, at construction (as NCCL reads
+// its variables at init): what the per-call paths (the torch backend, CudaComm) use, since
+// reading five variables on every call costs a visible part of a small all-reduce.
+class AllReduceSelector {
+ public:
+  explicit AllReduceSelector(int world_size);
+  Algorithm select(size_t bytes, DataType dtype) const;  // never kAuto
+
+ private:
+  Algorithm forced_;
+  AllReduceLimits limits_[3];  // float32, float16, bfloat16
+};
+
 }  // namespace commlib

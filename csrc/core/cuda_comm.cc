@@ -57,8 +57,15 @@ class DeviceGuard {
 }  // namespace
 
 CudaComm::CudaComm(Communicator& comm, int device)
-    : device_(device), rank_(comm.rank()), world_size_(comm.world_size()) {
+    : device_(device),
+      rank_(comm.rank()),
+      world_size_(comm.world_size()),
+      selector_(comm.world_size()),
+      max_blocks_(env::get_int("COMMLIB_ALLREDUCE_MAX_BLOCKS")),
+      ll_max_bytes_(env::get_int("COMMLIB_FLAT_LL_MAX_BYTES")) {
   const char* what = "cuda communicator";
+  COMMLIB_CHECK(max_blocks_ >= 0 && max_blocks_ <= kMaxBarrierBlocks, InvalidArgument, "COMMLIB_ALLREDUCE_MAX_BLOCKS=",
+                max_blocks_, " out of range; valid: 0..", kMaxBarrierBlocks);
   int count = 0;
   cuda_check(cudaGetDeviceCount(&count), what, "cudaGetDeviceCount");
   COMMLIB_CHECK(device >= 0 && device < count, InvalidArgument, what, ": device ", device,
@@ -180,16 +187,14 @@ void CudaComm::all_reduce(const void* input, void* output, size_t count, DataTyp
   }
   const size_t bytes = count * dtype_size(dtype);
   if (algo == Algorithm::kAuto) {
-    algo = select_all_reduce_algorithm(bytes, world_size_, dtype);
+    algo = selector_.select(bytes, dtype);
     if (algo == Algorithm::kNccl) algo = Algorithm::kTree;  // no NCCL engine in the direct API
   }
   DeviceGuard guard(device_);
   begin_op(stream, what);
   Status status;
-  const int64_t max_blocks = env::get_int("COMMLIB_ALLREDUCE_MAX_BLOCKS");
-  COMMLIB_CHECK(max_blocks >= 0 && max_blocks <= kMaxBarrierBlocks, InvalidArgument, "COMMLIB_ALLREDUCE_MAX_BLOCKS=",
-                max_blocks, " out of range; valid: 0..", kMaxBarrierBlocks);
-  const int64_t ll_max = env::get_int("COMMLIB_FLAT_LL_MAX_BYTES");
+  const int64_t max_blocks = max_blocks_;
+  const int64_t ll_max = ll_max_bytes_;
   const BarrierDevice barrier = barrier_handle();
   if (algo == Algorithm::kFlat && ll_max > 0 && bytes <= static_cast<size_t>(ll_max)) {
     auto p = all_reduce_params<kernels::AllReduceFlatLLParams>(input, output, count, dtype, op, barrier, max_blocks);

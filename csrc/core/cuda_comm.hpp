@@ -23,6 +23,7 @@
 #include "commlib/communicator.hpp"
 #include "commlib/symmetric_buffer.hpp"
 #include "commlib/types.hpp"
+#include "core/algorithm_selector.hpp"
 
 namespace commlib {
 
@@ -81,7 +82,11 @@ class CudaComm {
   cudaEvent_t last_done_ = nullptr;
   cudaStream_t last_stream_ = nullptr;
   bool has_last_ = false;
-  bool capturing_ = false;  // whether the call between begin_op and end_op is being captured
+  bool capturing_ = false;
+  // Read once, at creation (COMMLIB_ALLREDUCE_ALGO, the limits, the tune file, the LL and grid knobs).
+  AllReduceSelector selector_;
+  int64_t max_blocks_;
+  int64_t ll_max_bytes_;  // whether the call between begin_op and end_op is being captured
 };
 
 }  // namespace commlib

@@ -22,10 +22,12 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "commlib/communicator.hpp"
+#include "core/algorithm_selector.hpp"
 
 namespace commlib::torch_layer {
 
@@ -134,6 +136,7 @@ class DdaBackend final : public c10d::Backend {
   int64_t num_fallback_calls_ = 0;
   bool cuda_used_ = false;
   bool shut_down_ = false;
+  std::optional<AllReduceSelector> selector_;  // created at the first CUDA all-reduce
   bool coalescing_ = false;
   bool nccl_coalescing_ = false;    // the inner NCCL backend's startCoalescing was called
   bool collect_next_work_ = false;  // the next fallback() work is gloo's, inside a coalescing region
