@@ -30,6 +30,11 @@ size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 __host__ __device__ constexpr bool has(EPMode mode, EPMode part) { return (static_cast<int>(mode) & static_cast<int>(part)) != 0; }
 
+// By value (std::min/max/clamp return references, which can put their operands in local memory).
+__device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+__device__ __forceinline__ int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+__device__ __forceinline__ int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return min64(max64(v, lo), hi); }
+
 // ---- addressing of a rank's piece (Note [EP GPU protocol]) ----
 
 template <typename U>
@@ -50,6 +55,35 @@ __device__ __forceinline__ size_t route(const EPParams& p, int s, int64_t i) {
 // Row t of writer s in a [world][max_tokens][hidden] array (elements).
 __device__ __forceinline__ size_t row(const EPParams& p, int s, int64_t t) {
   return (static_cast<size_t>(s) * p.config.max_tokens_per_rank + t) * p.config.hidden;
+}
+
+// Tokens of source s in chunk b (s's token count comes from its slot in this rank's piece).
+__device__ __forceinline__ int64_t chunk_tokens(const EPParams& p, int s, int b) {
+  const int64_t num_tokens = piece<const int32_t>(p, p.rank, p.layout.num_tokens)[slot(p, s, b)];
+  return clamp64(num_tokens - b * p.tokens_per_block, 0, p.tokens_per_block);
+}
+
+struct SourceToken {
+  int s;
+  int64_t t;
+};
+
+// The r-th token of chunk b over the sources in rank order (skipping `skip`, -1 for none).
+__device__ __forceinline__ SourceToken nth_token(const EPParams& p, int b, int skip, int64_t r) {
+  int s = 0;
+  for (; s < p.world_size; ++s) {
+    if (s == skip) continue;
+    const int64_t count = chunk_tokens(p, s, b);
+    if (r < count) break;
+    r -= count;
+  }
+  return {s, b * p.tokens_per_block + r};
+}
+
+__device__ __forceinline__ int64_t chunk_tokens_total(const EPParams& p, int b, int skip) {
+  int64_t total = 0;
+  for (int s = 0; s < p.world_size; ++s) total += s == skip ? 0 : chunk_tokens(p, s, b);
+  return total;
 }
 
 __device__ __forceinline__ int32_t* totals_of(const EPParams& p, int r, int s, int b) {
@@ -146,17 +180,41 @@ __device__ __forceinline__ int warp_list(U* list, bool keep, const U& item, int 
   return __popc(mask);
 }
 
-// Copies one row to `num_dsts` rows with the lanes of a warp: the source is read once.
+// A row is split into `parts` column ranges of whole packs when there are fewer rows than warps
+// (decode sizes), so that several warps share one row.
+struct Cols {
+  int64_t begin, end;  // elements
+};
+
 template <typename T>
-__device__ __forceinline__ void copy_row(T* const* dsts, int num_dsts, const T* src, int64_t hidden, int lane) {
+__device__ __forceinline__ Cols cols_of(int64_t hidden, int part, int parts) {
+  constexpr int N = device::Vec<T>::kNumElems;
+  const int64_t per = ((hidden + N - 1) / N + parts - 1) / parts * N;
+  return {min64(part * per, hidden), min64((part + 1) * per, hidden)};
+}
+
+// Parts per row for `items` rows shared by `workers` warps (at least 64 packs a part).
+template <typename T>
+__device__ __forceinline__ int parts_for(int64_t items, int workers, int64_t hidden) {
+  constexpr int N = device::Vec<T>::kNumElems;
+  if (items <= 0 || items >= workers) return 1;
+  const int64_t most = max64(1, (hidden + 64 * N - 1) / (64 * N));
+  return static_cast<int>(min64(workers / items, most));
+}
+
+// Copies columns [cols.begin, cols.end) of one row to `num_dsts` rows with the lanes of a warp:
+// the source is read once.
+template <typename T>
+__device__ __forceinline__ void copy_row(T* const* dsts, int num_dsts, const T* src, int64_t hidden, Cols cols,
+                                         int lane) {
   using V = device::Vec<T>;
   constexpr int N = V::kNumElems;
   if (num_dsts == 0) return;
   bool vec = aligned16(src) && (hidden * sizeof(T)) % 16 == 0;
   for (int i = 0; i < num_dsts; ++i) vec = vec && aligned16(dsts[i]);
   if (vec) {
-    const int64_t num_packs = hidden / N;
-    for (int64_t base = 0; base < num_packs; base += 32 * kCopyUnroll) {
+    const int64_t num_packs = cols.end / N;
+    for (int64_t base = cols.begin / N; base < num_packs; base += 32 * kCopyUnroll) {
       V buf[kCopyUnroll];
 #pragma unroll
       for (int u = 0; u < kCopyUnroll; ++u) {
@@ -173,7 +231,7 @@ __device__ __forceinline__ void copy_row(T* const* dsts, int num_dsts, const T* 
       }
     }
   } else {
-    for (int64_t e = lane; e < hidden; e += 32) {
+    for (int64_t e = cols.begin + lane; e < cols.end; e += 32) {
       const T value = src[e];
       for (int i = 0; i < num_dsts; ++i) dsts[i][e] = value;
     }
@@ -184,14 +242,14 @@ __device__ __forceinline__ void copy_row(T* const* dsts, int num_dsts, const T* 
 // product and sum (Note [EP layout]: no fused multiply-add); no sources gives zeros.
 template <typename T>
 __device__ __forceinline__ void weighted_sum_row(T* dst, const T* const* srcs, const float* ws, int num_srcs,
-                                                 int64_t hidden, int lane) {
+                                                 int64_t hidden, Cols cols, int lane) {
   using V = device::Vec<T>;
   constexpr int N = V::kNumElems;
   bool vec = aligned16(dst) && (hidden * sizeof(T)) % 16 == 0;
   for (int r = 0; r < num_srcs; ++r) vec = vec && aligned16(srcs[r]);
   if (vec) {
-    const int64_t num_packs = hidden / N;
-    for (int64_t base = 0; base < num_packs; base += 32 * kSumUnroll) {
+    const int64_t num_packs = cols.end / N;
+    for (int64_t base = cols.begin / N; base < num_packs; base += 32 * kSumUnroll) {
       device::Acc<N> acc[kSumUnroll];
 #pragma unroll
       for (int u = 0; u < kSumUnroll; ++u) {
@@ -222,7 +280,7 @@ __device__ __forceinline__ void weighted_sum_row(T* dst, const T* const* srcs, c
       }
     }
   } else {
-    for (int64_t e = lane; e < hidden; e += 32) {
+    for (int64_t e = cols.begin + lane; e < cols.end; e += 32) {
       float acc = 0.0f;
       for (int r = 0; r < num_srcs; ++r) acc = __fadd_rn(acc, __fmul_rn(ws[r], device::to_float<T>(srcs[r][e])));
       dst[e] = device::from_float<T>(acc);
@@ -232,14 +290,15 @@ __device__ __forceinline__ void weighted_sum_row(T* dst, const T* const* srcs, c
 
 // dst = round(sum over r ascending of fp32(src[r])); no sources gives zeros.
 template <typename T>
-__device__ __forceinline__ void sum_rows(T* dst, const T* const* srcs, int num_srcs, int64_t hidden, int lane) {
+__device__ __forceinline__ void sum_rows(T* dst, const T* const* srcs, int num_srcs, int64_t hidden, Cols cols,
+                                         int lane) {
   using V = device::Vec<T>;
   constexpr int N = V::kNumElems;
   bool vec = aligned16(dst) && (hidden * sizeof(T)) % 16 == 0;
   for (int r = 0; r < num_srcs; ++r) vec = vec && aligned16(srcs[r]);
   if (vec) {
-    const int64_t num_packs = hidden / N;
-    for (int64_t base = 0; base < num_packs; base += 32 * kSumUnroll) {
+    const int64_t num_packs = cols.end / N;
+    for (int64_t base = cols.begin / N; base < num_packs; base += 32 * kSumUnroll) {
       device::Acc<N> acc[kSumUnroll];
 #pragma unroll
       for (int u = 0; u < kSumUnroll; ++u) {
@@ -263,7 +322,7 @@ __device__ __forceinline__ void sum_rows(T* dst, const T* const* srcs, int num_s
       }
     }
   } else {
-    for (int64_t e = lane; e < hidden; e += 32) {
+    for (int64_t e = cols.begin + lane; e < cols.end; e += 32) {
       float acc = 0.0f;
       for (int r = 0; r < num_srcs; ++r) acc = acc + device::to_float<T>(srcs[r][e]);
       dst[e] = device::from_float<T>(acc);
@@ -276,7 +335,8 @@ __device__ __forceinline__ void sum_rows(T* dst, const T* const* srcs, int num_s
 // Token t of source s (chunk of this block) into this rank's expert rows: route (s, t, k) to local
 // expert l lands at base(s, l) + j (Note [EP GPU protocol]); recv_pos records it (-1: dropped).
 template <typename T>
-__device__ __forceinline__ void expand_token(const EPParams& p, int s, int64_t t, const T* src, T** list, int lane) {
+__device__ __forceinline__ void expand_token(const EPParams& p, int s, int64_t t, const T* src, T** list, Cols cols,
+                                             int lane) {
   const EPConfig& c = p.config;
   const int64_t num_local = c.num_experts / p.world_size;
   T* dst = nullptr;
@@ -294,7 +354,7 @@ __device__ __forceinline__ void expand_token(const EPParams& p, int s, int64_t t
     }
   }
   const int num_dsts = warp_list(list, keep, dst, lane);
-  copy_row(list, num_dsts, src, c.hidden, lane);
+  copy_row(list, num_dsts, src, c.hidden, cols, lane);
   __syncwarp();  // the list is rewritten by the next token
 }
 
@@ -315,7 +375,7 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
 
   if (send) {
     const int64_t num_tokens = p.num_tokens;
-    const int64_t t_end = std::min(num_tokens, t_begin + p.tokens_per_block);
+    const int64_t t_end = min64(num_tokens, t_begin + p.tokens_per_block);
     int32_t* before = counts;
     int32_t* totals = counts + num_experts;
     for (int64_t e = threadIdx.x; e < 2 * num_experts; e += kThreads) counts[e] = 0;
@@ -373,14 +433,17 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
   const int num_push_warps = send ? (recv ? kPushWarps : kWarps) : 0;
   bool failed = false;
   if (warp < num_push_warps) {
-    const int64_t t_end = std::min(p.num_tokens, t_begin + p.tokens_per_block);
-    for (int64_t t = t_begin + warp; t < t_end; t += num_push_warps) {
+    const int64_t items = clamp64(p.num_tokens - t_begin, 0, p.tokens_per_block);
+    const int parts = parts_for<T>(items, num_push_warps, c.hidden);
+    for (int64_t w = warp; w < items * parts; w += num_push_warps) {
+      const int64_t t = t_begin + w / parts;
       const int32_t e = lane < topk ? sanitize(p.topk_idx[t * topk + lane], num_experts) : -1;
       const unsigned owners = __reduce_or_sync(kFullMask, e >= 0 ? 1u << static_cast<unsigned>(e / num_local) : 0u);
       const bool keep = lane < n && lane != me && ((owners >> lane) & 1u);
       T* dst = keep ? piece<T>(p, lane, p.layout.land_x) + row(p, me, t) : nullptr;
       const int num_dsts = warp_list(lists[warp], keep, dst, lane);
-      copy_row(lists[warp], num_dsts, static_cast<const T*>(p.x) + t * c.hidden, c.hidden, lane);
+      copy_row(lists[warp], num_dsts, static_cast<const T*>(p.x) + t * c.hidden, c.hidden,
+               cols_of<T>(c.hidden, static_cast<int>(w % parts), parts), lane);
       __syncwarp();
     }
     named_barrier(kPushBarrier, num_push_warps * 32);
@@ -389,11 +452,13 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
     // Own positions need the totals of the ranks below this one: their meta flags only.
     failed = wait_warp(p, p.layout.meta_flags, value, EPPhaseId::kDispatchMeta, seq, me, lane);
     if (!failed) {
-      const int64_t own_tokens = piece<const int32_t>(p, me, p.layout.num_tokens)[slot(p, me, b)];
-      const int64_t t_end = std::min(own_tokens, t_begin + p.tokens_per_block);
+      const int64_t items = chunk_tokens(p, me, b);
       const int workers = kWarps - num_push_warps;
-      for (int64_t t = t_begin + (warp - num_push_warps); t < t_end; t += workers) {
-        expand_token<T>(p, me, t, static_cast<const T*>(p.x) + t * c.hidden, lists[warp], lane);
+      const int parts = parts_for<T>(items, workers, c.hidden);
+      for (int64_t w = warp - num_push_warps; w < items * parts; w += workers) {
+        const int64_t t = t_begin + w / parts;
+        expand_token<T>(p, me, t, static_cast<const T*>(p.x) + t * c.hidden, lists[warp],
+                        cols_of<T>(c.hidden, static_cast<int>(w % parts), parts), lane);
       }
     }
   }
@@ -402,20 +467,19 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
   // 4. Remote chunks, once their rows (and, cumulatively, their meta) have landed.
   if (__syncthreads_or(failed)) return;
   if (wait_block(p, p.layout.data_flags, value, EPPhaseId::kDispatchLanded, seq, n)) return;
-  const int64_t chunk = p.tokens_per_block;
-  for (int64_t item = warp; item < n * chunk; item += kWarps) {
-    const int s = static_cast<int>(item / chunk);
-    if (s == me) continue;
-    const int64_t t = t_begin + item % chunk;
-    if (t >= piece<const int32_t>(p, me, p.layout.num_tokens)[slot(p, s, b)]) continue;
-    expand_token<T>(p, s, t, piece<const T>(p, me, p.layout.land_x) + row(p, s, t), lists[warp], lane);
+  const int64_t items = chunk_tokens_total(p, b, me);
+  const int parts = parts_for<T>(items, kWarps, c.hidden);
+  for (int64_t w = warp; w < items * parts; w += kWarps) {
+    const auto [s, t] = nth_token(p, b, me, w / parts);
+    expand_token<T>(p, s, t, piece<const T>(p, me, p.layout.land_x) + row(p, s, t), lists[warp],
+                    cols_of<T>(c.hidden, static_cast<int>(w % parts), parts), lane);
   }
   if (b == 0) {
     // Every owner raises the overflow word of every rank for its own experts.
     for (int64_t l = threadIdx.x; l < num_local; l += kThreads) {
       int64_t total = 0;
       for (int s = 0; s < n; ++s) total += totals_of(p, me, s, 0)[l];
-      p.expert_counts[l] = static_cast<int32_t>(std::min<int64_t>(total, c.capacity));
+      p.expert_counts[l] = static_cast<int32_t>(min64(total, c.capacity));
       if (total > c.capacity) {
         const int64_t e = me * num_local + l;
         for (int d = 0; d < n; ++d) {
@@ -440,22 +504,21 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPM
   const int n = p.world_size, me = p.rank, b = blockIdx.x;
   const int topk = static_cast<int>(c.topk);
   const int64_t num_local = c.num_experts / n;
-  const int64_t chunk = p.tokens_per_block, t_begin = b * chunk;
+  const int64_t t_begin = b * p.tokens_per_block;
   if (device::ld_volatile_u32(&p.barrier.state->poisoned) != 0) return;
   EPControl* control = piece<EPControl>(p, me, p.layout.control);
   const uint64_t seq = device::ld_volatile_u64(&control->seq);
   const uint64_t value = seq + 1;
   const int32_t* meta_idx = piece<const int32_t>(p, me, p.layout.meta_idx);
-  const int32_t* num_tokens_of = piece<const int32_t>(p, me, p.layout.num_tokens);
 
   if (send) {
     // Partials of this rank's routes for every source's tokens of chunk b (the own ones too).
     const float* meta_w = piece<const float>(p, me, p.layout.meta_w);
     const T* expert_out = static_cast<const T*>(p.expert_out);
-    for (int64_t item = warp; item < n * chunk; item += kWarps) {
-      const int s = static_cast<int>(item / chunk);
-      const int64_t t = t_begin + item % chunk;
-      if (t >= num_tokens_of[slot(p, s, b)]) continue;
+    const int64_t items = chunk_tokens_total(p, b, -1);
+    const int parts = parts_for<T>(items, kWarps, c.hidden);
+    for (int64_t item = warp; item < items * parts; item += kWarps) {
+      const auto [s, t] = nth_token(p, b, -1, item / parts);
       bool local = false, keep = false;
       const T* y = nullptr;
       float w = 0.0f;
@@ -479,7 +542,8 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPM
       }
       __syncwarp();
       T* dst = piece<T>(p, s, p.layout.land_y) + row(p, me, t);
-      weighted_sum_row(dst, srcs[warp], weights[warp], __popc(mask), c.hidden, lane);
+      weighted_sum_row(dst, srcs[warp], weights[warp], __popc(mask), c.hidden,
+                       cols_of<T>(c.hidden, static_cast<int>(item % parts), parts), lane);
       __syncwarp();  // the lists are rewritten by the next token
     }
     __syncthreads();
@@ -488,14 +552,17 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPM
   if (!recv) return;
 
   if (wait_block(p, p.layout.combine_flags, value, EPPhaseId::kCombineLanded, seq, n)) return;
-  const int64_t t_end = std::min<int64_t>(num_tokens_of[slot(p, me, b)], t_begin + chunk);
+  const int64_t items = chunk_tokens(p, me, b);
+  const int parts = parts_for<T>(items, kWarps, c.hidden);
   const T* land_y = piece<const T>(p, me, p.layout.land_y);
-  for (int64_t t = t_begin + warp; t < t_end; t += kWarps) {
+  for (int64_t w = warp; w < items * parts; w += kWarps) {
+    const int64_t t = t_begin + w / parts;
     const int32_t e = lane < topk ? meta_idx[route(p, me, t * topk + lane)] : -1;
     const unsigned owners = __reduce_or_sync(kFullMask, e >= 0 ? 1u << static_cast<unsigned>(e / num_local) : 0u);
     const bool keep = lane < n && ((owners >> lane) & 1u);
     const int num_srcs = warp_list(srcs[warp], keep, keep ? land_y + row(p, lane, t) : nullptr, lane);
-    sum_rows(static_cast<T*>(p.out) + t * c.hidden, srcs[warp], num_srcs, c.hidden, lane);
+    sum_rows(static_cast<T*>(p.out) + t * c.hidden, srcs[warp], num_srcs, c.hidden,
+             cols_of<T>(c.hidden, static_cast<int>(w % parts), parts), lane);
     __syncwarp();
   }
   // The last block to finish advances seq (every block read it above, before counting itself).
