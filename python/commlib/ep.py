@@ -87,7 +87,8 @@ class EPBuffer:
     def dispatch_send(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> EPHandle:
         """First half of dispatch: starts sending this rank's tokens and returns at once (on CUDA the
         work is queued on the current stream). Finish with ``dispatch_recv(handle)``; independent
-        compute may run in between."""
+        compute may run in between, but ``x`` must stay unchanged until then (on CUDA the receive
+        part copies this rank's own tokens from it)."""
         return self._send(x, topk_idx, topk_weights, "send")
 
     def dispatch_recv(self, handle: EPHandle) -> EPDispatchResult:
