@@ -27,6 +27,9 @@ struct EPCudaState {
   std::shared_ptr<SymmetricBuffer> sym;
   kernels::EPParams params;  // the fixed part; per-call fields are filled by each launch
   const void* pending_x = nullptr;  // the last dispatch send's x (kept alive by EPBufferTorch)
+  // The call the protocol expects next: the kernels' flags are sequence-numbered per
+  // dispatch/combine pair, so out-of-order calls would read stale rows (Note [EP GPU protocol]).
+  enum class Next { kDispatch, kDispatchRecv, kCombine, kCombineRecv } next = Next::kDispatch;
 };
 
 namespace {
@@ -128,6 +131,25 @@ void ep_cuda_destroy(EPCudaState* state) { delete state; }
 
 namespace {
 
+const char* expected_call(EPCudaState::Next next) {
+  switch (next) {
+    case EPCudaState::Next::kDispatch: return "dispatch or dispatch_send";
+    case EPCudaState::Next::kDispatchRecv: return "dispatch_recv";
+    case EPCudaState::Next::kCombine: return "combine or combine_send";
+    default: return "combine_recv";
+  }
+}
+
+// Raises unless `phase` of `what` is the call the protocol expects next.
+void check_order(const EPCudaState& s, const char* what, EPPhase phase, EPCudaState::Next first,
+                 EPCudaState::Next second) {
+  const EPCudaState::Next wanted = phase == EPPhase::kRecv ? second : first;
+  COMMLIB_CHECK(s.next == wanted, InvalidArgument, what, "(phase ",
+                phase == EPPhase::kRecv ? "recv" : (phase == EPPhase::kSend ? "send" : "both"),
+                ") out of order: expected ", expected_call(s.next),
+                "; on CUDA dispatch and combine alternate, each split phase followed by its recv");
+}
+
 kernels::EPMode mode_of(EPPhase phase) {
   switch (phase) {
     case EPPhase::kSend: return kernels::EPMode::kSend;
@@ -141,6 +163,7 @@ kernels::EPMode mode_of(EPPhase phase) {
 void ep_cuda_dispatch(EPCudaState& s, const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
                       EPPhase phase) {
   const char* what = "EPBuffer.dispatch";
+  check_order(s, what, phase, EPCudaState::Next::kDispatch, EPCudaState::Next::kDispatchRecv);
   c10::cuda::CUDAGuard guard(s.device);
   cudaStream_t stream = current_stream(s.device);
   s.cuda->begin_op(stream, what);
@@ -154,10 +177,12 @@ void ep_cuda_dispatch(EPCudaState& s, const at::Tensor& x, const at::Tensor& top
   p.x = s.pending_x;
   throw_if_error(kernels::launch_ep_dispatch(p, mode_of(phase), stream));
   s.cuda->end_op(stream, what);
+  s.next = phase == EPPhase::kSend ? EPCudaState::Next::kDispatchRecv : EPCudaState::Next::kCombine;
 }
 
 void ep_cuda_combine(EPCudaState& s, const at::Tensor& expert_out, at::Tensor& out, EPPhase phase) {
   const char* what = "EPBuffer.combine";
+  check_order(s, what, phase, EPCudaState::Next::kCombine, EPCudaState::Next::kCombineRecv);
   c10::cuda::CUDAGuard guard(s.device);
   cudaStream_t stream = current_stream(s.device);
   s.cuda->begin_op(stream, what);
@@ -166,6 +191,7 @@ void ep_cuda_combine(EPCudaState& s, const at::Tensor& expert_out, at::Tensor& o
   if (phase != EPPhase::kRecv) p.expert_out = expert_out.data_ptr();
   throw_if_error(kernels::launch_ep_combine(p, mode_of(phase), stream));
   s.cuda->end_op(stream, what);
+  s.next = phase == EPPhase::kSend ? EPCudaState::Next::kCombineRecv : EPCudaState::Next::kDispatch;
 }
 
 }  // namespace commlib::torch_layer

@@ -164,6 +164,37 @@ def test_invalid_expert_ids_are_flagged(ranks):
     ranks(2).run(_invalid_ids)
 
 
+def _out_of_order(ctx):
+    """Calls out of the dispatch/combine alternation raise on the host before any launch, and the
+    buffer keeps working."""
+    import commlib
+    dev = f"cuda:{ctx.device}"
+    buf = commlib.EPBuffer(ctx.comm, 4, 64, 8, 2, torch.bfloat16, device=dev)
+    x = torch.randn(4, 64, device=dev).bfloat16()
+    idx = torch.tensor([[0, 5], [2, 7], [3, 4], [1, 6]], device=dev)
+    w = torch.ones(4, 2, device=dev)
+    with pytest.raises(ValueError, match="out of order"):
+        buf.combine(torch.zeros(4, buf.capacity, 64, device=dev).bfloat16(),
+                    commlib.EPHandle(idx, w, 4))
+    res = buf.dispatch(x, idx, w)
+    with pytest.raises(ValueError, match="out of order: expected combine"):
+        buf.dispatch(x, idx, w)
+    out = buf.combine(res.expert_x, res.handle)
+    torch.testing.assert_close(out.float(), x.float() * 2, rtol=1e-2, atol=1e-2)
+    handle = buf.dispatch_send(x, idx, w)
+    with pytest.raises(ValueError, match="out of order: expected dispatch_recv"):
+        buf.combine(res.expert_x, res.handle)
+    res = buf.dispatch_recv(handle)
+    out = buf.combine(res.expert_x, res.handle)
+    torch.testing.assert_close(out.float(), x.float() * 2, rtol=1e-2, atol=1e-2)
+    buf.check()
+    return True
+
+
+def test_calls_out_of_order_raise(ranks):
+    ranks(2).run(_out_of_order)
+
+
 # ---- dynamic all_to_all_v ----
 
 def rows_from(q, r, salt):
