@@ -44,7 +44,8 @@ class EPBuffer:
     token's top-k can exceed. Rows beyond the capacity are dropped and recorded in an overflow word
     on every rank; ``check()`` raises ``ValueError`` describing it (it syncs with the device on CUDA).
 
-    ``dispatch`` and ``combine`` are collective and alternate: the tensors a dispatch returns
+    ``dispatch`` and ``combine`` are collective and alternate (on CUDA a call out of order raises
+    ``ValueError``): the tensors a dispatch returns
     (``expert_x``, ``expert_counts``, the handle) are valid until the next dispatch. On CUDA both run on
     the current stream, read no value on the host, and can be captured in a CUDA graph and replayed
     with routing that changes between replays.
