@@ -1,7 +1,7 @@
 """Expert-parallel dispatch + combine: commlib EPBuffer vs the two usual baselines, one run.
 
     python bench/bench_ep.py [--out bench/results/ep_h200x2.md] [--tokens 1,8,32,128,512,4096]
-                             [--iters 50] [--models deepseek,mixtral]
+                             [--iters 50] [--models deepseek,mixtral] [--max-tokens N]
 
 Spawns one process per GPU (default 2). For each model shape and tokens per rank it measures,
 on the same random routing (top-k distinct experts per token, softmax weights), bf16:
@@ -11,6 +11,8 @@ on the same random routing (top-k distinct experts per token, softmax weights), 
   (b)      all_gather_into_tensor + reduce_scatter_tensor of [world * tokens, hidden], CUDA graph
 Time = median over repeats of (elapsed of `iters` replays / iters), CUDA events. The experts are
 the identity, so combine must return x * sum_k w: checked in the same run (bf16 tolerance).
+--max-tokens N sizes every EPBuffer for max(N, tokens) tokens per rank (default: the measured
+token count), e.g. a decode step in a buffer registered for larger batches.
 Payload GB/s: bytes of token rows that cross to other ranks (dispatch + combine, each token once
 per owner rank) per direction, divided by the commlib graph time.
 """
@@ -119,7 +121,7 @@ def worker(rank, world, port, args, q):
         for T in args.tokens:
             x = (torch.randn(T, H, device=dev) + 0.1).bfloat16()
             idx, w = routing(T, E, K, dev, seed=1234 + rank * 7 + T)
-            buf = commlib.EPBuffer(comm, T, H, E, K, torch.bfloat16, device=dev)
+            buf = commlib.EPBuffer(comm, max(T, args.max_tokens), H, E, K, torch.bfloat16, device=dev)
             out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
 
             def step():
@@ -201,6 +203,7 @@ def main():
     ap.add_argument("--models", default="deepseek,mixtral")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=0, help="EPBuffer max_tokens_per_rank (default: tokens)")
     args = ap.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",")]
     args.models = args.models.split(",")

@@ -1,6 +1,6 @@
 // Expert-parallel dispatch / combine on symmetric memory: Note [EP GPU protocol] (ep_params.hpp)
-// implementing Note [EP layout] (include/commlib/ep.hpp). Four kernels: dispatch send / recv,
-// combine send / recv; the recv kernels carry the flag barrier (call_begin ... call_end).
+// implementing Note [EP layout] (include/commlib/ep.hpp). Two kernels, each one launch per phase
+// (or two, send and receive, for the split-phase API).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -13,296 +13,568 @@
 namespace commlib::kernels {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
+// Warps of a fused dispatch block that push rows to peers; the others expand the own chunk meanwhile.
+constexpr int kPushWarps = kWarps / 2;
 constexpr unsigned kFullMask = 0xffffffffu;
-constexpr int kMaxSendBlocks = 264;  // two per SM on H200; the send kernels use no barrier
+// 16-byte packs in flight per lane in a row copy, and per lane and route in a weighted sum.
+constexpr int kCopyUnroll = 8;
+constexpr int kSumUnroll = 4;
+// Smallest chunk of tokens per block (more blocks than this only add flag traffic).
+constexpr int64_t kMinTokensPerBlock = 2;
+// Named barrier id of the pushing warps (0 is __syncthreads).
+constexpr int kPushBarrier = 1;
 
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
-__device__ __forceinline__ char* region(const EPParams& p, int r, size_t offset) {
-  return p.sym.peer<char>(r) + offset;
+__host__ __device__ constexpr bool has(EPMode mode, EPMode part) { return (static_cast<int>(mode) & static_cast<int>(part)) != 0; }
+
+// By value (std::min/max/clamp return references, which can put their operands in local memory).
+__device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+__device__ __forceinline__ int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+__device__ __forceinline__ int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return min64(max64(v, lo), hi); }
+
+// ---- addressing of a rank's piece (Note [EP GPU protocol]) ----
+
+template <typename U>
+__device__ __forceinline__ U* piece(const EPParams& p, int r, size_t offset) {
+  return reinterpret_cast<U*>(p.sym.peer<char>(r) + offset);
 }
 
-__device__ __forceinline__ bool aligned16(const void* a, const void* b, size_t bytes) {
-  return ((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b) | bytes) & 15u) == 0;
+// Slot of writer s, block b in a [world][blocks] array.
+__device__ __forceinline__ size_t slot(const EPParams& p, int s, int b) {
+  return static_cast<size_t>(s) * p.num_blocks + b;
 }
 
-// Copies one row with the lanes of a warp: 16-byte packs when everything is aligned, else elements.
+// Route i = t * topk + k of source s in a [world][max_tokens][topk] array.
+__device__ __forceinline__ size_t route(const EPParams& p, int s, int64_t i) {
+  return static_cast<size_t>(s) * p.config.max_tokens_per_rank * p.config.topk + i;
+}
+
+// Row t of writer s in a [world][max_tokens][hidden] array (elements).
+__device__ __forceinline__ size_t row(const EPParams& p, int s, int64_t t) {
+  return (static_cast<size_t>(s) * p.config.max_tokens_per_rank + t) * p.config.hidden;
+}
+
+// Tokens of source s in chunk b (s's token count comes from its slot in this rank's piece).
+__device__ __forceinline__ int64_t chunk_tokens(const EPParams& p, int s, int b) {
+  const int64_t num_tokens = piece<const int32_t>(p, p.rank, p.layout.num_tokens)[slot(p, s, b)];
+  return clamp64(num_tokens - b * p.tokens_per_block, 0, p.tokens_per_block);
+}
+
+struct SourceToken {
+  int s;
+  int64_t t;
+};
+
+// The r-th token of chunk b over the sources in rank order (skipping `skip`, -1 for none).
+__device__ __forceinline__ SourceToken nth_token(const EPParams& p, int b, int skip, int64_t r) {
+  int s = 0;
+  for (; s < p.world_size; ++s) {
+    if (s == skip) continue;
+    const int64_t count = chunk_tokens(p, s, b);
+    if (r < count) break;
+    r -= count;
+  }
+  return {s, b * p.tokens_per_block + r};
+}
+
+__device__ __forceinline__ int64_t chunk_tokens_total(const EPParams& p, int b, int skip) {
+  int64_t total = 0;
+  for (int s = 0; s < p.world_size; ++s) total += s == skip ? 0 : chunk_tokens(p, s, b);
+  return total;
+}
+
+__device__ __forceinline__ int32_t* totals_of(const EPParams& p, int r, int s, int b) {
+  const int64_t num_local = p.config.num_experts / p.world_size;
+  return piece<int32_t>(p, r, p.layout.totals) + slot(p, s, b) * num_local;
+}
+
+// An expert id as the kernels use it: out-of-range ids become -1 (counted by the sender).
+__device__ __forceinline__ int32_t sanitize(int64_t e, int64_t num_experts) {
+  return e >= 0 && e < num_experts ? static_cast<int32_t>(e) : -1;
+}
+
+__device__ __forceinline__ unsigned lanemask_lt() {
+  unsigned m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+
+// bar.sync on a named barrier among `count` threads (whole warps): orders their memory accesses
+// like __syncthreads does, for the participating threads only.
+__device__ __forceinline__ void named_barrier(int id, int count) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+
+// ---- bounded flag waits (Note [flag barrier]'s discipline: bounded, recorded, poison-aware) ----
+
+// Spins until *flag >= value (acquire, system scope: makes the writer's stores before its release
+// visible to this thread). Returns true if it gave up (timeout recorded, or another wait failed).
+__device__ __forceinline__ bool wait_flag(const uint64_t* flag, uint64_t value, const BarrierDevice& bar, int peer,
+                                          EPPhaseId phase, uint64_t seq) {
+  if (device::ld_acquire_sys_u64(flag) >= value) return false;
+  const uint64_t start = device::globaltimer_ns();
+  uint32_t spins = 0;
+  while (device::ld_acquire_sys_u64(flag) < value) {
+    if ((++spins & 255u) == 0u) {
+      if (device::ld_volatile_u32(&bar.state->poisoned) != 0) return true;
+      const uint64_t elapsed = device::globaltimer_ns() - start;
+      if (elapsed > bar.timeout_ns) {
+        device::record_timeout(bar.state, bar.error, bar.rank, peer, static_cast<int>(phase), elapsed, seq);
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+// Thread q < world (q != rank) waits for flags[q][b] of this rank's piece; `first_peers` limits it
+// to ranks below `first_peers`. Block-wide: every thread calls it; the __syncthreads_or makes the
+// acquired writes visible to the whole block. Returns true on every thread if a wait failed.
+__device__ __forceinline__ bool wait_block(const EPParams& p, size_t flags, uint64_t value, EPPhaseId phase,
+                                           uint64_t seq, int num_peers) {
+  const int q = static_cast<int>(threadIdx.x);
+  bool failed = false;
+  if (q < num_peers && q != p.rank) {
+    failed = wait_flag(piece<uint64_t>(p, p.rank, flags) + slot(p, q, blockIdx.x), value, p.barrier, q, phase, seq);
+  }
+  return __syncthreads_or(failed) != 0;
+}
+
+// The same for one warp (lane q waits for rank q < num_peers); __syncwarp shares the visibility.
+__device__ __forceinline__ bool wait_warp(const EPParams& p, size_t flags, uint64_t value, EPPhaseId phase,
+                                          uint64_t seq, int num_peers, int lane) {
+  bool failed = false;
+  if (lane < num_peers && lane != p.rank) {
+    failed = wait_flag(piece<uint64_t>(p, p.rank, flags) + slot(p, lane, blockIdx.x), value, p.barrier, lane, phase,
+                       seq);
+  }
+  failed = __any_sync(kFullMask, failed);
+  __syncwarp();
+  return failed;
+}
+
+// Thread q < world (q != rank) raises flags[rank][b] in rank q's piece (release, system scope:
+// publishes every write this block made before the preceding bar.sync, cumulatively).
+__device__ __forceinline__ void signal_peers(const EPParams& p, size_t flags, uint64_t value) {
+  const int q = static_cast<int>(threadIdx.x);
+  if (q < p.world_size && q != p.rank) {
+    device::st_release_sys_u64(piece<uint64_t>(p, q, flags) + slot(p, p.rank, blockIdx.x), value);
+  }
+}
+
+// ---- warp-wide row operations ----
+
+__device__ __forceinline__ bool aligned16(const void* a) { return (reinterpret_cast<uintptr_t>(a) & 15u) == 0; }
+
+// Appends this lane's item to a warp list in lane order (lanes with keep == false skip); returns
+// the list length. The list is in shared memory; the trailing __syncwarp publishes it to the warp.
+template <typename U>
+__device__ __forceinline__ int warp_list(U* list, bool keep, const U& item, int lane) {
+  const unsigned mask = __ballot_sync(kFullMask, keep);
+  if (keep) list[__popc(mask & lanemask_lt())] = item;
+  __syncwarp();
+  (void)lane;
+  return __popc(mask);
+}
+
+// A row is split into `parts` column ranges of whole packs when there are fewer rows than warps
+// (decode sizes), so that several warps share one row.
+struct Cols {
+  int64_t begin, end;  // elements
+};
+
 template <typename T>
-__device__ __forceinline__ void copy_row(T* dst, const T* src, int64_t hidden, int lane) {
+__device__ __forceinline__ Cols cols_of(int64_t hidden, int part, int parts) {
+  constexpr int N = device::Vec<T>::kNumElems;
+  const int64_t per = ((hidden + N - 1) / N + parts - 1) / parts * N;
+  return {min64(part * per, hidden), min64((part + 1) * per, hidden)};
+}
+
+// Parts per row for `items` rows shared by `workers` warps (at least 64 packs a part).
+template <typename T>
+__device__ __forceinline__ int parts_for(int64_t items, int workers, int64_t hidden) {
+  constexpr int N = device::Vec<T>::kNumElems;
+  if (items <= 0 || items >= workers) return 1;
+  const int64_t most = max64(1, (hidden + 64 * N - 1) / (64 * N));
+  return static_cast<int>(min64(workers / items, most));
+}
+
+// Copies columns [cols.begin, cols.end) of one row to `num_dsts` rows with the lanes of a warp:
+// the source is read once.
+template <typename T>
+__device__ __forceinline__ void copy_row(T* const* dsts, int num_dsts, const T* src, int64_t hidden, Cols cols,
+                                         int lane) {
   using V = device::Vec<T>;
-  if (aligned16(dst, src, hidden * sizeof(T))) {
-    const int64_t num_packs = hidden / V::kNumElems;
-    for (int64_t v = lane; v < num_packs; v += 32) V::load(src + v * V::kNumElems).store(dst + v * V::kNumElems);
+  constexpr int N = V::kNumElems;
+  if (num_dsts == 0) return;
+  bool vec = aligned16(src) && (hidden * sizeof(T)) % 16 == 0;
+  for (int i = 0; i < num_dsts; ++i) vec = vec && aligned16(dsts[i]);
+  if (vec) {
+    const int64_t num_packs = cols.end / N;
+    for (int64_t base = cols.begin / N; base < num_packs; base += 32 * kCopyUnroll) {
+      V buf[kCopyUnroll];
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int64_t v = base + u * 32 + lane;
+        if (v < num_packs) buf[u] = V::load(src + v * N);
+      }
+      for (int i = 0; i < num_dsts; ++i) {
+        T* dst = dsts[i];
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+          const int64_t v = base + u * 32 + lane;
+          if (v < num_packs) buf[u].store(dst + v * N);
+        }
+      }
+    }
   } else {
-    for (int64_t i = lane; i < hidden; i += 32) dst[i] = src[i];
+    for (int64_t e = cols.begin + lane; e < cols.end; e += 32) {
+      const T value = src[e];
+      for (int i = 0; i < num_dsts; ++i) dsts[i][e] = value;
+    }
   }
 }
 
-__device__ __forceinline__ uint32_t owner_bit(int32_t e, int64_t num_local) {
-  return e >= 0 ? (1u << static_cast<uint32_t>(e / num_local)) : 0u;
+// dst = round(sum over r ascending of fp32(w[r]) * fp32(src[r])) with separate rounding of every
+// product and sum (Note [EP layout]: no fused multiply-add); no sources gives zeros.
+template <typename T>
+__device__ __forceinline__ void weighted_sum_row(T* dst, const T* const* srcs, const float* ws, int num_srcs,
+                                                 int64_t hidden, Cols cols, int lane) {
+  using V = device::Vec<T>;
+  constexpr int N = V::kNumElems;
+  bool vec = aligned16(dst) && (hidden * sizeof(T)) % 16 == 0;
+  for (int r = 0; r < num_srcs; ++r) vec = vec && aligned16(srcs[r]);
+  if (vec) {
+    const int64_t num_packs = cols.end / N;
+    for (int64_t base = cols.begin / N; base < num_packs; base += 32 * kSumUnroll) {
+      device::Acc<N> acc[kSumUnroll];
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) acc[u].v[i] = 0.0f;
+      }
+      for (int r = 0; r < num_srcs; ++r) {
+        const T* src = srcs[r];
+        const float w = ws[r];
+        V y[kSumUnroll];
+#pragma unroll
+        for (int u = 0; u < kSumUnroll; ++u) {
+          const int64_t v = base + u * 32 + lane;
+          if (v < num_packs) y[u] = V::load(src + v * N);
+        }
+#pragma unroll
+        for (int u = 0; u < kSumUnroll; ++u) {
+#pragma unroll
+          for (int i = 0; i < N; ++i) {
+            acc[u].v[i] = __fadd_rn(acc[u].v[i], __fmul_rn(w, device::to_float<T>(y[u].elems[i])));
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u) {
+        const int64_t v = base + u * 32 + lane;
+        if (v < num_packs) device::acc_cast<T, N>(acc[u]).store(dst + v * N);
+      }
+    }
+  } else {
+    for (int64_t e = cols.begin + lane; e < cols.end; e += 32) {
+      float acc = 0.0f;
+      for (int r = 0; r < num_srcs; ++r) acc = __fadd_rn(acc, __fmul_rn(ws[r], device::to_float<T>(srcs[r][e])));
+      dst[e] = device::from_float<T>(acc);
+    }
+  }
 }
 
-// ---- dispatch send: meta rows to every rank, each token once to each of its owner ranks ----
+// dst = round(sum over r ascending of fp32(src[r])); no sources gives zeros.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) ep_dispatch_send_kernel(EPParams p) {
+__device__ __forceinline__ void sum_rows(T* dst, const T* const* srcs, int num_srcs, int64_t hidden, Cols cols,
+                                         int lane) {
+  using V = device::Vec<T>;
+  constexpr int N = V::kNumElems;
+  bool vec = aligned16(dst) && (hidden * sizeof(T)) % 16 == 0;
+  for (int r = 0; r < num_srcs; ++r) vec = vec && aligned16(srcs[r]);
+  if (vec) {
+    const int64_t num_packs = cols.end / N;
+    for (int64_t base = cols.begin / N; base < num_packs; base += 32 * kSumUnroll) {
+      device::Acc<N> acc[kSumUnroll];
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) acc[u].v[i] = 0.0f;
+      }
+      for (int r = 0; r < num_srcs; ++r) {
+        V y[kSumUnroll];
+#pragma unroll
+        for (int u = 0; u < kSumUnroll; ++u) {
+          const int64_t v = base + u * 32 + lane;
+          if (v < num_packs) y[u] = V::load(srcs[r] + v * N);
+        }
+#pragma unroll
+        for (int u = 0; u < kSumUnroll; ++u) device::acc_add(acc[u], y[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u) {
+        const int64_t v = base + u * 32 + lane;
+        if (v < num_packs) device::acc_cast<T, N>(acc[u]).store(dst + v * N);
+      }
+    }
+  } else {
+    for (int64_t e = cols.begin + lane; e < cols.end; e += 32) {
+      float acc = 0.0f;
+      for (int r = 0; r < num_srcs; ++r) acc = acc + device::to_float<T>(srcs[r][e]);
+      dst[e] = device::from_float<T>(acc);
+    }
+  }
+}
+
+// ---- dispatch ----
+
+// Token t of source s (chunk of this block) into this rank's expert rows: route (s, t, k) to local
+// expert l lands at base(s, l) + j (Note [EP GPU protocol]); recv_pos records it (-1: dropped).
+template <typename T>
+__device__ __forceinline__ void expand_token(const EPParams& p, int s, int64_t t, const T* src, T** list, Cols cols,
+                                             int lane) {
   const EPConfig& c = p.config;
-  const int lane = threadIdx.x & 31;
   const int64_t num_local = c.num_experts / p.world_size;
-  const size_t meta_row = static_cast<size_t>(c.topk);
-  if (blockIdx.x == 0 && threadIdx.x < p.world_size) {
-    reinterpret_cast<int32_t*>(region(p, threadIdx.x, p.layout.meta_num_tokens))[p.rank] =
-        static_cast<int32_t>(p.num_tokens);
-  }
-  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  for (int64_t t = blockIdx.x * kWarps + (threadIdx.x >> 5); t < p.num_tokens; t += num_warps) {
-    int32_t e = -1;
-    float w = 0.0f;
-    if (lane < c.topk) {
-      int64_t v = p.topk_idx[t * c.topk + lane];
-      w = p.topk_weights[t * c.topk + lane];
-      if (v < -1 || v >= c.num_experts) {
-        // An invalid id is counted on this rank (EPBuffer.check raises) and treated as -1.
-        atomicAdd(reinterpret_cast<unsigned long long*>(region(p, p.rank, p.layout.overflow)) + 2, 1ull);
-        v = -1;
-      }
-      e = static_cast<int32_t>(v);
-    }
-    const uint32_t owners = __reduce_or_sync(kFullMask, owner_bit(e, num_local));
-    const size_t meta_at = (static_cast<size_t>(p.rank) * c.max_tokens_per_rank + t) * meta_row;
-    for (int d = 0; d < p.world_size; ++d) {
-      if (lane < c.topk) {
-        reinterpret_cast<int32_t*>(region(p, d, p.layout.meta_idx))[meta_at + lane] = e;
-        reinterpret_cast<float*>(region(p, d, p.layout.meta_w))[meta_at + lane] = w;
-      }
-      if (owners & (1u << d)) {
-        T* dst = reinterpret_cast<T*>(region(p, d, p.layout.land_x)) +
-                 (static_cast<size_t>(p.rank) * c.max_tokens_per_rank + t) * c.hidden;
-        copy_row(dst, static_cast<const T*>(p.x) + t * c.hidden, c.hidden, lane);
-      }
+  T* dst = nullptr;
+  bool keep = false;
+  if (lane < c.topk) {
+    const size_t at = route(p, s, t * c.topk + lane);
+    const int32_t e = piece<const int32_t>(p, p.rank, p.layout.meta_idx)[at];
+    if (e >= 0 && e / num_local == p.rank) {
+      const int64_t l = e - p.rank * num_local;
+      int64_t pos = piece<const int32_t>(p, p.rank, p.layout.meta_j)[at];
+      for (int q = 0; q < s; ++q) pos += totals_of(p, p.rank, q, blockIdx.x)[l];
+      keep = pos < c.capacity;
+      p.recv_pos[at] = keep ? static_cast<int32_t>(pos) : -1;
+      if (keep) dst = static_cast<T*>(p.expert_x) + (l * c.capacity + pos) * c.hidden;
     }
   }
-  // Makes this thread's peer stores performed system-wide before the kernel completes; the recv
-  // kernel's barrier release, later in stream order, then covers them.
-  device::fence_acq_rel_sys();
+  const int num_dsts = warp_list(list, keep, dst, lane);
+  copy_row(list, num_dsts, src, c.hidden, cols, lane);
+  __syncwarp();  // the list is rewritten by the next token
 }
 
-// ---- dispatch recv: barrier, then positions by a block-wide ordered scan, rows into expert_x ----
-// The scan runs over token rows (each thread one token of one source, its topk ids): a block-wide
-// exclusive prefix sum of the per-token match counts gives the (s, t, k) order of Note [EP layout].
-// Blocks [l * split, (l + 1) * split) all scan expert l's routes (4 bytes per route) and each copies
-// every split-th matching token; block l * split alone writes recv_pos, counts and overflow.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) ep_dispatch_recv_kernel(EPParams p, int split) {
-  const device::CallInfo call = device::call_begin(p.barrier);
-  if (!call.ok) return;
-  if (!device::barrier_block(p.barrier, call.call, static_cast<int>(EPPhaseId::kDispatchLanded))) return;
-  __shared__ int warp_routes[kWarps];
-  __shared__ int warp_tokens[kWarps];
-  __shared__ int32_t list_token[kThreads];
-  __shared__ int32_t list_pos[kThreads];
-  __shared__ int32_t list_count[kThreads];
+__global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EPMode mode) {
+  extern __shared__ int32_t counts[];  // [2][num_experts]: before chunk (then running), totals
+  __shared__ T* lists[kWarps][kEPMaxTopk];
   const EPConfig& c = p.config;
+  const bool send = has(mode, EPMode::kSend), recv = has(mode, EPMode::kRecv);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n = p.world_size, me = p.rank, b = blockIdx.x;
   const int topk = static_cast<int>(c.topk);
-  const int64_t num_local = c.num_experts / p.world_size;
-  const int64_t cap = c.capacity;
-  const size_t meta_per_rank = static_cast<size_t>(c.max_tokens_per_rank) * topk;
-  const int32_t* meta_idx = reinterpret_cast<const int32_t*>(region(p, p.rank, p.layout.meta_idx));
-  const int32_t* num_tokens_of = reinterpret_cast<const int32_t*>(region(p, p.rank, p.layout.meta_num_tokens));
-  const T* land_x = reinterpret_cast<const T*>(region(p, p.rank, p.layout.land_x));
-  T* expert_x = static_cast<T*>(p.expert_x);
-  const int part = blockIdx.x % split;
-  for (int64_t l = blockIdx.x / split; l < num_local; l += gridDim.x / split) {
-    const int32_t e = static_cast<int32_t>(p.rank * num_local + l);
-    int64_t running = 0;  // routes to e so far: the next position
-    int64_t seen = 0;     // matching tokens so far, for the every-split-th assignment
-    for (int s = 0; s < p.world_size; ++s) {
-      const int64_t num_tokens = num_tokens_of[s];
-      const int32_t* idx = meta_idx + s * meta_per_rank;
-      for (int64_t base = 0; base < num_tokens; base += kThreads) {
-        const int64_t t = base + threadIdx.x;
-        int m = 0;
-        if (t < num_tokens) {
-          for (int k = 0; k < topk; ++k) m += idx[t * topk + k] == e ? 1 : 0;
-        }
-        int incl = m;  // warp inclusive scan of the match counts
-#pragma unroll
-        for (int off = 1; off < 32; off <<= 1) {
-          const int y = __shfl_up_sync(kFullMask, incl, off);
-          if (lane >= off) incl += y;
-        }
-        const unsigned has = __ballot_sync(kFullMask, m > 0);
-        if (lane == 31) {
-          warp_routes[warp] = incl;
-          warp_tokens[warp] = __popc(has);
-        }
-        __syncthreads();
-        int routes_before = 0, tokens_before = 0, routes_total = 0, tokens_total = 0;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) {
-          routes_before += w < warp ? warp_routes[w] : 0;
-          tokens_before += w < warp ? warp_tokens[w] : 0;
-          routes_total += warp_routes[w];
-          tokens_total += warp_tokens[w];
-        }
-        if (m > 0) {
-          const int64_t first = running + routes_before + incl - m;
-          const int j = tokens_before + __popc(has & ((1u << lane) - 1u));
-          list_token[j] = static_cast<int32_t>(t);
-          list_pos[j] = static_cast<int32_t>(first);
-          list_count[j] = m;
-          if (part == 0) {
-            int64_t pos = first;
-            for (int k = 0; k < topk; ++k) {
-              if (idx[t * topk + k] != e) continue;
-              p.recv_pos[s * meta_per_rank + t * topk + k] = pos < cap ? static_cast<int32_t>(pos) : -1;
-              ++pos;
-            }
+  const int64_t num_experts = c.num_experts, num_local = num_experts / n;
+  const int64_t t_begin = b * p.tokens_per_block;
+  if (device::ld_volatile_u32(&p.barrier.state->poisoned) != 0) return;
+  const uint64_t seq = device::ld_volatile_u64(&piece<EPControl>(p, me, p.layout.control)->seq);
+  const uint64_t value = seq + 1;
+
+  if (send) {
+    const int64_t num_tokens = p.num_tokens;
+    const int64_t t_end = min64(num_tokens, t_begin + p.tokens_per_block);
+    int32_t* before = counts;
+    int32_t* totals = counts + num_experts;
+    for (int64_t e = threadIdx.x; e < 2 * num_experts; e += kThreads) counts[e] = 0;
+    __syncthreads();
+    // 1. Per-expert counts of all this rank's routes (order-free: shared atomics).
+    for (int64_t i = threadIdx.x; i < num_tokens * topk; i += kThreads) {
+      const int32_t e = sanitize(p.topk_idx[i], num_experts);
+      if (e < 0) continue;
+      atomicAdd(&totals[e], 1);
+      if (i < t_begin * topk) atomicAdd(&before[e], 1);
+    }
+    __syncthreads();
+    // 2. Meta of this chunk to every rank: token count, the totals of its experts, idx / w / j.
+    for (int d = 0; d < n; ++d) {
+      int32_t* dst = totals_of(p, d, me, b);
+      for (int64_t l = threadIdx.x; l < num_local; l += kThreads) dst[l] = totals[d * num_local + l];
+    }
+    if (threadIdx.x < n) piece<int32_t>(p, threadIdx.x, p.layout.num_tokens)[slot(p, me, b)] = static_cast<int32_t>(num_tokens);
+    if (warp == 0) {
+      for (int64_t first = t_begin * topk; first < t_end * topk; first += 32) {
+        const int64_t i = first + lane;
+        const bool active = i < t_end * topk;
+        int32_t e = -1;
+        if (active) {
+          const int64_t raw = p.topk_idx[i];
+          e = sanitize(raw, num_experts);
+          if (raw != -1 && e < 0) {
+            // Counted on this rank (EPBuffer.check raises) and treated as -1.
+            atomicAdd(reinterpret_cast<unsigned long long*>(piece<int64_t>(p, me, p.layout.overflow)) + 2, 1ull);
           }
         }
-        __syncthreads();
-        for (int j = warp; j < tokens_total; j += kWarps) {
-          if ((seen + j) % split != part) continue;
-          const T* src = land_x + (static_cast<size_t>(s) * c.max_tokens_per_rank + list_token[j]) * c.hidden;
-          for (int r = 0; r < list_count[j] && list_pos[j] + r < cap; ++r) {
-            copy_row(expert_x + (l * cap + list_pos[j] + r) * c.hidden, src, c.hidden, lane);
+        const unsigned same = __match_any_sync(kFullMask, e);
+        int32_t j = -1;
+        if (e >= 0) j = before[e] + __popc(same & lanemask_lt());
+        __syncwarp();
+        if (e >= 0 && lane == __ffs(same) - 1) before[e] += __popc(same);
+        __syncwarp();
+        if (active) {
+          const float w = p.topk_weights[i];
+          const size_t at = route(p, me, i);
+          for (int d = 0; d < n; ++d) {
+            piece<int32_t>(p, d, p.layout.meta_idx)[at] = e;
+            piece<float>(p, d, p.layout.meta_w)[at] = w;
+            piece<int32_t>(p, d, p.layout.meta_j)[at] = j;
           }
         }
-        running += routes_total;
-        seen += tokens_total;
-        __syncthreads();  // the lists are rewritten next iteration
       }
     }
-    if (part == 0 && threadIdx.x == 0) {
-      p.expert_counts[l] = static_cast<int32_t>(running < cap ? running : cap);
-      if (running > cap) {
-        // Every rank's overflow word learns of it (native peer atomics over NVLink).
-        for (int d = 0; d < p.world_size; ++d) {
-          auto* word = reinterpret_cast<unsigned long long*>(region(p, d, p.layout.overflow));
-          atomicAdd_system(word, static_cast<unsigned long long>(running - cap));
-          atomicMax_system(word + 1, (static_cast<unsigned long long>(running) << 24) | static_cast<unsigned>(e));
+    __syncthreads();
+    signal_peers(p, p.layout.meta_flags, value);
+  }
+
+  // 3. Rows: pushing warps store each token of the chunk into its remote owners' land_x, while
+  // (fused kernel) the other warps expand the own chunk from x.
+  const int num_push_warps = send ? (recv ? kPushWarps : kWarps) : 0;
+  bool failed = false;
+  if (warp < num_push_warps) {
+    const int64_t items = clamp64(p.num_tokens - t_begin, 0, p.tokens_per_block);
+    const int parts = parts_for<T>(items, num_push_warps, c.hidden);
+    for (int64_t w = warp; w < items * parts; w += num_push_warps) {
+      const int64_t t = t_begin + w / parts;
+      const int32_t e = lane < topk ? sanitize(p.topk_idx[t * topk + lane], num_experts) : -1;
+      const unsigned owners = __reduce_or_sync(kFullMask, e >= 0 ? 1u << static_cast<unsigned>(e / num_local) : 0u);
+      const bool keep = lane < n && lane != me && ((owners >> lane) & 1u);
+      T* dst = keep ? piece<T>(p, lane, p.layout.land_x) + row(p, me, t) : nullptr;
+      const int num_dsts = warp_list(lists[warp], keep, dst, lane);
+      copy_row(lists[warp], num_dsts, static_cast<const T*>(p.x) + t * c.hidden, c.hidden,
+               cols_of<T>(c.hidden, static_cast<int>(w % parts), parts), lane);
+      __syncwarp();
+    }
+    named_barrier(kPushBarrier, num_push_warps * 32);
+    signal_peers(p, p.layout.data_flags, value);
+  } else if (recv) {
+    // Own positions need the totals of the ranks below this one: their meta flags only.
+    failed = wait_warp(p, p.layout.meta_flags, value, EPPhaseId::kDispatchMeta, seq, me, lane);
+    if (!failed) {
+      const int64_t items = chunk_tokens(p, me, b);
+      const int workers = kWarps - num_push_warps;
+      const int parts = parts_for<T>(items, workers, c.hidden);
+      for (int64_t w = warp - num_push_warps; w < items * parts; w += workers) {
+        const int64_t t = t_begin + w / parts;
+        expand_token<T>(p, me, t, static_cast<const T*>(p.x) + t * c.hidden, lists[warp],
+                        cols_of<T>(c.hidden, static_cast<int>(w % parts), parts), lane);
+      }
+    }
+  }
+  if (!recv) return;
+
+  // 4. Remote chunks, once their rows (and, cumulatively, their meta) have landed.
+  if (__syncthreads_or(failed)) return;
+  if (wait_block(p, p.layout.data_flags, value, EPPhaseId::kDispatchLanded, seq, n)) return;
+  const int64_t items = chunk_tokens_total(p, b, me);
+  const int parts = parts_for<T>(items, kWarps, c.hidden);
+  for (int64_t w = warp; w < items * parts; w += kWarps) {
+    const auto [s, t] = nth_token(p, b, me, w / parts);
+    expand_token<T>(p, s, t, piece<const T>(p, me, p.layout.land_x) + row(p, s, t), lists[warp],
+                    cols_of<T>(c.hidden, static_cast<int>(w % parts), parts), lane);
+  }
+  if (b == 0) {
+    // Every owner raises the overflow word of every rank for its own experts.
+    for (int64_t l = threadIdx.x; l < num_local; l += kThreads) {
+      int64_t total = 0;
+      for (int s = 0; s < n; ++s) total += totals_of(p, me, s, 0)[l];
+      p.expert_counts[l] = static_cast<int32_t>(min64(total, c.capacity));
+      if (total > c.capacity) {
+        const int64_t e = me * num_local + l;
+        for (int d = 0; d < n; ++d) {
+          auto* word = reinterpret_cast<unsigned long long*>(piece<int64_t>(p, d, p.layout.overflow));
+          atomicAdd_system(word, static_cast<unsigned long long>(total - c.capacity));
+          atomicMax_system(word + 1, (static_cast<unsigned long long>(total) << 24) | static_cast<unsigned long long>(e));
         }
       }
     }
   }
-  device::call_end(p.barrier);
 }
 
-// ---- combine send: one warp per (source, token) with a local route: the owner's partial ----
+// ---- combine ----
+
 template <typename T>
-__global__ void __launch_bounds__(kThreads) ep_combine_send_kernel(EPParams p) {
-  using V = device::Vec<T>;
-  constexpr int N = V::kNumElems;
+__global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPMode mode) {
+  __shared__ const T* srcs[kWarps][kEPMaxTopk];
+  __shared__ float weights[kWarps][kEPMaxTopk];
   const EPConfig& c = p.config;
-  const int lane = threadIdx.x & 31;
-  const int64_t num_local = c.num_experts / p.world_size;
-  const int64_t max_tokens = c.max_tokens_per_rank;
-  const size_t meta_per_rank = static_cast<size_t>(max_tokens) * c.topk;
-  const int32_t* meta_idx = reinterpret_cast<const int32_t*>(region(p, p.rank, p.layout.meta_idx));
-  const float* meta_w = reinterpret_cast<const float*>(region(p, p.rank, p.layout.meta_w));
-  const int32_t* num_tokens_of = reinterpret_cast<const int32_t*>(region(p, p.rank, p.layout.meta_num_tokens));
-  const T* expert_out = static_cast<const T*>(p.expert_out);
-  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  for (int64_t pair = blockIdx.x * kWarps + (threadIdx.x >> 5); pair < p.world_size * max_tokens; pair += num_warps) {
-    const int s = static_cast<int>(pair / max_tokens);
-    const int64_t t = pair % max_tokens;
-    if (t >= num_tokens_of[s]) continue;
-    const size_t at = s * meta_per_rank + t * c.topk;
-    int32_t pos = -1, l = 0;
-    float w = 0.0f;
-    bool local = false;
-    if (lane < c.topk) {
-      const int32_t e = meta_idx[at + lane];
-      local = e >= 0 && e / num_local == p.rank;
-      if (local) {
-        pos = p.recv_pos[at + lane];
-        l = static_cast<int32_t>(e - p.rank * num_local);
-        w = meta_w[at + lane];
-      }
-    }
-    if (!__any_sync(kFullMask, local)) continue;
-    T* dst = reinterpret_cast<T*>(region(p, s, p.layout.land_y)) + (static_cast<size_t>(p.rank) * max_tokens + t) * c.hidden;
-    const bool vec = (c.hidden * sizeof(T)) % 16 == 0 && (reinterpret_cast<uintptr_t>(expert_out) & 15u) == 0;
-    const int64_t num_packs = (c.hidden + N - 1) / N;
-    // Broadcast the routes once, before the lane-strided loop (whose trip count differs per lane).
-    int32_t route_pos[kEPMaxTopk], route_l[kEPMaxTopk];
-    float route_w[kEPMaxTopk];
-#pragma unroll
-    for (int k = 0; k < kEPMaxTopk; ++k) {
-      route_pos[k] = __shfl_sync(kFullMask, pos, k);
-      route_l[k] = __shfl_sync(kFullMask, l, k);
-      route_w[k] = __shfl_sync(kFullMask, w, k);
-    }
-    for (int64_t v = lane; v < num_packs; v += 32) {
-      const int n = static_cast<int>(c.hidden - v * N < N ? c.hidden - v * N : N);
-      device::Acc<N> acc;
-#pragma unroll
-      for (int i = 0; i < N; ++i) acc.v[i] = 0.0f;
-#pragma unroll
-      for (int k = 0; k < kEPMaxTopk; ++k) {
-        if (k >= c.topk || route_pos[k] < 0) continue;
-        const T* y = expert_out + (route_l[k] * c.capacity + route_pos[k]) * c.hidden + v * N;
-        const V yv = vec ? V::load(y) : V::load_partial(y, n);
-#pragma unroll
-        for (int i = 0; i < N; ++i) {
-          // Separate rounding of product and sum (Note [EP layout]): no fused multiply-add.
-          acc.v[i] = __fadd_rn(acc.v[i], __fmul_rn(route_w[k], device::to_float<T>(yv.elems[i])));
+  const bool send = has(mode, EPMode::kSend), recv = has(mode, EPMode::kRecv);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n = p.world_size, me = p.rank, b = blockIdx.x;
+  const int topk = static_cast<int>(c.topk);
+  const int64_t num_local = c.num_experts / n;
+  const int64_t t_begin = b * p.tokens_per_block;
+  if (device::ld_volatile_u32(&p.barrier.state->poisoned) != 0) return;
+  EPControl* control = piece<EPControl>(p, me, p.layout.control);
+  const uint64_t seq = device::ld_volatile_u64(&control->seq);
+  const uint64_t value = seq + 1;
+  const int32_t* meta_idx = piece<const int32_t>(p, me, p.layout.meta_idx);
+
+  if (send) {
+    // Partials of this rank's routes for every source's tokens of chunk b (the own ones too).
+    const float* meta_w = piece<const float>(p, me, p.layout.meta_w);
+    const T* expert_out = static_cast<const T*>(p.expert_out);
+    const int64_t items = chunk_tokens_total(p, b, -1);
+    const int parts = parts_for<T>(items, kWarps, c.hidden);
+    for (int64_t item = warp; item < items * parts; item += kWarps) {
+      const auto [s, t] = nth_token(p, b, -1, item / parts);
+      bool local = false, keep = false;
+      const T* y = nullptr;
+      float w = 0.0f;
+      if (lane < topk) {
+        const size_t at = route(p, s, t * topk + lane);
+        const int32_t e = meta_idx[at];
+        local = e >= 0 && e / num_local == me;
+        if (local) {
+          const int32_t pos = p.recv_pos[at];
+          keep = pos >= 0;
+          y = expert_out + ((e - me * num_local) * c.capacity + pos) * c.hidden;
+          w = meta_w[at];
         }
       }
-      const V out = device::acc_cast<T, N>(acc);
-      if (vec) {
-        out.store(dst + v * N);
-      } else {
-        out.store_partial(dst + v * N, n);
+      if (!__any_sync(kFullMask, local)) continue;
+      const unsigned mask = __ballot_sync(kFullMask, keep);
+      if (keep) {
+        const int at = __popc(mask & lanemask_lt());
+        srcs[warp][at] = y;
+        weights[warp][at] = w;
       }
+      __syncwarp();
+      T* dst = piece<T>(p, s, p.layout.land_y) + row(p, me, t);
+      weighted_sum_row(dst, srcs[warp], weights[warp], __popc(mask), c.hidden,
+                       cols_of<T>(c.hidden, static_cast<int>(item % parts), parts), lane);
+      __syncwarp();  // the lists are rewritten by the next token
     }
+    __syncthreads();
+    signal_peers(p, p.layout.combine_flags, value);
   }
-  device::fence_acq_rel_sys();  // as in dispatch send: the peer stores, before the recv barrier
-}
+  if (!recv) return;
 
-// ---- combine recv: barrier, then the partials of the owner ranks summed in rank order ----
-template <typename T>
-__global__ void __launch_bounds__(kThreads) ep_combine_recv_kernel(EPParams p) {
-  using V = device::Vec<T>;
-  constexpr int N = V::kNumElems;
-  const device::CallInfo call = device::call_begin(p.barrier);
-  if (!call.ok) return;
-  if (!device::barrier_block(p.barrier, call.call, static_cast<int>(EPPhaseId::kCombineLanded))) return;
-  const EPConfig& c = p.config;
-  const int lane = threadIdx.x & 31;
-  const int64_t num_local = c.num_experts / p.world_size;
-  const int64_t max_tokens = c.max_tokens_per_rank;
-  const int32_t* meta_idx = reinterpret_cast<const int32_t*>(region(p, p.rank, p.layout.meta_idx)) +
-                            static_cast<size_t>(p.rank) * max_tokens * c.topk;
-  const T* land_y = reinterpret_cast<const T*>(region(p, p.rank, p.layout.land_y));
-  T* out = static_cast<T*>(p.out);
-  const bool vec = (c.hidden * sizeof(T)) % 16 == 0 && (reinterpret_cast<uintptr_t>(out) & 15u) == 0;
-  const int64_t num_packs = (c.hidden + N - 1) / N;
-  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  for (int64_t t = blockIdx.x * kWarps + (threadIdx.x >> 5); t < p.num_tokens; t += num_warps) {
-    const int32_t e = lane < c.topk ? meta_idx[t * c.topk + lane] : -1;
-    const uint32_t owners = __reduce_or_sync(kFullMask, owner_bit(e, num_local));
-    for (int64_t v = lane; v < num_packs; v += 32) {
-      const int n = static_cast<int>(c.hidden - v * N < N ? c.hidden - v * N : N);
-      device::Acc<N> acc;
-#pragma unroll
-      for (int i = 0; i < N; ++i) acc.v[i] = 0.0f;
-      for (int d = 0; d < p.world_size; ++d) {
-        if (!(owners & (1u << d))) continue;
-        const T* y = land_y + (static_cast<size_t>(d) * max_tokens + t) * c.hidden + v * N;
-        device::acc_add(acc, vec ? V::load(y) : V::load_partial(y, n));
-      }
-      const V r = device::acc_cast<T, N>(acc);
-      if (vec) {
-        r.store(out + t * c.hidden + v * N);
-      } else {
-        r.store_partial(out + t * c.hidden + v * N, n);
-      }
+  if (wait_block(p, p.layout.combine_flags, value, EPPhaseId::kCombineLanded, seq, n)) return;
+  const int64_t items = chunk_tokens(p, me, b);
+  const int parts = parts_for<T>(items, kWarps, c.hidden);
+  const T* land_y = piece<const T>(p, me, p.layout.land_y);
+  for (int64_t w = warp; w < items * parts; w += kWarps) {
+    const int64_t t = t_begin + w / parts;
+    const int32_t e = lane < topk ? meta_idx[route(p, me, t * topk + lane)] : -1;
+    const unsigned owners = __reduce_or_sync(kFullMask, e >= 0 ? 1u << static_cast<unsigned>(e / num_local) : 0u);
+    const bool keep = lane < n && ((owners >> lane) & 1u);
+    const int num_srcs = warp_list(srcs[warp], keep, keep ? land_y + row(p, lane, t) : nullptr, lane);
+    sum_rows(static_cast<T*>(p.out) + t * c.hidden, srcs[warp], num_srcs, c.hidden,
+             cols_of<T>(c.hidden, static_cast<int>(w % parts), parts), lane);
+    __syncwarp();
+  }
+  // The last block to finish advances seq (every block read it above, before counting itself).
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    device::fence_acq_rel_gpu();  // orders this block's read of seq before its count, for the last block
+    const uint32_t done = atomicAdd(&control->blocks_done, 1u);
+    if (done == gridDim.x - 1) {
+      control->blocks_done = 0;
+      control->seq = seq + 1;
     }
   }
-  device::call_end(p.barrier);
 }
 
 Status cuda_status(const char* what) {
@@ -312,7 +584,7 @@ Status cuda_status(const char* what) {
 }
 
 Status check_params(const EPParams& p, const char* what) {
-  if (p.world_size < 1 || p.world_size > kMaxDeviceRanks || p.world_size > 32) {
+  if (p.world_size < 1 || p.world_size > kMaxDeviceRanks) {
     return Status(StatusCode::kInvalidArgument,
                   detail::concat(what, ": world_size ", p.world_size, " not supported; valid: 1..", kMaxDeviceRanks));
   }
@@ -320,19 +592,20 @@ Status check_params(const EPParams& p, const char* what) {
     return Status(StatusCode::kInvalidArgument,
                   detail::concat(what, ": topk ", p.config.topk, " out of range 1..", kEPMaxTopk));
   }
+  if (p.config.num_experts > kEPMaxExpertsCuda) {
+    return Status(StatusCode::kInvalidArgument, detail::concat(what, ": num_experts ", p.config.num_experts,
+                                                               " not supported on CUDA; valid: up to ", kEPMaxExpertsCuda));
+  }
   if (p.num_tokens < 0 || p.num_tokens > p.config.max_tokens_per_rank) {
     return Status(StatusCode::kInvalidArgument, detail::concat(what, ": num_tokens ", p.num_tokens, " out of range"));
   }
+  if (p.num_blocks < 1 || p.num_blocks > kEPMaxBlocks ||
+      p.tokens_per_block * p.num_blocks < p.config.max_tokens_per_rank) {
+    return Status(StatusCode::kInvalidArgument,
+                  detail::concat(what, ": grid of ", p.num_blocks, " blocks x ", p.tokens_per_block,
+                                 " tokens does not cover max_tokens_per_rank ", p.config.max_tokens_per_rank));
+  }
   return Status::ok();
-}
-
-int send_blocks(int64_t work_items) {
-  return static_cast<int>(std::clamp<int64_t>((work_items + kWarps - 1) / kWarps, 1, kMaxSendBlocks));
-}
-
-// Blocks per local expert in dispatch recv (the grid must be the same on every rank: config only).
-int recv_split(int64_t num_local) {
-  return static_cast<int>(std::clamp<int64_t>(kMaxBarrierBlocks / std::max<int64_t>(num_local, 1), 1, 32));
 }
 
 }  // namespace
@@ -341,73 +614,65 @@ const char* ep_phase_name(int phase) {
   switch (static_cast<EPPhaseId>(phase)) {
     case EPPhaseId::kDispatchLanded: return "EP dispatch: tokens landed";
     case EPPhaseId::kCombineLanded: return "EP combine: partials landed";
+    case EPPhaseId::kDispatchMeta: return "EP dispatch: routing counts landed";
   }
   return "unknown phase";
 }
 
-EPSymmetricLayout ep_symmetric_layout(const EPConfig& c, int world_size) {
+int ep_threads_per_block() { return kThreads; }
+
+int ep_num_blocks(const EPConfig& c, int max_blocks) {
+  const int64_t wanted = (c.max_tokens_per_rank + kMinTokensPerBlock - 1) / kMinTokensPerBlock;
+  return static_cast<int>(std::clamp<int64_t>(wanted, 1, std::clamp(max_blocks, 1, kEPMaxBlocks)));
+}
+
+EPSymmetricLayout ep_symmetric_layout(const EPConfig& c, int world_size, int num_blocks) {
   constexpr size_t kAlign = 256;
+  const size_t slots = static_cast<size_t>(world_size) * num_blocks;
   const size_t meta = static_cast<size_t>(world_size) * c.max_tokens_per_rank * c.topk;
   const size_t rows = static_cast<size_t>(world_size) * c.max_tokens_per_rank * c.hidden * dtype_size(c.dtype);
+  const size_t num_local = static_cast<size_t>(c.num_experts / world_size);
   EPSymmetricLayout l;
   size_t at = 0;
-  l.overflow = at;
-  at = align_up(at + kEPOverflowWords * sizeof(int64_t), kAlign);
-  l.meta_num_tokens = at;
-  at = align_up(at + world_size * sizeof(int32_t), kAlign);
-  l.meta_idx = at;
-  at = align_up(at + meta * sizeof(int32_t), kAlign);
-  l.meta_w = at;
-  at = align_up(at + meta * sizeof(float), kAlign);
-  l.land_x = at;
-  at = align_up(at + rows, kAlign);
-  l.land_y = at;
-  at = align_up(at + rows, kAlign);
+  auto take = [&](size_t& field, size_t bytes) {
+    field = at;
+    at = align_up(at + bytes, kAlign);
+  };
+  take(l.control, sizeof(EPControl));
+  take(l.overflow, kEPOverflowWords * sizeof(int64_t));
+  take(l.meta_flags, slots * sizeof(uint64_t));
+  take(l.data_flags, slots * sizeof(uint64_t));
+  take(l.combine_flags, slots * sizeof(uint64_t));
+  l.control_end = at;
+  take(l.num_tokens, slots * sizeof(int32_t));
+  take(l.totals, slots * num_local * sizeof(int32_t));
+  take(l.meta_idx, meta * sizeof(int32_t));
+  take(l.meta_w, meta * sizeof(float));
+  take(l.meta_j, meta * sizeof(int32_t));
+  take(l.land_x, rows);
+  take(l.land_y, rows);
   l.total = at;
   return l;
 }
 
-Status launch_ep_dispatch_send(const EPParams& p, Stream stream) {
-  const char* what = "EPBuffer.dispatch(send)";
+Status launch_ep_dispatch(const EPParams& p, EPMode mode, Stream stream) {
+  const char* what = has(mode, EPMode::kSend) ? "EPBuffer.dispatch" : "EPBuffer.dispatch_recv";
   Status status = check_params(p, what);
   if (!status.is_ok()) return status;
-  const int blocks = send_blocks(p.num_tokens);
-  COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, return Status(StatusCode::kInvalidArgument, what),
-                               [&] { ep_dispatch_send_kernel<T><<<blocks, kThreads, 0, stream>>>(p); });
+  const size_t smem = 2 * static_cast<size_t>(p.config.num_experts) * sizeof(int32_t);
+  COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, return Status(StatusCode::kInvalidArgument, what), [&] {
+    ep_dispatch_kernel<T><<<p.num_blocks, kThreads, smem, stream>>>(p, mode);
+  });
   return cuda_status(what);
 }
 
-Status launch_ep_dispatch_recv(const EPParams& p, Stream stream) {
-  const char* what = "EPBuffer.dispatch(recv)";
+Status launch_ep_combine(const EPParams& p, EPMode mode, Stream stream) {
+  const char* what = has(mode, EPMode::kSend) ? "EPBuffer.combine" : "EPBuffer.combine_recv";
   Status status = check_params(p, what);
   if (!status.is_ok()) return status;
-  const int64_t num_local = p.config.num_experts / p.world_size;
-  const int split = recv_split(num_local);
-  const int blocks = static_cast<int>(std::min<int64_t>(num_local * split, kMaxBarrierBlocks / split * split));
-  COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, return Status(StatusCode::kInvalidArgument, what),
-                               [&] { ep_dispatch_recv_kernel<T><<<blocks, kThreads, 0, stream>>>(p, split); });
-  return cuda_status(what);
-}
-
-Status launch_ep_combine_send(const EPParams& p, Stream stream) {
-  const char* what = "EPBuffer.combine(send)";
-  Status status = check_params(p, what);
-  if (!status.is_ok()) return status;
-  const int blocks = send_blocks(static_cast<int64_t>(p.world_size) * p.config.max_tokens_per_rank);
-  COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, return Status(StatusCode::kInvalidArgument, what),
-                               [&] { ep_combine_send_kernel<T><<<blocks, kThreads, 0, stream>>>(p); });
-  return cuda_status(what);
-}
-
-Status launch_ep_combine_recv(const EPParams& p, Stream stream) {
-  const char* what = "EPBuffer.combine(recv)";
-  Status status = check_params(p, what);
-  if (!status.is_ok()) return status;
-  // Fixed by the configuration, so every rank launches the same grid (Note [flag barrier]).
-  const int blocks = static_cast<int>(
-      std::clamp<int64_t>((p.config.max_tokens_per_rank + kWarps - 1) / kWarps, 1, kMaxBarrierBlocks));
-  COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, return Status(StatusCode::kInvalidArgument, what),
-                               [&] { ep_combine_recv_kernel<T><<<blocks, kThreads, 0, stream>>>(p); });
+  COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, return Status(StatusCode::kInvalidArgument, what), [&] {
+    ep_combine_kernel<T><<<p.num_blocks, kThreads, 0, stream>>>(p, mode);
+  });
   return cuda_status(what);
 }
 

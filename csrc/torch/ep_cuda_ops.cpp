@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 
@@ -25,6 +26,10 @@ struct EPCudaState {
   at::Device device{at::kCUDA, 0};
   std::shared_ptr<SymmetricBuffer> sym;
   kernels::EPParams params;  // the fixed part; per-call fields are filled by each launch
+  const void* pending_x = nullptr;  // the last dispatch send's x (kept alive by EPBufferTorch)
+  // The call the protocol expects next: the kernels' flags are sequence-numbered per
+  // dispatch/combine pair, so out-of-order calls would read stale rows (Note [EP GPU protocol]).
+  enum class Next { kDispatch, kDispatchRecv, kCombine, kCombineRecv } next = Next::kDispatch;
 };
 
 namespace {
@@ -73,14 +78,25 @@ EPCudaState* ep_cuda_create(Communicator& comm, const EPConfig& config, at::Devi
   const int n = comm.world_size();
   COMMLIB_CHECK(n <= kMaxDeviceRanks, InvalidArgument, what, ": world_size ", n, " not supported on CUDA; valid: 1..",
                 kMaxDeviceRanks);
-  const kernels::EPSymmetricLayout layout = kernels::ep_symmetric_layout(config, n);
+  COMMLIB_CHECK(config.num_experts <= kernels::kEPMaxExpertsCuda, InvalidArgument, what, ": num_experts ",
+                config.num_experts, " not supported on CUDA; valid: up to ", kernels::kEPMaxExpertsCuda);
+  // Block b of every rank pairs with block b of the peers (Note [EP GPU protocol]), so every rank
+  // launches the same grid, at most one block per SM of the smallest GPU (all blocks resident).
+  int num_sms = 0;
+  cuda_ok(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, cuda.device()), what,
+          "cudaDeviceGetAttribute");
+  std::vector<int32_t> all_sms(n);
+  const int32_t my_sms = num_sms;
+  comm.all_gather_host(all_sms.data(), &my_sms, sizeof(int32_t));  // collective
+  const int num_blocks = kernels::ep_num_blocks(config, *std::min_element(all_sms.begin(), all_sms.end()));
+  const kernels::EPSymmetricLayout layout = kernels::ep_symmetric_layout(config, n, num_blocks);
   state->comm = &comm;
   state->cuda = &cuda;
   state->device = device;
   state->sym = cuda.allocate_symmetric(layout.total);  // collective
-  // Only the overflow word must start at zero (every other region is written before it is read);
-  // the host barrier keeps peers from adding to it before it is cleared.
-  cuda_ok(cudaMemset(state->sym->local(), 0, layout.meta_num_tokens), what, "cudaMemset");
+  // Only the control words, overflow word and flags must start at zero (every other region is
+  // written before it is read); the host barrier keeps peers from raising flags before that.
+  cuda_ok(cudaMemset(state->sym->local(), 0, layout.control_end), what, "cudaMemset");
   cuda_ok(cudaDeviceSynchronize(), what, "cudaDeviceSynchronize");
   comm.barrier_host();
 
@@ -92,13 +108,16 @@ EPCudaState* ep_cuda_create(Communicator& comm, const EPConfig& config, at::Devi
   t.recv_pos = at::full(meta_shape, -1, opts.dtype(at::kInt));
   t.meta_idx = sym_view(state->sym, layout.meta_idx, meta_shape, at::kInt, device);
   t.meta_w = sym_view(state->sym, layout.meta_w, meta_shape, at::kFloat, device);
-  t.meta_num_tokens = sym_view(state->sym, layout.meta_num_tokens, {n}, at::kInt, device);
+  // Every block of a source writes its token count into its own slot; column 0 is one of them.
+  t.meta_num_tokens = sym_view(state->sym, layout.num_tokens, {n, num_blocks}, at::kInt, device).select(1, 0);
   t.overflow = sym_view(state->sym, layout.overflow, {kEPOverflowWords}, at::kLong, device);
 
   kernels::EPParams& p = state->params;
   p.config = config;
   p.rank = comm.rank();
   p.world_size = n;
+  p.num_blocks = num_blocks;
+  p.tokens_per_block = (config.max_tokens_per_rank + num_blocks - 1) / num_blocks;
   p.sym = state->sym->device_handle();
   p.layout = layout;
   p.barrier = cuda.barrier_handle();
@@ -110,38 +129,69 @@ EPCudaState* ep_cuda_create(Communicator& comm, const EPConfig& config, at::Devi
 
 void ep_cuda_destroy(EPCudaState* state) { delete state; }
 
+namespace {
+
+const char* expected_call(EPCudaState::Next next) {
+  switch (next) {
+    case EPCudaState::Next::kDispatch: return "dispatch or dispatch_send";
+    case EPCudaState::Next::kDispatchRecv: return "dispatch_recv";
+    case EPCudaState::Next::kCombine: return "combine or combine_send";
+    default: return "combine_recv";
+  }
+}
+
+// Raises unless `phase` of `what` is the call the protocol expects next.
+void check_order(const EPCudaState& s, const char* what, EPPhase phase, EPCudaState::Next first,
+                 EPCudaState::Next second) {
+  const EPCudaState::Next wanted = phase == EPPhase::kRecv ? second : first;
+  COMMLIB_CHECK(s.next == wanted, InvalidArgument, what, "(phase ",
+                phase == EPPhase::kRecv ? "recv" : (phase == EPPhase::kSend ? "send" : "both"),
+                ") out of order: expected ", expected_call(s.next),
+                "; on CUDA dispatch and combine alternate, each split phase followed by its recv");
+}
+
+kernels::EPMode mode_of(EPPhase phase) {
+  switch (phase) {
+    case EPPhase::kSend: return kernels::EPMode::kSend;
+    case EPPhase::kRecv: return kernels::EPMode::kRecv;
+    default: return kernels::EPMode::kBoth;
+  }
+}
+
+}  // namespace
+
 void ep_cuda_dispatch(EPCudaState& s, const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
                       EPPhase phase) {
   const char* what = "EPBuffer.dispatch";
+  check_order(s, what, phase, EPCudaState::Next::kDispatch, EPCudaState::Next::kDispatchRecv);
   c10::cuda::CUDAGuard guard(s.device);
   cudaStream_t stream = current_stream(s.device);
   s.cuda->begin_op(stream, what);
   kernels::EPParams p = s.params;
   if (phase != EPPhase::kRecv) {
-    p.x = x.data_ptr();
+    s.pending_x = x.data_ptr();  // the receive part expands this rank's own rows from x
     p.topk_idx = topk_idx.data_ptr<int64_t>();
     p.topk_weights = topk_weights.data_ptr<float>();
     p.num_tokens = x.size(0);
-    throw_if_error(kernels::launch_ep_dispatch_send(p, stream));
   }
-  if (phase != EPPhase::kSend) throw_if_error(kernels::launch_ep_dispatch_recv(p, stream));
+  p.x = s.pending_x;
+  throw_if_error(kernels::launch_ep_dispatch(p, mode_of(phase), stream));
   s.cuda->end_op(stream, what);
+  s.next = phase == EPPhase::kSend ? EPCudaState::Next::kDispatchRecv : EPCudaState::Next::kCombine;
 }
 
 void ep_cuda_combine(EPCudaState& s, const at::Tensor& expert_out, at::Tensor& out, EPPhase phase) {
   const char* what = "EPBuffer.combine";
+  check_order(s, what, phase, EPCudaState::Next::kCombine, EPCudaState::Next::kCombineRecv);
   c10::cuda::CUDAGuard guard(s.device);
   cudaStream_t stream = current_stream(s.device);
   s.cuda->begin_op(stream, what);
   kernels::EPParams p = s.params;
-  p.num_tokens = out.size(0);
   p.out = out.data_ptr();
-  if (phase != EPPhase::kRecv) {
-    p.expert_out = expert_out.data_ptr();
-    throw_if_error(kernels::launch_ep_combine_send(p, stream));
-  }
-  if (phase != EPPhase::kSend) throw_if_error(kernels::launch_ep_combine_recv(p, stream));
+  if (phase != EPPhase::kRecv) p.expert_out = expert_out.data_ptr();
+  throw_if_error(kernels::launch_ep_combine(p, mode_of(phase), stream));
   s.cuda->end_op(stream, what);
+  s.next = phase == EPPhase::kSend ? EPCudaState::Next::kCombineRecv : EPCudaState::Next::kDispatch;
 }
 
 }  // namespace commlib::torch_layer

@@ -44,7 +44,8 @@ class EPBuffer:
     token's top-k can exceed. Rows beyond the capacity are dropped and recorded in an overflow word
     on every rank; ``check()`` raises ``ValueError`` describing it (it syncs with the device on CUDA).
 
-    ``dispatch`` and ``combine`` are collective and alternate: the tensors a dispatch returns
+    ``dispatch`` and ``combine`` are collective and alternate (on CUDA a call out of order raises
+    ``ValueError``): the tensors a dispatch returns
     (``expert_x``, ``expert_counts``, the handle) are valid until the next dispatch. On CUDA both run on
     the current stream, read no value on the host, and can be captured in a CUDA graph and replayed
     with routing that changes between replays.
@@ -87,7 +88,8 @@ class EPBuffer:
     def dispatch_send(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> EPHandle:
         """First half of dispatch: starts sending this rank's tokens and returns at once (on CUDA the
         work is queued on the current stream). Finish with ``dispatch_recv(handle)``; independent
-        compute may run in between."""
+        compute may run in between, but ``x`` must stay unchanged until then (on CUDA the receive
+        part copies this rank's own tokens from it)."""
         return self._send(x, topk_idx, topk_weights, "send")
 
     def dispatch_recv(self, handle: EPHandle) -> EPDispatchResult:

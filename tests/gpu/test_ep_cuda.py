@@ -26,6 +26,14 @@ def _cases(ctx, which):
             (8, 2, 64, "bfloat16", "duplicates", 17, uneven, None),  # overflow
             (8, 2, 64, "float32", "random", 17, uneven, 3),          # small capacity
             (64, 8, 256, "bfloat16", "random", 600, (600, 599), None),  # many routes per block
+            # top-k 5..7, zero tokens on a rank, skew, and the grid shapes of Note [EP GPU protocol]
+            (16, 5, 256, "bfloat16", "random", 33, (33, 0), None),
+            (32, 6, 520, "float16", "one_expert", 24, (24, 7), None),
+            (64, 7, 4096, "bfloat16", "masked", 40, (1, 40), None),
+            (8, 2, 64, "bfloat16", "random", 4, (0,), None),             # no tokens anywhere
+            (8, 2, 4096, "bfloat16", "random", 1, (1,), None),           # one token: rows split over warps
+            (256, 8, 7168, "bfloat16", "random", 512, (512, 300), None),  # DeepSeek-like, many blocks
+            (256, 8, 7168, "bfloat16", "one_expert", 64, (64, 64), 40),   # skew past a small capacity
         ],
     }[which]
     return [c for c in cases if c[0] % n == 0]
@@ -65,8 +73,9 @@ def test_gpu_matches_cpu_bitwise(ranks):
     ranks(2).run(_same_as_cpu)
 
 
-def _graph_replay(ctx):
-    """Dispatch + experts + combine captured once, replayed with new routing and tokens each time."""
+def _graph_replay(ctx, split):
+    """Dispatch + experts + combine captured once (fused or split phases), replayed with new routing
+    and tokens each time, including a routing that overflows the capacity (check() raises after it)."""
     import commlib
     n, me = ctx.world_size, ctx.rank
     dev = torch.device("cuda", ctx.device)
@@ -79,8 +88,14 @@ def _graph_replay(ctx):
     out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
 
     def step():
-        res = buf.dispatch(sx, sidx, sw)
-        buf.combine(expert_fn(res.expert_x, me * L), res.handle, out=out)
+        if split:
+            handle = buf.dispatch_send(sx, sidx, sw)
+            res = buf.dispatch_recv(handle)
+            buf.combine_send(expert_fn(res.expert_x, me * L), res.handle, out=out)
+            buf.combine_recv()
+        else:
+            res = buf.dispatch(sx, sidx, sw)
+            buf.combine(expert_fn(res.expert_x, me * L), res.handle, out=out)
         return res
 
     def load(seed, kind):
@@ -104,26 +119,32 @@ def _graph_replay(ctx):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         res = step()
-    for seed, kind in [(1, "random"), (2, "masked"), (3, "one_expert"), (4, "random")]:
+    cap = buf.capacity
+    for seed, kind in [(1, "random"), (2, "masked"), (3, "one_expert"), (5, "duplicates"), (4, "random")]:
         inputs = load(seed, kind)
         out.fill_(float("nan"))
         res.expert_x.fill_(float("nan"))  # the registered rows the replay must rewrite
         graph.replay()
         torch.cuda.synchronize(dev)
-        rows, totals = simulate(inputs, E, buf.capacity, n)
+        rows, totals = simulate(inputs, E, cap, n)
         for l in range(L):
             e = me * L + l
-            assert int(res.expert_counts[l]) == min(totals[e], buf.capacity)
-            want = torch.stack([inputs[s][0][t] for (s, t, k) in rows[e]]) if rows[e] else torch.empty(0, H).bfloat16()
-            assert torch.equal(res.expert_x[l, :len(rows[e])].cpu(), want), f"replay {seed}: expert {e}"
-        want, _ = reference_combine(me, inputs, rows, E, n, H, torch.bfloat16, buf.capacity)
+            assert int(res.expert_counts[l]) == min(totals[e], cap), f"replay {seed}: count of expert {e}"
+            kept = rows[e][:cap]
+            want = torch.stack([inputs[s][0][t] for (s, t, k) in kept]) if kept else torch.empty(0, H).bfloat16()
+            assert torch.equal(res.expert_x[l, :len(kept)].cpu(), want), f"replay {seed}: expert {e}"
+        want, _ = reference_combine(me, inputs, rows, E, n, H, torch.bfloat16, cap)
         assert torch.equal(out.cpu(), want), f"replay {seed}: combine"
-    buf.check()
+        if max(totals) > cap:
+            with pytest.raises(ValueError, match="capacity overflow"):
+                buf.check()
+        buf.check()
     return True
 
 
-def test_graph_replay_with_changing_routing(ranks):
-    ranks(2).run(_graph_replay)
+@pytest.mark.parametrize("split", [False, True])
+def test_graph_replay_with_changing_routing(ranks, split):
+    ranks(2).run(_graph_replay, split)
 
 
 def _invalid_ids(ctx):
@@ -141,6 +162,37 @@ def _invalid_ids(ctx):
 
 def test_invalid_expert_ids_are_flagged(ranks):
     ranks(2).run(_invalid_ids)
+
+
+def _out_of_order(ctx):
+    """Calls out of the dispatch/combine alternation raise on the host before any launch, and the
+    buffer keeps working."""
+    import commlib
+    dev = f"cuda:{ctx.device}"
+    buf = commlib.EPBuffer(ctx.comm, 4, 64, 8, 2, torch.bfloat16, device=dev)
+    x = torch.randn(4, 64, device=dev).bfloat16()
+    idx = torch.tensor([[0, 5], [2, 7], [3, 4], [1, 6]], device=dev)
+    w = torch.ones(4, 2, device=dev)
+    with pytest.raises(ValueError, match="out of order"):
+        buf.combine(torch.zeros(4, buf.capacity, 64, device=dev).bfloat16(),
+                    commlib.EPHandle(idx, w, 4))
+    res = buf.dispatch(x, idx, w)
+    with pytest.raises(ValueError, match="out of order: expected combine"):
+        buf.dispatch(x, idx, w)
+    out = buf.combine(res.expert_x, res.handle)
+    torch.testing.assert_close(out.float(), x.float() * 2, rtol=1e-2, atol=1e-2)
+    handle = buf.dispatch_send(x, idx, w)
+    with pytest.raises(ValueError, match="out of order: expected dispatch_recv"):
+        buf.combine(res.expert_x, res.handle)
+    res = buf.dispatch_recv(handle)
+    out = buf.combine(res.expert_x, res.handle)
+    torch.testing.assert_close(out.float(), x.float() * 2, rtol=1e-2, atol=1e-2)
+    buf.check()
+    return True
+
+
+def test_calls_out_of_order_raise(ranks):
+    ranks(2).run(_out_of_order)
 
 
 # ---- dynamic all_to_all_v ----
