@@ -12,7 +12,9 @@ runs on the same random inputs and is checked first:
   symm-2shot-seq            torch.ops.symm_mem.two_shot_all_reduce_ + add + rms_norm (when available)
 then timed as CUDA-graph replays of `ops` back-to-back calls (median over replays of replay/ops,
 µs). Inputs are restored from pristine copies between replays (not timed) so values stay finite.
-An SM sweep (num_sms 2, 4, 8, 16, 32) of fused-rep follows. Prints markdown; --out writes it.
+An SM sweep (num_sms 2, 4, 8, 16, 32; --sweep-sms) of fused-rep follows at --sweep-tokens. Token
+counts whose slice is at most COMMLIB_FUSED_LL_MAX_BYTES run the LL kernel, the others the
+barrier kernel (docs/fused.md). Prints markdown; --out writes it.
 """
 from __future__ import annotations
 
@@ -112,7 +114,7 @@ def worker(rank: int, world: int, port: int, args, queue):
             row[name] = time_graph(fn, restore, ops_for(tokens), args.replays)
         if tokens in args.sweep_tokens:
             point = {"tokens": tokens}
-            for sms in SM_SWEEP:
+            for sms in args.sweep_sms:
                 point[sms] = time_graph(lambda s=sms: comm.fused_allreduce_rmsnorm(x, res, weight, EPS, out=out,
                                                                                    num_sms=s),
                                         restore, ops_for(tokens), args.replays)
@@ -130,7 +132,7 @@ def worker(rank: int, world: int, port: int, args, queue):
     dist.destroy_process_group()
 
 
-def render(rows, sweep, world: int, hidden: int, command: str) -> str:
+def render(rows, sweep, world: int, hidden: int, command: str, sms_list: list[int]) -> str:
     def cell(r, k):
         return f"{r[k]:.1f}" if k in r else "n/a"
 
@@ -160,13 +162,13 @@ def render(rows, sweep, world: int, hidden: int, command: str) -> str:
                      f"{r['notes']} |")
     if sweep:
         lines += ["", "## SM sweep (fused-rep, num_sms)", "",
-                  "| tokens | " + " | ".join(str(s) for s in SM_SWEEP) + " | best <= 16 SMs / best |",
-                  "| --- | " + " | ".join("---" for _ in SM_SWEEP) + " | --- |"]
+                  "| tokens | " + " | ".join(str(s) for s in sms_list) + " | best <= 16 SMs / best |",
+                  "| --- | " + " | ".join("---" for _ in sms_list) + " | --- |"]
         for p in sweep:
-            best = min(p[s] for s in SM_SWEEP)
-            best16 = min(p[s] for s in SM_SWEEP if s <= 16)
-            lines.append(f"| {p['tokens']} | " + " | ".join(f"{p[s]:.1f}" for s in SM_SWEEP)
-                         + f" | {best / best16 * 100:.0f}% |")
+            best = min(p[s] for s in sms_list)
+            small = [p[s] for s in sms_list if s <= 16]
+            ratio = f"{best / min(small) * 100:.0f}%" if small else "n/a"
+            lines.append(f"| {p['tokens']} | " + " | ".join(f"{p[s]:.1f}" for s in sms_list) + f" | {ratio} |")
     return "\n".join(lines) + "\n"
 
 
@@ -177,10 +179,11 @@ def main():
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--max-tokens", type=int, default=16384)
     parser.add_argument("--sweep-tokens", type=int, nargs="*", default=[1, 128, 1024, 8192])
+    parser.add_argument("--sweep-sms", type=int, nargs="*", default=SM_SWEEP, help="num_sms values of the sweep")
     parser.add_argument("--out", type=Path, help="also write the markdown table here")
     args = parser.parse_args()
     rows, sweep = run_ranks(worker, args.world_size, args)
-    publish(render(rows, sweep, args.world_size, args.hidden, "python " + " ".join(sys.argv)), args.out)
+    publish(render(rows, sweep, args.world_size, args.hidden, "python " + " ".join(sys.argv), args.sweep_sms), args.out)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@
 #include "commlib/errors.hpp"
 #include "core/algorithm_selector.hpp"
 #include "kernels/all_reduce_params.hpp"
+#include "kernels/rs_rmsnorm_ag_params.hpp"
 #include "transport/cuda_ipc.hpp"
 
 namespace commlib {
@@ -16,8 +17,10 @@ void destroy_cuda_comm(CudaComm* cuda) { delete cuda; }
 
 namespace {
 
-// Payload of one LL call; larger LL messages run as several calls.
-constexpr size_t kLLBytesPerCall = 256u << 10;
+// Payload of one LL all-reduce call; larger LL messages run as several calls. The buffer is also
+// the fused op's (Note [fused LL layout]): this size lets its LL kernel take 32 tokens of hidden
+// 8192 on 2 ranks in one call.
+constexpr size_t kLLBytesPerCall = 512u << 10;
 
 void cuda_check(cudaError_t err, const char* what, const char* call) {
   COMMLIB_CHECK(err == cudaSuccess, CudaError, what, ": ", call, " failed: ", cudaGetErrorString(err));
@@ -53,6 +56,13 @@ class DeviceGuard {
   int previous_ = 0;
   bool changed_ = false;
 };
+
+// Phase ids of the error word: the all-reduce kernels' and, from kLLInputs up, the fused op's
+// own (its barrier phases 0 and 1 mean what the all-reduce's do: inputs ready, before the gather).
+const char* phase_name(int phase) {
+  return phase >= static_cast<int>(kernels::FusedRmsNormPhase::kLLInputs) ? kernels::fused_rmsnorm_phase_name(phase)
+                                                                           : kernels::all_reduce_phase_name(phase);
+}
 
 }  // namespace
 
@@ -140,6 +150,12 @@ BarrierDevice CudaComm::barrier_handle() const {
   return bar;
 }
 
+SymmetricBufferDevice CudaComm::ll_lines_handle() const {
+  SymmetricBufferDevice lines = ll_lines_->device_handle();
+  lines.bytes = kernels::ll_buffer_bytes(world_size_, kLLBytesPerCall);
+  return lines;
+}
+
 void CudaComm::check_error(const char* what) const {
   const auto* word = static_cast<volatile DeviceErrorWord*>(error_host_);
   if (word->failed == 0) return;
@@ -147,7 +163,7 @@ void CudaComm::check_error(const char* what) const {
   throw Timeout(detail::concat(
       what, ": a GPU wait of this communicator timed out earlier: rank ", word->rank, " waited ",
       word->elapsed_ns / 1000000, " ms for rank ", word->peer, " at phase '",
-      kernels::all_reduce_phase_name(word->phase), "' (block ", word->block, ", collective call #", word->call,
+      phase_name(word->phase), "' (block ", word->block, ", collective call #", word->call,
       "); the communicator is unusable, create a new one"));
 }
 

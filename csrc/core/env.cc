@@ -37,7 +37,11 @@ const std::vector<Knob>& knobs() {
        "Path of the crossover cache written by commlib-tune; empty: ~/.cache/commlib/tune.json "
        "when it exists, else the built-in table."},
       {"COMMLIB_FUSED_NUM_SMS", "0",
-       "CTAs of the fused all-reduce + RMSNorm kernel; 0 chooses by size."},
+       "CTAs of the fused all-reduce + RMSNorm kernel; 0 chooses by size (at most 16)."},
+      {"COMMLIB_FUSED_LL_MAX_BYTES", "262144",
+       "Fused all-reduce + RMSNorm on GPU: when each rank's token slice has at most this many bytes "
+       "(and fits the LL buffer) it runs the barrier-free LL kernel "
+       "(csrc/kernels/rs_rmsnorm_ag_p2p_ll.cu); 0: never."},
       {"COMMLIB_ENABLE_MULTICAST", "0",
        "Opt in to NVLink multicast (NVLS multimem) kernels. Refused whenever "
        "COMMLIB_DISABLE_MULTICAST=1, NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 or "

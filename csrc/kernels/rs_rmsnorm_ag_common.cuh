@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "commlib/device/vec.cuh"
 #include "kernels/rs_rmsnorm_ag_params.hpp"
@@ -19,6 +20,7 @@ constexpr int kGroup = static_cast<int>(kFusedHiddenAlign);  // elements per 16-
 
 template <typename T>
 using Pack = device::Vec<T, kGroup>;
+static_assert(kGroup == 8, "the fused kernels move 16-byte packs of 16-bit elements");
 
 // Chunk geometry shared by the kernel's phases.
 struct FusedChunk {
@@ -26,6 +28,71 @@ struct FusedChunk {
   int64_t capacity;    // rows per owner in a workspace region
   size_t half_bytes;   // bytes of one workspace half (16-byte multiple)
 };
+
+// Note [raw packs]
+// The row kernels keep packs that live across loads, waits and the row reduction as raw uint4 (two
+// 16-bit elements per register) and convert elements on use: a Vec<T, 8> is split by the compiler
+// into eight 16-bit registers, which doubles the register count and makes the kernels spill.
+
+// Element e of a raw pack of T as float (exact: both formats widen to fp32 without rounding).
+template <typename T>
+__device__ __forceinline__ float raw_elem(const uint4& raw, int e) {
+  const uint32_t word = e < 4 ? (e < 2 ? raw.x : raw.y) : (e < 6 ? raw.z : raw.w);
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __uint_as_float((e & 1) ? (word & 0xffff0000u) : (word << 16));
+  } else {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>((e & 1) ? (word >> 16) : (word & 0xffffu))));
+  }
+}
+
+// round_dtype(v[e]) packed two elements per 32-bit word (round to nearest even, as from_float).
+template <typename T>
+__device__ __forceinline__ uint4 raw_pack(const float (&v)[kGroup]) {
+  uint32_t words[kGroup / 2];
+#pragma unroll
+  for (int e = 0; e < kGroup / 2; ++e) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      const __nv_bfloat162 two = __floats2bfloat162_rn(v[2 * e], v[2 * e + 1]);
+      words[e] = *reinterpret_cast<const uint32_t*>(&two);
+    } else {
+      const __half2 two = __floats2half2_rn(v[2 * e], v[2 * e + 1]);
+      words[e] = *reinterpret_cast<const uint32_t*>(&two);
+    }
+  }
+  return uint4{words[0], words[1], words[2], words[3]};
+}
+
+// round_dtype(v) as float.
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+  return device::to_float<T>(device::from_float<T>(v));
+}
+
+// The new residual of one pack (Note [fused rmsnorm arithmetic]): s = round(sum over sources in
+// rank order), r = round(residual + s); rf receives r as float. acc holds the fp32 rank-order sum.
+template <typename T>
+__device__ __forceinline__ uint4 new_residual(const uint4& old, const float (&acc)[kGroup], float (&rf)[kGroup]) {
+#pragma unroll
+  for (int e = 0; e < kGroup; ++e) rf[e] = __fadd_rn(raw_elem<T>(old, e), round_to<T>(acc[e]));
+  const uint4 r = raw_pack<T>(rf);
+#pragma unroll
+  for (int e = 0; e < kGroup; ++e) rf[e] = raw_elem<T>(r, e);
+  return r;
+}
+
+// out = round((r * rstd) * w) for one pack.
+template <typename T>
+__device__ __forceinline__ uint4 normalised(const uint4& r, float rstd, const uint4& w) {
+  float y[kGroup];
+#pragma unroll
+  for (int e = 0; e < kGroup; ++e) y[e] = __fmul_rn(__fmul_rn(raw_elem<T>(r, e), rstd), raw_elem<T>(w, e));
+  return raw_pack<T>(y);
+}
+
+// rstd = 1 / sqrt(sumsq / hidden + eps).
+__device__ __forceinline__ float row_rstd(float sumsq, int64_t hidden, float eps) {
+  return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sumsq, static_cast<float>(hidden)), eps)));
+}
 
 // q_k of Note [fused rmsnorm arithmetic]: the squares of one pack, summed left to right.
 __device__ __forceinline__ float sum_squares(const float (&r)[kGroup]) {
@@ -69,6 +136,58 @@ __device__ __forceinline__ float block_sum_squares(float (&q)[kVecsPerThread], f
   return total;
 }
 
+// The same tree for a row held by a group of `group` threads (a power of two, 32..blockDim.x,
+// groups aligned in the block; thread `lane` of the group holds q of packs lane + j * group):
+// registers, then shared memory for halves >= 32, then a butterfly in the group's first warp
+// (xor pairs: lane l and l ^ half add the same two values, so every lane ends with the bits of
+// the tree's q_0). Every thread of the block must call it (it synchronises the block), each group
+// passing its own slot of `totals`. scratch: blockDim.x floats.
+template <int kVecs>
+__device__ __forceinline__ float group_sum_squares(float (&q)[kVecs], float* scratch, float* totals, int group) {
+#pragma unroll
+  for (int h = kVecs / 2; h >= 1; h /= 2) {
+#pragma unroll
+    for (int j = 0; j < h; ++j) q[j] = __fadd_rn(q[j], q[j + h]);
+  }
+  float s = q[0];
+  const int t = static_cast<int>(threadIdx.x);
+  const int lane = t & (group - 1);
+  if (group > 32) {
+    scratch[t] = s;
+    __syncthreads();
+    for (int half = group / 2; half >= 32; half /= 2) {
+      // Lanes < half read lanes >= half, which do not write in this step.
+      if (lane < half) {
+        s = __fadd_rn(s, scratch[t + half]);
+        scratch[t] = s;
+      }
+      __syncthreads();
+    }
+  }
+  if (lane < 32) {
+#pragma unroll
+    for (int half = 16; half >= 1; half /= 2) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, half));
+  }
+  if (group == 32) return s;
+  if (lane == 0) totals[t / group] = s;
+  __syncthreads();
+  const float total = totals[t / group];
+  __syncthreads();  // scratch and totals are reused by the next row
+  return total;
+}
+
+// Slot of rank `s` in the per-peer regions of rank `owner`'s buffers (s != owner): 0..world-2.
+__host__ __device__ __forceinline__ int peer_slot(int s, int owner, int world) {
+  return (s - owner - 1 + world) % world;
+}
+
+// The row of `residual` that holds token `token` (Note [residual modes]: the slice layout starts at
+// this rank's first token).
+template <typename T>
+__device__ __forceinline__ T* residual_row(const FusedRmsNormArgs& a, int64_t own_begin, int64_t token) {
+  const int64_t row = a.residual_layout == ResidualLayout::kSlice ? token - own_begin : token;
+  return static_cast<T*>(a.residual) + row * a.hidden;
+}
 
 inline bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
@@ -95,6 +214,9 @@ __host__ __device__ __forceinline__ TokenSlice chunk_rows(const FusedRmsNormArgs
   const int64_t count = s.end - first;
   return TokenSlice{first, first + (count < 0 ? 0 : (count < chunk.capacity ? count : chunk.capacity))};
 }
+
+// Checks shared by the p2p launchers (LL and barrier): dtype, hidden, world/rank, alignment.
+Status check_p2p_args(const char* what, const FusedRmsNormArgs& a, const BarrierDevice& barrier);
 
 }  // namespace fused_detail
 }  // namespace commlib::kernels

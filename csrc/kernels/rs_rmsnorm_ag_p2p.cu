@@ -1,17 +1,27 @@
 // Fused reduce-scatter -> residual add + RMSNorm -> all-gather over peer memory (TokenWeave's
-// kernel, P2P variant). Per call (one chunk of rows of every rank's slice, Note [token slices]):
-//   phase 0  block b copies the rows i = b (mod grid) of every rank's chunk from x into this
-//            rank's workspace half, region X, at (owner, i); barrier kInputsReady.
-//   phase 1  block b reduces its own rows i from every rank's region X (direct peer loads, rank
-//            order), adds the residual, keeps the row in registers for the sum of squares,
-//            normalises, writes out (and residual) locally and stores the normalised row (and,
-//            replicated, the residual row) into every peer's region O (R) at (rank, i);
-//            barrier kRowsPushed.
-//   phase 2  block b copies the rows i of the other owners from its own regions O (R) to out
-//            (residual).
-// Block b only ever exchanges rows i = b (mod grid) with block b of the peers, which is what the
-// per-block barrier (Note [flag barrier]) orders. Halves alternate by call parity: no end barrier.
-// Arithmetic: Note [fused rmsnorm arithmetic] (explicit _rn intrinsics: no contraction).
+// kernel, P2P variant), for token counts too large for the LL kernel (rs_rmsnorm_ag_p2p_ll.cu).
+// Per call (one chunk of rows of every rank's slice, Note [token slices]), block b of every rank
+// works on the rows i = b (mod grid) of each owner's chunk:
+//   phase A  push: copies those rows of x owned by each peer d into d's workspace, region X, slot
+//            of this rank (Note [fused p2p workspace]); barrier kInputsReady.
+//   phase B  reduce its own rows i: x from its own tensor and the peers' rows from its own region
+//            X (local loads only), in rank order; add the residual; sum of squares in registers
+//            (one row per group of threads, several rows per CTA in flight); normalise; store out
+//            (and residual) locally and push the normalised row (and, replicated, the residual
+//            row) into every peer's region O (R); barrier kRowsPushed.
+//   phase C  copy the other owners' rows i from its own regions O (R) to out (residual).
+// Every NVLink transfer is a store (no remote load waits on a round trip), and every load is local,
+// issued several packs per thread at once so that few SMs keep enough bytes in flight.
+// Block b only exchanges rows i = b (mod grid) with block b of the peers, which is what the
+// per-block barrier (Note [flag barrier]) orders. Arithmetic: Note [fused rmsnorm arithmetic]
+// (explicit _rn intrinsics: no contraction).
+//
+// Note [fused p2p workspace]
+// A call uses the workspace half of its parity (Note [flag barrier]: writes before the first
+// barrier must not touch the half a peer may still be reading from the previous call). Rank o's
+// half holds three regions, X, O and R, each with world - 1 slots (rank s != o in slot
+// peer_slot(s, o, world)) of chunk.capacity rows: X[s][i] is row i of o's chunk of s's x, O[d][i]
+// and R[d][i] are row i of d's chunk of out and of the new residual. Only o reads its own half.
 #include <algorithm>
 
 #include "commlib/device/barrier.cuh"
@@ -23,173 +33,207 @@ namespace commlib::kernels {
 namespace {
 using namespace fused_detail;
 
-template <typename T, int kWorldSize, int kVecsPerThread>
-__global__ void __launch_bounds__(kMaxThreads)
-    rs_rmsnorm_ag_p2p_kernel(RsRmsNormAgP2pParams p, FusedChunk chunk) {
-  __shared__ float scratch[kMaxThreads + 1];
+constexpr int kThreads = 512;    // per CTA: several rows in flight, up to 128 registers a thread
+constexpr int kVecs = 4;         // packs per thread and row in phase B
+constexpr int kCopyUnroll = 8;   // packs in flight per thread in phases A and C
+
+enum Region : int { kRegionX = 0, kRegionO = 1, kRegionR = 2 };
+
+// Threads per row in phase B: a power of two in [32, kThreads] (warp-aligned groups, Note [fused
+// rmsnorm arithmetic]'s tree) whose kVecs packs each cover the row's zero-padded pack count.
+int row_threads(int64_t hidden) {
+  return static_cast<int>(std::clamp<int64_t>(next_pow2(hidden / kGroup) / kVecs, 32, kThreads));
+}
+
+// Copies rows m = 0 .. num_rows - 1 (src_row(m) -> dst_row(m), num_packs packs each) with the whole
+// block, kCopyUnroll 16-byte loads in flight per thread before their stores.
+template <typename SrcRow, typename DstRow>
+__device__ __forceinline__ void block_copy_rows(int num_rows, int num_packs, SrcRow src_row, DstRow dst_row) {
+  const int total = num_rows * num_packs;
+  const int step = static_cast<int>(blockDim.x);
+  for (int base = static_cast<int>(threadIdx.x); base < total; base += kCopyUnroll * step) {
+    uint4 v[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int idx = base + u * step;
+      if (idx < total) v[u] = device::ld_v4_u32(src_row(idx / num_packs) + (idx % num_packs) * 16);
+    }
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int idx = base + u * step;
+      if (idx < total) device::st_v4_u32(dst_row(idx / num_packs) + (idx % num_packs) * 16, v[u]);
+    }
+  }
+}
+
+template <typename T, int kWorldSize>
+__global__ void __launch_bounds__(kThreads, 1)
+    rs_rmsnorm_ag_p2p_kernel(RsRmsNormAgP2pParams p, FusedChunk chunk, int group) {
+  constexpr int kCap = kWorldSize > 0 ? kWorldSize : kMaxDeviceRanks;
+  // Packs of one row loaded per batch in phase B: all kVecs for 2 ranks, fewer for more sources
+  // (bounded registers: batch * (sources + residual) loads in flight).
+  constexpr int kBatch = kCap <= 2 ? kVecs : (kCap <= 4 ? 2 : 1);
+  __shared__ float scratch[kThreads];
+  __shared__ float totals[kThreads / 32];
   const device::CallInfo call = device::call_begin(p.barrier);
   if (!call.ok) return;
   const FusedRmsNormArgs& a = p.args;
   const int world = kWorldSize > 0 ? kWorldSize : p.barrier.world_size;
   const int rank = p.barrier.rank;
-  const int64_t hidden = a.hidden;
-  const int num_packs = static_cast<int>(hidden / kGroup);
-  const size_t row_bytes = static_cast<size_t>(hidden) * sizeof(T);
-  const size_t region_bytes = static_cast<size_t>(world) * chunk.capacity * row_bytes;
+  const int num_packs = static_cast<int>(a.hidden / kGroup);
+  const size_t row_bytes = static_cast<size_t>(a.hidden) * sizeof(T);
+  const size_t slot_bytes = static_cast<size_t>(chunk.capacity) * row_bytes;
+  const size_t region_bytes = static_cast<size_t>(world - 1) * slot_bytes;
   const size_t half = (call.call & 1) * chunk.half_bytes;
   const bool replicated = a.mode == ResidualMode::kReplicated;
-  auto region = [&](int owner_rank, int which) {  // which: 0 X, 1 O, 2 R
-    return p.workspace.peer<char>(owner_rank) + half + which * region_bytes;
+  const int grid = static_cast<int>(gridDim.x);
+  const int b = static_cast<int>(blockIdx.x);
+  // Row i of rank s's slot of region `which` in rank `owner`'s workspace (Note [fused p2p workspace]).
+  auto ws_row = [&](int owner, int which, int s, int64_t i) {
+    return p.workspace.peer<char>(owner) + half + which * region_bytes + peer_slot(s, owner, world) * slot_bytes +
+           i * row_bytes;
   };
-  auto chunk_rows = [&](int d) { return fused_detail::chunk_rows(a, chunk, world, d); };
-  const T* x = static_cast<const T*>(a.x);
-  T* out = static_cast<T*>(a.out);
-  T* residual = static_cast<T*>(a.residual);
-  const T* weight = static_cast<const T*>(a.weight);
-  const int64_t own_begin = token_slice(a.num_tokens, world, rank).begin;
-  auto residual_row = [&](int64_t token) {
-    return residual + (a.residual_layout == ResidualLayout::kSlice ? token - own_begin : token) * hidden;
+  // Rows of `rows` this block handles: b, b + grid, ...
+  auto block_rows = [&](const TokenSlice& rows) {
+    const int64_t n = rows.size();
+    return n > b ? static_cast<int>((n - b + grid - 1) / grid) : 0;
   };
+  auto row_of = [&](int m) { return b + static_cast<int64_t>(m) * grid; };
+  const char* x = static_cast<const char*>(a.x);
 
-  // Phase 0: copy-in of the rows block b's peers will reduce.
-  for (int d = 0; d < world; ++d) {
-    const TokenSlice rows = chunk_rows(d);
-    for (int64_t i = blockIdx.x; i < rows.size(); i += gridDim.x) {
-      const T* src = x + (rows.begin + i) * hidden;
-      char* dst = region(rank, 0) + (d * chunk.capacity + i) * row_bytes;
-      for (int k = threadIdx.x; k < num_packs; k += blockDim.x) Pack<T>::load(src + k * kGroup).store(dst + k * 16);
-    }
+  // Phase A: push the rows of x the peers own into their region X.
+  for (int step = 1; step < world; ++step) {
+    const int d = (rank + step) % world;
+    const TokenSlice rows = chunk_rows(a, chunk, world, d);
+    block_copy_rows(
+        block_rows(rows), num_packs, [&](int m) { return x + (rows.begin + row_of(m)) * row_bytes; },
+        [&](int m) { return ws_row(d, kRegionX, rank, row_of(m)); });
   }
-  // Publishes this block's copy-in to the peers' block b; acquires theirs.
+  // Publishes this block's pushes to the peers' block b; acquires the rows they pushed here.
   if (!device::barrier_block(p.barrier, call.call, static_cast<int>(FusedRmsNormPhase::kInputsReady))) return;
 
-  // Phase 1: reduce, add, normalise and push this rank's rows.
-  const TokenSlice mine = chunk_rows(rank);
-  for (int64_t i = blockIdx.x; i < mine.size(); i += gridDim.x) {
+  // Phase B: reduce, add, normalise and push this rank's rows; blockDim / group rows at a time.
+  // Packs stay raw (Note [raw packs]).
+  const TokenSlice mine = chunk_rows(a, chunk, world, rank);
+  const int64_t own_begin = token_slice(a.num_tokens, world, rank).begin;
+  const int rows_per_iter = static_cast<int>(blockDim.x) / group;
+  const int lane = static_cast<int>(threadIdx.x) & (group - 1);
+  const int my_rows = block_rows(mine);
+  const char* weight = static_cast<const char*>(a.weight);
+  const char* x_peers = ws_row(rank, kRegionX, (rank + 1) % world, 0);  // slot 0; slot s at + s * slot_bytes
+  for (int m0 = 0; m0 < my_rows; m0 += rows_per_iter) {  // block-uniform trip count
+    const int m = m0 + static_cast<int>(threadIdx.x) / group;
+    const bool active = m < my_rows;
+    const int64_t i = row_of(m);
     const int64_t token = mine.begin + i;
-    const size_t row_off = (rank * chunk.capacity + i) * row_bytes;
-    T* res_row = residual_row(token);
-    float r[kVecsPerThread][kGroup];
-    float q[kVecsPerThread];
+    char* res_row = active ? reinterpret_cast<char*>(residual_row<T>(a, own_begin, token)) : nullptr;
+    uint4 r[kVecs];
+    float q[kVecs];
 #pragma unroll
-    for (int j = 0; j < kVecsPerThread; ++j) {
-      const int k = threadIdx.x + j * blockDim.x;
-      q[j] = 0.0f;
-      if (k >= num_packs) continue;
-      constexpr int kCap = kWorldSize > 0 ? kWorldSize : kMaxDeviceRanks;
-      Pack<T> xs[kCap];
+    for (int j0 = 0; j0 < kVecs; j0 += kBatch) {
+      uint4 xs[kBatch][kCap];
+      uint4 old[kBatch];
+      // All loads of the batch first (local memory only), then the arithmetic.
 #pragma unroll
-      for (int s = 0; s < kCap; ++s) {
-        if (kWorldSize > 0 || s < world) xs[s] = Pack<T>::load(region(s, 0) + row_off + k * 16);
+      for (int j = 0; j < kBatch; ++j) {
+        const int k = lane + (j0 + j) * group;
+        if (!active || k >= num_packs) continue;
+        const size_t at = static_cast<size_t>(k) * 16;
+#pragma unroll
+        for (int s = 0; s < kCap; ++s) {
+          if (kWorldSize == 0 && s >= world) continue;
+          xs[j][s] = s == rank ? device::ld_v4_u32(x + token * row_bytes + at)
+                               : device::ld_v4_u32(x_peers + peer_slot(s, rank, world) * slot_bytes +
+                                                   i * row_bytes + at);
+        }
+        old[j] = device::ld_v4_u32(res_row + at);
       }
-      auto acc = device::acc_init(xs[0]);
 #pragma unroll
-      for (int s = 1; s < kCap; ++s) {
-        if (kWorldSize > 0 || s < world) device::acc_add(acc, xs[s]);
-      }
-      const Pack<T> sum = device::acc_cast<T>(acc);  // all_reduce's rounding
-      const Pack<T> old = Pack<T>::load(res_row + k * kGroup);
-      Pack<T> updated;
+      for (int j = 0; j < kBatch; ++j) {
+        const int k = lane + (j0 + j) * group;
+        q[j0 + j] = 0.0f;
+        if (!active || k >= num_packs) continue;
+        const size_t at = static_cast<size_t>(k) * 16;
+        float acc[kGroup], rf[kGroup];
 #pragma unroll
-      for (int e = 0; e < kGroup; ++e) {
-        updated.elems[e] = device::from_float<T>(
-            __fadd_rn(device::to_float<T>(old.elems[e]), device::to_float<T>(sum.elems[e])));
-        r[j][e] = device::to_float<T>(updated.elems[e]);
-      }
-      updated.store(res_row + k * kGroup);
-      if (replicated) {
-        for (int s = 0; s < world; ++s) {
-          if (s != rank) updated.store(region(s, 2) + row_off + k * 16);
+        for (int e = 0; e < kGroup; ++e) acc[e] = raw_elem<T>(xs[j][0], e);
+#pragma unroll
+        for (int s = 1; s < kCap; ++s) {  // rank order (Note [reduction order])
+          if (kWorldSize > 0 || s < world) {
+#pragma unroll
+            for (int e = 0; e < kGroup; ++e) acc[e] = __fadd_rn(acc[e], raw_elem<T>(xs[j][s], e));
+          }
+        }
+        r[j0 + j] = new_residual<T>(old[j], acc, rf);
+        q[j0 + j] = sum_squares(rf);
+        device::st_v4_u32(res_row + at, r[j0 + j]);
+        if (replicated) {
+          for (int step = 1; step < world; ++step) {
+            const int d = (rank + step) % world;
+            device::st_v4_u32(ws_row(d, kRegionR, rank, i) + at, r[j0 + j]);
+          }
         }
       }
-      q[j] = sum_squares(r[j]);
     }
-    const float sumsq = block_sum_squares<kVecsPerThread>(q, scratch);
-    const float rstd = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sumsq, static_cast<float>(hidden)), a.eps)));
+    const float sumsq = group_sum_squares<kVecs>(q, scratch, totals, group);
+    if (!active) continue;
+    const float rstd = row_rstd(sumsq, a.hidden, a.eps);
+    char* out_row = static_cast<char*>(a.out) + token * row_bytes;
 #pragma unroll
-    for (int j = 0; j < kVecsPerThread; ++j) {
-      const int k = threadIdx.x + j * blockDim.x;
+    for (int j = 0; j < kVecs; ++j) {
+      const int k = lane + j * group;
       if (k >= num_packs) continue;
-      const Pack<T> w = Pack<T>::load(weight + k * kGroup);
-      Pack<T> y;
-#pragma unroll
-      for (int e = 0; e < kGroup; ++e) {
-        y.elems[e] = device::from_float<T>(__fmul_rn(__fmul_rn(r[j][e], rstd), device::to_float<T>(w.elems[e])));
-      }
-      y.store(out + token * hidden + k * kGroup);
-      for (int s = 0; s < world; ++s) {
-        if (s != rank) y.store(region(s, 1) + row_off + k * 16);
+      const size_t at = static_cast<size_t>(k) * 16;
+      // The weight is cache-resident (every row reads it): loaded here, not held across the row.
+      const uint4 y = normalised<T>(r[j], rstd, device::ld_v4_u32(weight + at));
+      device::st_v4_u32(out_row + at, y);
+      for (int step = 1; step < world; ++step) {
+        const int d = (rank + step) % world;
+        device::st_v4_u32(ws_row(d, kRegionO, rank, i) + at, y);
       }
     }
   }
   // Publishes this block's pushed rows to the peers' block b; acquires the rows they pushed here.
   if (!device::barrier_block(p.barrier, call.call, static_cast<int>(FusedRmsNormPhase::kRowsPushed))) return;
 
-  // Phase 2: the other owners' rows, from this rank's own regions.
-  for (int d = 0; d < world; ++d) {
-    if (d == rank) continue;
-    const TokenSlice rows = chunk_rows(d);
-    for (int64_t i = blockIdx.x; i < rows.size(); i += gridDim.x) {
-      const size_t row_off = (d * chunk.capacity + i) * row_bytes;
-      T* dst = out + (rows.begin + i) * hidden;
-      for (int k = threadIdx.x; k < num_packs; k += blockDim.x) {
-        Pack<T>::load(region(rank, 1) + row_off + k * 16).store(dst + k * kGroup);
-      }
-      if (replicated) {
-        T* rdst = residual + (rows.begin + i) * hidden;
-        for (int k = threadIdx.x; k < num_packs; k += blockDim.x) {
-          Pack<T>::load(region(rank, 2) + row_off + k * 16).store(rdst + k * kGroup);
-        }
-      }
+  // Phase C: the other owners' rows, from this rank's own regions O (and R).
+  char* out = static_cast<char*>(a.out);
+  char* residual = static_cast<char*>(a.residual);  // full layout whenever replicated
+  for (int step = 1; step < world; ++step) {
+    const int d = (rank + step) % world;
+    const TokenSlice rows = chunk_rows(a, chunk, world, d);
+    const int n = block_rows(rows);
+    block_copy_rows(
+        n, num_packs, [&](int m) { return static_cast<const char*>(ws_row(rank, kRegionO, d, row_of(m))); },
+        [&](int m) { return out + (rows.begin + row_of(m)) * row_bytes; });
+    if (replicated) {
+      block_copy_rows(
+          n, num_packs, [&](int m) { return static_cast<const char*>(ws_row(rank, kRegionR, d, row_of(m))); },
+          [&](int m) { return residual + (rows.begin + row_of(m)) * row_bytes; });
     }
   }
   device::call_end(p.barrier);
 }
 
 template <typename T, int kWorldSize>
-Status launch_typed(const RsRmsNormAgP2pParams& params, const FusedChunk& chunk, int blocks, Stream stream) {
-  const int threads = fused_threads(params.args.hidden);
-  const int64_t per_thread = fused_packs_per_thread(params.args.hidden);
-  auto go = [&](auto kernel) {
-    kernel<<<blocks, threads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(params, chunk);
-    const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) {
-      return Status(StatusCode::kCudaError,
-                    detail::concat("fused_allreduce_rmsnorm(p2p): kernel launch failed: ", cudaGetErrorString(err)));
-    }
-    return Status::ok();
-  };
-  switch (per_thread) {
-    case 1: return go(rs_rmsnorm_ag_p2p_kernel<T, kWorldSize, 1>);
-    case 2: return go(rs_rmsnorm_ag_p2p_kernel<T, kWorldSize, 2>);
-    case 4: return go(rs_rmsnorm_ag_p2p_kernel<T, kWorldSize, 4>);
-    default: break;
+Status launch_typed(const RsRmsNormAgP2pParams& params, const FusedChunk& chunk, int blocks, int group,
+                    Stream stream) {
+  rs_rmsnorm_ag_p2p_kernel<T, kWorldSize><<<blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      params, chunk, group);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    return Status(StatusCode::kCudaError,
+                  detail::concat("fused_allreduce_rmsnorm(p2p): kernel launch failed: ", cudaGetErrorString(err)));
   }
-  return Status(StatusCode::kInvalidArgument,
-                detail::concat("fused_allreduce_rmsnorm(p2p): hidden size ", params.args.hidden, " not supported"));
+  return Status::ok();
 }
 
 }  // namespace
 
-const char* fused_rmsnorm_phase_name(int phase) {
-  switch (static_cast<FusedRmsNormPhase>(phase)) {
-    case FusedRmsNormPhase::kInputsReady: return "inputs ready (after copy-in)";
-    case FusedRmsNormPhase::kRowsPushed: return "normalised rows pushed (before gather)";
-  }
-  return "unknown phase";
-}
+namespace fused_detail {
 
-int fused_rmsnorm_num_blocks(int requested, int64_t rows_per_rank) {
-  if (requested <= 0) requested = static_cast<int>(env::get_int("COMMLIB_FUSED_NUM_SMS"));
-  if (requested > 0) return std::min(requested, std::min(kFusedMaxBlocks, kMaxBarrierBlocks));
-  // By size: one CTA per row up to the default cap (a CTA normalises one row at a time).
-  return static_cast<int>(std::clamp<int64_t>(rows_per_rank, 1, kFusedDefaultMaxBlocks));
-}
-
-Status launch_rs_rmsnorm_ag_p2p(const RsRmsNormAgP2pParams& params, Stream stream) {
-  const char* what = "fused_allreduce_rmsnorm(p2p)";
-  const FusedRmsNormArgs& a = params.args;
-  const int world = params.barrier.world_size;
+Status check_p2p_args(const char* what, const FusedRmsNormArgs& a, const BarrierDevice& barrier) {
+  const int world = barrier.world_size;
   if (a.dtype != DataType::kBFloat16 && a.dtype != DataType::kFloat16) {
     return Status(StatusCode::kInvalidArgument, detail::concat(what, ": dtype ", dtype_name(a.dtype),
                                                                " not supported on GPU; supported: bfloat16, float16"));
@@ -199,34 +243,67 @@ Status launch_rs_rmsnorm_ag_p2p(const RsRmsNormAgP2pParams& params, Stream strea
                   detail::concat(what, ": hidden size ", a.hidden, " not supported; supported: multiples of ", kGroup,
                                  " up to ", kFusedMaxHidden));
   }
-  if (world < 1 || world > kMaxDeviceRanks || params.barrier.rank < 0 || params.barrier.rank >= world) {
-    return Status(StatusCode::kInvalidArgument, detail::concat(what, ": world_size ", world, " / rank ",
-                                                               params.barrier.rank, " invalid; supported: 1..",
-                                                               kMaxDeviceRanks));
+  if (world < 1 || world > kMaxDeviceRanks || barrier.rank < 0 || barrier.rank >= world) {
+    return Status(StatusCode::kInvalidArgument, detail::concat(what, ": world_size ", world, " / rank ", barrier.rank,
+                                                               " invalid; supported: 1..", kMaxDeviceRanks));
   }
-  if (a.num_tokens == 0) return Status::ok();
-  if (!aligned16(a.x) || !aligned16(a.out) || !aligned16(a.residual) || !aligned16(a.weight)) {
+  if (a.num_tokens > 0 && (!aligned16(a.x) || !aligned16(a.out) || !aligned16(a.residual) || !aligned16(a.weight))) {
     return Status(StatusCode::kInvalidArgument,
                   detail::concat(what, ": x, residual, weight and out must be 16-byte aligned"));
   }
+  return Status::ok();
+}
+
+}  // namespace fused_detail
+
+const char* fused_rmsnorm_phase_name(int phase) {
+  switch (static_cast<FusedRmsNormPhase>(phase)) {
+    case FusedRmsNormPhase::kInputsReady: return "inputs ready (after the x push)";
+    case FusedRmsNormPhase::kRowsPushed: return "normalised rows pushed (before gather)";
+    case FusedRmsNormPhase::kLLInputs: return "LL x rows from the peer (owner waits)";
+    case FusedRmsNormPhase::kLLRows: return "LL normalised rows from the owner";
+  }
+  return "unknown phase";
+}
+
+int fused_rmsnorm_num_blocks(int requested, int64_t work_units) {
+  if (requested <= 0) requested = static_cast<int>(env::get_int("COMMLIB_FUSED_NUM_SMS"));
+  if (requested > 0) return std::min(requested, std::min(kFusedMaxBlocks, kMaxBarrierBlocks));
+  // By size: one CTA per unit of work up to the default cap, which leaves the other SMs to compute.
+  return static_cast<int>(std::clamp<int64_t>(work_units, 1, kFusedDefaultMaxBlocks));
+}
+
+Status launch_rs_rmsnorm_ag_p2p(const RsRmsNormAgP2pParams& params, Stream stream) {
+  const char* what = "fused_allreduce_rmsnorm(p2p)";
+  const FusedRmsNormArgs& a = params.args;
+  const int world = params.barrier.world_size;
+  Status status = check_p2p_args(what, a, params.barrier);
+  if (!status.is_ok() || a.num_tokens == 0) return status;
+  if (fused_rmsnorm_use_ll(params)) return launch_rs_rmsnorm_ag_p2p_ll(params, stream);
   const size_t row_bytes = static_cast<size_t>(a.hidden) * dtype_size(a.dtype);
   const size_t regions = a.mode == ResidualMode::kReplicated ? 3 : 2;
   FusedChunk chunk{};
   chunk.half_bytes = params.workspace.bytes / 2 / 256 * 256;
   const int64_t per_rank = (a.num_tokens + world - 1) / world;
-  const int64_t fit = static_cast<int64_t>(chunk.half_bytes / (regions * world * row_bytes));
-  if (fit < 1) {
-    return Status(StatusCode::kInvalidArgument,
-                  detail::concat(what, ": one row needs ", 2 * regions * world * row_bytes,
-                                 " bytes of GPU workspace but it has ", params.workspace.bytes,
-                                 "; raise COMMLIB_GPU_WORKSPACE_BYTES"));
+  chunk.capacity = per_rank;
+  if (world > 1) {
+    const size_t per_row = regions * static_cast<size_t>(world - 1) * row_bytes;
+    const int64_t fit = static_cast<int64_t>(chunk.half_bytes / per_row);
+    if (fit < 1) {
+      return Status(StatusCode::kInvalidArgument,
+                    detail::concat(what, ": one row needs ", 2 * per_row, " bytes of GPU workspace but it has ",
+                                   params.workspace.bytes, "; raise COMMLIB_GPU_WORKSPACE_BYTES"));
+    }
+    chunk.capacity = std::min(fit, per_rank);
   }
-  chunk.capacity = std::min(fit, per_rank);
-  const int blocks = fused_rmsnorm_num_blocks(params.num_blocks, chunk.capacity);
+  const int group = row_threads(a.hidden);
+  const int64_t rows_per_block = kThreads / group;
+  const int blocks =
+      fused_rmsnorm_num_blocks(params.num_blocks, (chunk.capacity + rows_per_block - 1) / rows_per_block);
   for (chunk.offset = 0; chunk.offset < per_rank; chunk.offset += chunk.capacity) {
-    Status status;
     const auto launch = [&]<typename T>() {
-      return COMMLIB_DISPATCH_WORLD_SIZE(world, kWorldSize, [&] { return launch_typed<T, kWorldSize>(params, chunk, blocks, stream); });
+      return COMMLIB_DISPATCH_WORLD_SIZE(
+          world, kWorldSize, [&] { return launch_typed<T, kWorldSize>(params, chunk, blocks, group, stream); });
     };
     status = a.dtype == DataType::kBFloat16 ? launch.template operator()<__nv_bfloat16>()
                                             : launch.template operator()<__half>();

@@ -1,11 +1,15 @@
 // Parameters and launchers of the fused reduce-scatter -> residual add + RMSNorm -> all-gather
 // kernels (one algorithm per .cu file):
-//   rs_rmsnorm_ag_p2p.cu       peer loads for the reduction, peer stores for the gather (default)
+//   rs_rmsnorm_ag_p2p.cu       peer stores (push) for the scatter and the gather, per-block flag
+//                              barriers between the phases (default for larger token counts)
+//   rs_rmsnorm_ag_p2p_ll.cu    the same data flow without barriers: every 8 bytes pushed carry
+//                              their ready flag (Note [LL lines]); for the smallest token counts
 //   rs_rmsnorm_ag_multimem.cu  NVLS multimem.ld_reduce / multimem.st (sm_90a; behind the multicast
 //                              guard, csrc/core/multicast_guard.hpp; never run on lent machines)
 // Semantics, slicing and arithmetic: include/commlib/fused_rmsnorm.hpp. Host-compilable, no torch.
 // Launchers validate, split the tokens into chunks that fit one workspace half (one kernel call
-// each), and return a Status.
+// each), and return a Status. launch_rs_rmsnorm_ag_p2p picks the LL kernel itself when the whole
+// op fits one LL call (fused_rmsnorm_use_ll).
 #pragma once
 
 #include <cstddef>
@@ -22,8 +26,9 @@ namespace commlib::kernels {
 
 using Stream = CUstream_st*;
 
-// Barrier phase ids recorded in DeviceErrorWord::phase.
-enum class FusedRmsNormPhase : int { kInputsReady = 0, kRowsPushed = 1 };
+// Phase ids recorded in DeviceErrorWord::phase. The barrier phases are < kBarrierPhasesPerCall
+// (they are part of the flag value); the LL waits have ids of their own, above the all-reduce's.
+enum class FusedRmsNormPhase : int { kInputsReady = 0, kRowsPushed = 1, kLLInputs = 4, kLLRows = 5 };
 const char* fused_rmsnorm_phase_name(int phase);
 
 // Largest CTA count of the fused kernels and the default when num_blocks == 0 and
@@ -34,6 +39,7 @@ constexpr int kFusedDefaultMaxBlocks = 16;
 struct RsRmsNormAgP2pParams {
   FusedRmsNormArgs args{};            // x, residual, weight, out: this rank's, 16-byte aligned
   SymmetricBufferDevice workspace{};  // two halves alternating by call parity (Note [flag barrier])
+  SymmetricBufferDevice lines{};      // the communicator's LL buffer (Note [LL lines]), zeroed; may be empty
   BarrierDevice barrier{};
   int num_blocks = 0;  // CTAs; 0: COMMLIB_FUSED_NUM_SMS, else by size (<= kFusedDefaultMaxBlocks)
 };
@@ -48,10 +54,27 @@ struct RsRmsNormAgMultimemParams {
   int num_blocks = 0;
 };
 
-// CTAs the launcher uses for `rows_per_rank` rows of each rank's slice (the same on every rank).
-int fused_rmsnorm_num_blocks(int requested, int64_t rows_per_rank);
+// CTAs the launcher uses for `work_units` independent units of work per rank (rows for the LL and
+// multimem kernels, row groups for the p2p kernel); the same on every rank.
+int fused_rmsnorm_num_blocks(int requested, int64_t work_units);
+
+// Note [fused LL layout]
+// The LL kernel shares the communicator's LL buffer with all_reduce_flat_ll (same halves by call
+// parity, same flag = call + 1, so Note [LL lines]'s reuse argument covers both). Each half holds,
+// per peer slot (world - 1 of them: the rank `s` sits in slot (s - owner - 1) mod world of the
+// buffer owner's half) three regions X (x rows pushed to the owner), O (normalised rows pushed by
+// an owner), R (residual rows, replicated mode) of fused_ll_region_bytes() of lines each: row i,
+// pack k of a region are lines 2 * (i * packs_per_row + k) and + 1.
+inline size_t fused_ll_region_bytes(size_t lines_bytes, int world_size) {
+  if (world_size < 2) return 0;
+  return lines_bytes / (2 * static_cast<size_t>(world_size - 1) * 3) / 32 * 32;
+}
+// Whether launch_rs_rmsnorm_ag_p2p runs the LL kernel: every rank's slice (ceil(tokens / world)
+// rows) fits one LL region as lines (twice its bytes) and is at most COMMLIB_FUSED_LL_MAX_BYTES.
+bool fused_rmsnorm_use_ll(const RsRmsNormAgP2pParams& params);
 
 Status launch_rs_rmsnorm_ag_p2p(const RsRmsNormAgP2pParams& params, Stream stream);
+Status launch_rs_rmsnorm_ag_p2p_ll(const RsRmsNormAgP2pParams& params, Stream stream);
 Status launch_rs_rmsnorm_ag_multimem(const RsRmsNormAgMultimemParams& params, Stream stream);
 
 }  // namespace commlib::kernels

@@ -1,5 +1,6 @@
-// GPU entry of the fused all-reduce + residual add + RMSNorm: runs the P2P kernel
-// (csrc/kernels/rs_rmsnorm_ag_p2p.cu) on the current stream of x's device. Capturable: no host
+// GPU entry of the fused all-reduce + residual add + RMSNorm: runs the P2P kernels
+// (csrc/kernels/rs_rmsnorm_ag_p2p.cu, or its LL variant for small token counts, chosen by the
+// launcher) on the current stream of x's device. Capturable: no host
 // synchronisation, no allocation after the communicator's first GPU use.
 #include "torch/fused_ops.hpp"
 
@@ -33,6 +34,7 @@ void fused_allreduce_rmsnorm_cuda(Communicator& comm, const FusedRmsNormArgs& ar
   kernels::RsRmsNormAgP2pParams p;
   p.args = args;
   p.workspace = cuda.workspace().device_handle();
+  p.lines = cuda.ll_lines_handle();
   p.barrier = cuda.barrier_handle();
   p.num_blocks = num_sms;
   cuda.begin_op(stream, what);

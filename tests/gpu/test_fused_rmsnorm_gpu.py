@@ -86,15 +86,56 @@ def test_fused_gpu_many_chunks(ranks):
     ranks(2, env={"COMMLIB_GPU_WORKSPACE_BYTES": str(1 << 20)}).run(_gpu_case, "bfloat16", [1, 77, 1000], [8192])
 
 
+def test_fused_gpu_barrier_kernel_small_tokens(ranks):
+    # COMMLIB_FUSED_LL_MAX_BYTES=0: even 1 token runs the barrier kernel (rs_rmsnorm_ag_p2p.cu).
+    ranks(2, env={"COMMLIB_FUSED_LL_MAX_BYTES": "0"}).run(_gpu_case, "bfloat16", [1, 2, 3, 33], [1024, 8192],
+                                                           (None, 1, 3))
+
+
+def test_fused_gpu_ll_kernel_large_slices(ranks):
+    # A huge LL limit: the LL kernel (rs_rmsnorm_ag_p2p_ll.cu) runs whenever the slice fits the LL
+    # buffer (40 tokens of hidden 16384 does not: the launcher falls back to the barrier kernel).
+    ranks(2, env={"COMMLIB_FUSED_LL_MAX_BYTES": str(1 << 30)}).run(_gpu_case, "float16", [1, 5, 40], [8192, 16384],
+                                                                    (None, 1, 7))
+
+
+def _mixed_sequence(ctx):
+    # LL and barrier fused calls interleaved with LL/flat all-reduces on one communicator: they share
+    # the call counter, the LL buffer halves and the workspace halves (Note [fused LL layout]).
+    from commlib.fused import reference_rmsnorm
+    dev = torch.device("cuda", ctx.device)
+    comm = ctx.comm
+    n, rank, hidden, dtype, eps = ctx.world_size, ctx.rank, 4096, torch.bfloat16, 1e-6
+    for step, tokens in enumerate([1, 300, 2, 3, 1000, 1, 64, 5]):
+        xs, residual0, weight = make_inputs(n, tokens, hidden, dtype, salt=100 + step)
+        x = xs[rank].to(dev)
+        summed = x.clone()
+        comm.all_reduce(summed)  # an all-reduce between fused calls
+        ref_out, ref_res = reference_rmsnorm(summed.cpu(), residual0, weight, eps)
+        residual = residual0.to(dev)
+        out = torch.full((tokens, hidden), float("nan"), dtype=dtype, device=dev)
+        mode = "replicated" if step % 2 == 0 else "sharded"
+        comm.fused_allreduce_rmsnorm(x, residual, weight.to(dev), eps, residual_mode=mode, out=out)
+        torch.cuda.synchronize()
+        assert torch.equal(bits(out.cpu()), bits(ref_out)), f"step {step} ({tokens} tokens, {mode}): out"
+        lo, hi = (0, tokens) if mode == "replicated" else comm.token_slice(tokens)
+        assert torch.equal(bits(residual.cpu()[lo:hi]), bits(ref_res[lo:hi])), f"step {step}: residual"
+    return True
+
+
+def test_fused_gpu_mixed_kernels_and_all_reduce(ranks):
+    ranks(2).run(_mixed_sequence)
+
+
 def test_fused_gpu_knob_num_sms(ranks):
     ranks(2, env={"COMMLIB_FUSED_NUM_SMS": "3"}).run(_gpu_case, "float16", [1, 64], [4096])
 
 
-def _graph_and_compile(ctx):
+def _graph_and_compile(ctx, tokens):
     from commlib.fused import reference_rmsnorm
     dev = torch.device("cuda", ctx.device)
     comm = ctx.comm
-    n, rank, tokens, hidden, dtype, eps = ctx.world_size, ctx.rank, 37, 8192, torch.bfloat16, 1e-5
+    n, rank, hidden, dtype, eps = ctx.world_size, ctx.rank, 8192, torch.bfloat16, 1e-5
     xs, residual0, weight = make_inputs(n, tokens, hidden, dtype, salt=11)
     x = xs[rank].to(dev)
     w = weight.to(dev)
@@ -112,7 +153,7 @@ def _graph_and_compile(ctx):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         comm.fused_allreduce_rmsnorm(x, residual, w, eps, out=out)
-    for step in range(3):
+    for step in range(4):  # several replays: both LL buffer / workspace halves, twice
         new_x = make_inputs(n, tokens, hidden, dtype, salt=20 + step)[0][rank].to(dev)
         x.copy_(new_x)
         residual.copy_(residual0.to(dev))
@@ -138,8 +179,9 @@ def _graph_and_compile(ctx):
     return True
 
 
-def test_fused_gpu_graph_capture_and_compile(ranks):
-    ranks(2).run(_graph_and_compile)
+@pytest.mark.parametrize("tokens", [37, 4])  # 37: barrier kernel; 4: LL kernel (default limit)
+def test_fused_gpu_graph_capture_and_compile(ranks, tokens):
+    ranks(2).run(_graph_and_compile, tokens)
 
 
 def _bad_inputs_gpu(ctx):
