@@ -7,6 +7,7 @@
 #include "commlib/errors.hpp"
 #include "core/algorithm_selector.hpp"
 #include "kernels/all_reduce_params.hpp"
+#include "kernels/ep_params.hpp"
 #include "kernels/rs_rmsnorm_ag_params.hpp"
 #include "transport/cuda_ipc.hpp"
 
@@ -57,9 +58,11 @@ class DeviceGuard {
   bool changed_ = false;
 };
 
-// Phase ids of the error word: the all-reduce kernels' and, from kLLInputs up, the fused op's
-// own (its barrier phases 0 and 1 mean what the all-reduce's do: inputs ready, before the gather).
+// Phase ids of the error word: the all-reduce kernels', from kLLInputs up the fused op's own (its
+// barrier phases 0 and 1 mean what the all-reduce's do: inputs ready, before the gather), and from
+// kDispatchLanded up expert parallelism's.
 const char* phase_name(int phase) {
+  if (phase >= static_cast<int>(kernels::EPPhaseId::kDispatchLanded)) return kernels::ep_phase_name(phase);
   return phase >= static_cast<int>(kernels::FusedRmsNormPhase::kLLInputs) ? kernels::fused_rmsnorm_phase_name(phase)
                                                                            : kernels::all_reduce_phase_name(phase);
 }
