@@ -30,7 +30,7 @@ const std::vector<Knob>& knobs() {
        "(a ready flag in every 8 bytes; csrc/kernels/all_reduce_flat_ll.cu); 0: off."},
       {"COMMLIB_ALLREDUCE_MAX_BLOCKS", "0",
        "GPU all_reduce: largest grid (CTAs) of the flat, LL and tree kernels, 1..256; 0: built-in "
-       "(flat 32, LL 32, tree 64). For tuning on a new machine."},
+       "(flat 48, LL 64, tree 128). For tuning on a new machine."},
       {"COMMLIB_GPU_WORKSPACE_BYTES", "67108864",
        "Bytes of each rank's symmetric GPU workspace used for copy-in of non-symmetric tensors."},
       {"COMMLIB_TUNE_FILE", "",

@@ -34,8 +34,23 @@ __device__ __forceinline__ void store_pack(T* base, size_t v, size_t count, bool
   }
 }
 
-// Reduces pack v of srcs[0..world) in rank order (Note [reduction order]). All loads are issued
-// before the first add so the peers' latencies overlap.
+// Reduces xs[0..world) (rank r's values in xs[r]) in rank order (Note [reduction order]): the
+// one place that fixes the order, so every kernel that loads its own way rounds the same.
+template <typename T, int kWorldSize, ReduceOp kOp>
+__device__ __forceinline__ Pack<T> reduce_loaded(const Pack<T> (&xs)[kWorldSize > 0 ? kWorldSize : kMaxDeviceRanks],
+                                                 int world) {
+  constexpr int kCap = kWorldSize > 0 ? kWorldSize : kMaxDeviceRanks;
+  auto acc = device::acc_init(xs[0]);
+#pragma unroll
+  for (int r = 1; r < kCap; ++r) {
+    if (kWorldSize > 0 || r < world) device::acc_add(acc, xs[r]);
+  }
+  if constexpr (kOp == ReduceOp::kAvg) device::acc_div(acc, static_cast<float>(world));
+  return device::acc_cast<T>(acc);
+}
+
+// Reduces pack v of srcs[0..world) in rank order. All loads are issued before the first add so the
+// peers' latencies overlap.
 template <typename T, int kWorldSize, ReduceOp kOp>
 __device__ __forceinline__ Pack<T> reduce_pack(const T* const* srcs, int world, size_t v, size_t count,
                                                bool full_width) {
@@ -45,13 +60,7 @@ __device__ __forceinline__ Pack<T> reduce_pack(const T* const* srcs, int world, 
   for (int r = 0; r < kCap; ++r) {
     if (kWorldSize > 0 || r < world) xs[r] = load_pack(srcs[r], v, count, full_width);
   }
-  auto acc = device::acc_init(xs[0]);
-#pragma unroll
-  for (int r = 1; r < kCap; ++r) {
-    if (kWorldSize > 0 || r < world) device::acc_add(acc, xs[r]);
-  }
-  if constexpr (kOp == ReduceOp::kAvg) device::acc_div(acc, static_cast<float>(world));
-  return device::acc_cast<T>(acc);
+  return reduce_loaded<T, kWorldSize, kOp>(xs, world);
 }
 
 inline bool is_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }

@@ -137,6 +137,35 @@ def test_messages_larger_than_the_workspace(ranks):
     assert all(ranks(2, env={"COMMLIB_GPU_WORKSPACE_BYTES": "131072"}).run(_workspace_chunking))
 
 
+# Tree with a 3-block grid and 64 KiB workspace halves: every thread runs many batched iterations
+# and the element-exact tail loop, and one launch runs many chunks (Note [tree all-reduce]).
+TREE_STRESS_ENV = {"COMMLIB_GPU_WORKSPACE_BYTES": "131072", "COMMLIB_ALLREDUCE_MAX_BLOCKS": "3"}
+
+
+def _tree_small_grid_many_chunks(ctx):
+    dev = torch.device("cuda", ctx.device)
+    comm = ctx.new_comm("tree-stress")
+    for dtype in DTYPES.values():
+        for count in (1, 9, 4097, 32768 + 1, 300_001):
+            for op in ("sum", "avg"):
+                for pad in (0, 1):
+                    flat = _run_case(ctx, comm, count, dtype, op, "flat", pad, salt=5)
+                    tree = _run_case(ctx, comm, count, dtype, op, "tree", pad, salt=5)
+                    assert torch.equal(bits(flat), bits(tree)), f"flat != tree (count={count})"
+            inputs = [rank_input(r, count, dtype, salt=13) for r in range(ctx.world_size)]
+            t = comm.symmetric_empty((count,), dtype, dev)
+            t.copy_(inputs[ctx.rank])
+            comm.all_reduce(t, algo="tree")
+            assert torch.equal(bits(t.cpu()), bits(ordered_reference(inputs, "sum", ctx.world_size))), \
+                f"symmetric tree {dtype} count={count}"
+    comm.close()
+    return True
+
+
+def test_tree_small_grid_and_many_chunks(ranks):
+    assert all(ranks(2, env=TREE_STRESS_ENV).run(_tree_small_grid_many_chunks))
+
+
 def _graph_replay(ctx, algo, symmetric):
     dev = torch.device("cuda", ctx.device)
     n, count, dtype = ctx.world_size, 50_001, torch.bfloat16
@@ -177,6 +206,11 @@ def _graph_replay(ctx, algo, symmetric):
 @pytest.mark.parametrize("algo", ["flat", "tree", "auto"])
 def test_cuda_graph_1000_replays_with_changing_inputs(ranks, algo, symmetric):
     assert all(ranks(2).run(_graph_replay, algo, symmetric))
+
+
+def test_tree_graph_replays_many_chunks_per_launch(ranks):
+    # 50_001 bf16 elements over 64 KiB halves: two chunks per launch, two launches per replay.
+    assert all(ranks(2, env=TREE_STRESS_ENV).run(_graph_replay, "tree", False))
 
 
 def _symmetric_zero_copy(ctx):

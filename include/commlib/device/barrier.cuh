@@ -13,7 +13,10 @@
 // Consequences kernels rely on: blocks only synchronise with the block of the same index on the
 // peers, so block b of every rank must touch the same data; and since kernels of one communicator
 // run in stream order, once any block of call k has passed a barrier, every peer has finished call
-// k - 1 entirely (so two alternating workspace halves need no trailing barrier).
+// k - 1 entirely (so two alternating workspace halves need no trailing barrier). A kernel may run
+// several consecutive calls in one launch (call_end's num_calls): between two calls of the same
+// launch, passing a barrier of call k tells block b only that block b of every peer has finished
+// its own part of call k - 1, so such a kernel must give block b the same data in every call.
 // Every wait is bounded by BarrierDevice::timeout_ns: on expiry the first waiter records rank,
 // peer, phase, block and elapsed time in the host-mapped DeviceErrorWord, the state is poisoned
 // (later calls return at once) and the kernel returns; the host raises Timeout naming them.
@@ -39,8 +42,10 @@ __device__ __forceinline__ CallInfo call_begin(const BarrierDevice& bar) {
   return info;
 }
 
-// Every block calls this last (all threads), unless a wait failed.
-__device__ __forceinline__ void call_end(const BarrierDevice& bar) {
+// Every block calls this last (all threads), unless a wait failed. A kernel that runs several
+// calls in one launch (calls call .. call + num_calls - 1, each with its own barrier phases)
+// advances the count by num_calls, so the next kernel sees the number that many launches would.
+__device__ __forceinline__ void call_end(const BarrierDevice& bar, uint64_t num_calls = 1) {
   __syncthreads();
   if (threadIdx.x == 0) {
     // Device scope: orders this block's read of `calls` before its count, for the last block.
@@ -48,7 +53,7 @@ __device__ __forceinline__ void call_end(const BarrierDevice& bar) {
     const uint32_t done = atomicAdd(&bar.state->blocks_done, 1u);
     if (done == gridDim.x * gridDim.y * gridDim.z - 1) {
       bar.state->blocks_done = 0;
-      bar.state->calls = bar.state->calls + 1;
+      bar.state->calls = bar.state->calls + num_calls;
     }
   }
 }
