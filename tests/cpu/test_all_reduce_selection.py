@@ -14,7 +14,7 @@ from commlib import _C
 
 KiB, MiB = 1 << 10, 1 << 20
 ENV = ("COMMLIB_ALLREDUCE_ALGO", "COMMLIB_FLAT_MAX_BYTES", "COMMLIB_TREE_MAX_BYTES", "COMMLIB_TUNE_FILE")
-BUILTIN = {2: (512 * KiB, 16 * MiB), 3: (256 * KiB, 8 * MiB), 4: (256 * KiB, 8 * MiB), 8: (128 * KiB, 8 * MiB),
+BUILTIN = {2: (512 * KiB, 256 * MiB), 3: (256 * KiB, 8 * MiB), 4: (256 * KiB, 8 * MiB), 8: (128 * KiB, 8 * MiB),
            16: (64 * KiB, 4 * MiB)}
 
 
