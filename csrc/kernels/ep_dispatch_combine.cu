@@ -239,7 +239,8 @@ __device__ __forceinline__ void copy_row(T* const* dsts, int num_dsts, const T* 
 }
 
 // dst = round(sum over r ascending of fp32(w[r]) * fp32(src[r])) with separate rounding of every
-// product and sum (Note [EP layout]: no fused multiply-add); no sources gives zeros.
+// product and sum (Note [EP layout]: no fused multiply-add); no sources gives zeros; ws == nullptr
+// means every weight is 1.
 template <typename T>
 __device__ __forceinline__ void weighted_sum_row(T* dst, const T* const* srcs, const float* ws, int num_srcs,
                                                  int64_t hidden, Cols cols, int lane) {
@@ -258,7 +259,7 @@ __device__ __forceinline__ void weighted_sum_row(T* dst, const T* const* srcs, c
       }
       for (int r = 0; r < num_srcs; ++r) {
         const T* src = srcs[r];
-        const float w = ws[r];
+        const float w = ws != nullptr ? ws[r] : 1.0f;
         V y[kSumUnroll];
 #pragma unroll
         for (int u = 0; u < kSumUnroll; ++u) {
@@ -282,52 +283,20 @@ __device__ __forceinline__ void weighted_sum_row(T* dst, const T* const* srcs, c
   } else {
     for (int64_t e = cols.begin + lane; e < cols.end; e += 32) {
       float acc = 0.0f;
-      for (int r = 0; r < num_srcs; ++r) acc = __fadd_rn(acc, __fmul_rn(ws[r], device::to_float<T>(srcs[r][e])));
+      for (int r = 0; r < num_srcs; ++r) {
+        acc = __fadd_rn(acc, __fmul_rn(ws != nullptr ? ws[r] : 1.0f, device::to_float<T>(srcs[r][e])));
+      }
       dst[e] = device::from_float<T>(acc);
     }
   }
 }
 
-// dst = round(sum over r ascending of fp32(src[r])); no sources gives zeros.
+// dst = round(sum over r ascending of fp32(src[r])); no sources gives zeros. The same arithmetic
+// as weighted_sum_row with every weight 1 (a product by 1.0f is exact).
 template <typename T>
 __device__ __forceinline__ void sum_rows(T* dst, const T* const* srcs, int num_srcs, int64_t hidden, Cols cols,
                                          int lane) {
-  using V = device::Vec<T>;
-  constexpr int N = V::kNumElems;
-  bool vec = aligned16(dst) && (hidden * sizeof(T)) % 16 == 0;
-  for (int r = 0; r < num_srcs; ++r) vec = vec && aligned16(srcs[r]);
-  if (vec) {
-    const int64_t num_packs = cols.end / N;
-    for (int64_t base = cols.begin / N; base < num_packs; base += 32 * kSumUnroll) {
-      device::Acc<N> acc[kSumUnroll];
-#pragma unroll
-      for (int u = 0; u < kSumUnroll; ++u) {
-#pragma unroll
-        for (int i = 0; i < N; ++i) acc[u].v[i] = 0.0f;
-      }
-      for (int r = 0; r < num_srcs; ++r) {
-        V y[kSumUnroll];
-#pragma unroll
-        for (int u = 0; u < kSumUnroll; ++u) {
-          const int64_t v = base + u * 32 + lane;
-          if (v < num_packs) y[u] = V::load(srcs[r] + v * N);
-        }
-#pragma unroll
-        for (int u = 0; u < kSumUnroll; ++u) device::acc_add(acc[u], y[u]);
-      }
-#pragma unroll
-      for (int u = 0; u < kSumUnroll; ++u) {
-        const int64_t v = base + u * 32 + lane;
-        if (v < num_packs) device::acc_cast<T, N>(acc[u]).store(dst + v * N);
-      }
-    }
-  } else {
-    for (int64_t e = cols.begin + lane; e < cols.end; e += 32) {
-      float acc = 0.0f;
-      for (int r = 0; r < num_srcs; ++r) acc = acc + device::to_float<T>(srcs[r][e]);
-      dst[e] = device::from_float<T>(acc);
-    }
-  }
+  weighted_sum_row(dst, srcs, nullptr, num_srcs, hidden, cols, lane);
 }
 
 // ---- dispatch ----
