@@ -1,6 +1,7 @@
 // CPU collectives over HostShm (Note [host shm protocol]); reduction per Note [reduction order].
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "commlib/communicator.hpp"
 #include "commlib/env.hpp"
@@ -25,6 +26,46 @@ uint8_t* byte_ptr(void* p) { return static_cast<uint8_t*>(p); }
 
 }  // namespace
 
+// Note [host all_reduce]
+// Flat, message fits one slot: copy the input into this rank's slot, one barrier, then every rank
+// reduces straight into its own buffer, reading its own values from that buffer and the peers'
+// from their slots. One barrier and no trailing one (the slots are double-buffered, Note [host shm
+// protocol]).
+// Anything larger, and tree at every size, runs as a pipeline over cache-sized chunks (Note [host
+// shm pipeline]): step t copies chunk t in, reduces chunk t-1 (whose peers' copies were published a
+// step earlier, so the wait is usually already over) and, for tree, gathers chunk t-2. Chunks of
+// the ring are reused every kRingDepth steps, so the shared memory that is written and read stays in
+// cache and DRAM sees only the user buffer: one read and one write of it per rank.
+//   flat: each rank copies the whole chunk and reduces the whole chunk from every peer's copy.
+//   tree: chunk slice r is rank r's. A rank copies only the other slices in; reduces its slice from
+//         its own buffer and the peers' copies, writing the result to its buffer and its ring slot;
+//         then copies the other slices' results from their owners' ring slots (all-gather).
+// Both add the ranks in the order of Note [reduction order], so they give the same bits.
+namespace {
+
+constexpr size_t kPipelineChunkBytes = 128 << 10;  // per step; a ring of these stays in L2
+constexpr size_t kRingDepth = 4;                     // >= 3: a step's copy waits for gathers 3 steps back
+
+struct Pipeline {
+  size_t chunk_elems;  // elements per step (the last step may have fewer)
+  size_t slice_elems;  // tree: elements of each rank's slice of a chunk
+  size_t chunk_bytes;  // ring stride
+  uint64_t num_steps;
+  uint64_t first;      // global index of step 0 (HostShm::reserve_steps)
+};
+
+Pipeline plan_pipeline(const HostShm& shm, size_t count, size_t esize, int n) {
+  Pipeline p{};
+  const size_t budget = std::min(kPipelineChunkBytes, shm.ring_bytes() / kRingDepth);
+  p.slice_elems = std::max<size_t>(1, align_down(budget / n, kSliceAlign) / esize);
+  p.chunk_elems = p.slice_elems * n;
+  p.chunk_bytes = p.chunk_elems * esize;
+  p.num_steps = std::max<uint64_t>(1, (count + p.chunk_elems - 1) / p.chunk_elems);
+  return p;
+}
+
+}  // namespace
+
 void Communicator::all_reduce_host(void* data, size_t count, DataType dtype, ReduceOp op, Algorithm algo) {
   const char* what = "all_reduce";
   check_reducible(what, dtype);
@@ -37,41 +78,79 @@ void Communicator::all_reduce_host(void* data, size_t count, DataType dtype, Red
                 algorithm_name(algo), " not supported for CPU tensors; supported: auto, flat, tree");
   HostShm& shm = host();
   const int n = world_size_;
-  const size_t chunk_elems = shm.slot_bytes() / esize;
   const OpTag tag{static_cast<uint32_t>(algo == Algorithm::kFlat ? HostOp::kAllReduceFlat : HostOp::kAllReduceTree),
                   static_cast<uint32_t>(dtype), count, static_cast<uint64_t>(op)};
-  std::vector<const void*> srcs(n);
-  size_t offset = 0;
-  do {  // one round per chunk; a 0-element call still takes one round so mismatches are caught
-    const size_t len = std::min(chunk_elems, count - offset);
-    uint8_t* user = byte_ptr(data) + offset * esize;
+  uint8_t* user = byte_ptr(data);
+  if (algo == Algorithm::kFlat && count * esize <= shm.slot_bytes()) {
+    // One round (Note [host all_reduce]); a 0-element call still takes it, so mismatches are caught.
     const int buf = shm.next_buffer();
-    uint8_t* mine = shm.slot(rank_, buf);
-    if (algo == Algorithm::kFlat) {
-      std::memcpy(mine, user, len * esize);
-      shm.barrier(what, "flat", tag);
-      for (int r = 0; r < n; ++r) srcs[r] = shm.slot(r, buf);
-      host::reduce(user, srcs.data(), n, len, dtype, op, n);
-    } else {
-      // Slice r of every slot is reduced by rank r into its own slot, then gathered by all. A rank
-      // reads its own slice straight from the user buffer, so only the peers' slices are copied in.
-      const size_t elems_per_line = kSliceAlign / esize;
-      const size_t slice = align_down((len + n - 1) / n + elems_per_line - 1, elems_per_line);  // rounded up
-      auto slice_begin = [&](int r) { return std::min(len, slice * r); };
-      const size_t lo = slice_begin(rank_), hi = slice_begin(rank_ + 1);
-      std::memcpy(mine, user, lo * esize);
-      std::memcpy(mine + hi * esize, user + hi * esize, (len - hi) * esize);
-      shm.barrier(what, "tree reduce-scatter", tag);
-      for (int r = 0; r < n; ++r) srcs[r] = r == rank_ ? user + lo * esize : shm.slot(r, buf) + lo * esize;
-      host::reduce(mine + lo * esize, srcs.data(), n, hi - lo, dtype, op, n);
-      shm.barrier(what, "tree all-gather", tag);
-      for (int r = 0; r < n; ++r) {
-        const size_t a = slice_begin(r), b = slice_begin(r + 1);
-        std::memcpy(user + a * esize, shm.slot(r, buf) + a * esize, (b - a) * esize);
+    std::memcpy(shm.slot(rank_, buf), user, count * esize);
+    shm.barrier(what, "flat", tag);
+    std::vector<const void*> srcs(n);
+    for (int r = 0; r < n; ++r) srcs[r] = r == rank_ ? user : shm.slot(r, buf);
+    host::reduce(user, srcs.data(), n, count, dtype, op, n);
+    return;
+  }
+  const Pipeline p = plan_pipeline(shm, count, esize, n);
+  shm.next_buffer();  // keeps the ranks' round parity equal whichever path a mismatched call took
+  shm.barrier(what, algo == Algorithm::kFlat ? "flat start" : "tree start", tag);
+  const uint64_t first = shm.reserve_steps(p.num_steps);
+  const bool tree = algo == Algorithm::kTree;
+  std::vector<const void*> srcs(n);
+  auto ring_chunk = [&](int r, uint64_t t) { return shm.ring(r) + ((first + t) % kRingDepth) * p.chunk_bytes; };
+  auto chunk_len = [&](uint64_t t) { return std::min(p.chunk_elems, count - t * p.chunk_elems); };
+  // Slice r of a chunk of `len` elements: [slice_lo(len, r), slice_lo(len, r + 1)).
+  auto slice_lo = [&](size_t len, int r) { return std::min(len, p.slice_elems * r); };
+  // A step's phases run in this order so each publishes as early as possible (Note [host all_reduce]).
+  for (uint64_t t = 0; t < p.num_steps + (tree ? 2 : 1); ++t) {
+    if (t < p.num_steps) {  // copy chunk t in
+      // Ring chunk (t mod depth) was last read at step t - depth: wait until every peer is done.
+      if (t + first >= kRingDepth) {
+        shm.wait_peers(Progress::kReleased, first + t + 1 - kRingDepth, what, "copy-in");
+      }
+      const size_t len = chunk_len(t);
+      uint8_t* in = user + t * p.chunk_elems * esize;
+      uint8_t* ring = ring_chunk(rank_, t);
+      if (!tree) {
+        std::memcpy(ring, in, len * esize);
+      } else {
+        const size_t lo = slice_lo(len, rank_), hi = slice_lo(len, rank_ + 1);
+        std::memcpy(ring, in, lo * esize);
+        std::memcpy(ring + hi * esize, in + hi * esize, (len - hi) * esize);
+      }
+      shm.publish(Progress::kCopied, first + t + 1);
+    }
+    if (t >= 1 && t - 1 < p.num_steps) {  // reduce chunk t-1
+      const uint64_t s = t - 1;
+      shm.wait_peers(Progress::kCopied, first + s + 1, what, tree ? "tree reduce-scatter" : "flat reduce");
+      const size_t len = chunk_len(s);
+      const size_t lo = tree ? slice_lo(len, rank_) : 0, hi = tree ? slice_lo(len, rank_ + 1) : len;
+      uint8_t* out = user + (s * p.chunk_elems + lo) * esize;
+      for (int r = 0; r < n; ++r) srcs[r] = r == rank_ ? out : ring_chunk(r, s) + lo * esize;
+      host::reduce(out, srcs.data(), n, hi - lo, dtype, op, n);
+      // The owner's ring slice carries the result to the peers' all-gather.
+      if (tree) {
+        std::memcpy(ring_chunk(rank_, s) + lo * esize, out, (hi - lo) * esize);
+        shm.publish(Progress::kReduced, first + s + 1);
+      } else {
+        shm.publish(Progress::kReleased, first + s + 1);
       }
     }
-    offset += len;
-  } while (offset < count);
+    if (tree && t >= 2) {  // gather chunk t-2
+      const uint64_t s = t - 2;
+      shm.wait_peers(Progress::kReduced, first + s + 1, what, "tree all-gather");
+      const size_t len = chunk_len(s);
+      uint8_t* out = user + s * p.chunk_elems * esize;
+      for (int r = 0; r < n; ++r) {
+        if (r == rank_) continue;
+        const size_t a = slice_lo(len, r), b = slice_lo(len, r + 1);
+        std::memcpy(out + a * esize, ring_chunk(r, s) + a * esize, (b - a) * esize);
+      }
+      shm.publish(Progress::kReleased, first + s + 1);
+    }
+  }
+  // Every peer is done reading this rank's ring: the slots are free for the next collective.
+  shm.wait_peers(Progress::kReleased, first + p.num_steps, what, "finish");
 }
 
 void Communicator::reduce_scatter_host(void* out, const void* in, size_t count, DataType dtype, ReduceOp op) {
