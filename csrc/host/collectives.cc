@@ -27,10 +27,9 @@ uint8_t* byte_ptr(void* p) { return static_cast<uint8_t*>(p); }
 }  // namespace
 
 // Note [host all_reduce]
-// Flat, message fits one slot: copy the input into this rank's slot, one barrier, then every rank
-// reduces straight into its own buffer, reading its own values from that buffer and the peers'
-// from their slots. One barrier and no trailing one (the slots are double-buffered, Note [host shm
-// protocol]).
+// Flat, message fits one slot: copy the input into a slot, one barrier, then every rank reduces
+// straight into its own buffer, reading its own values from that buffer and the peers' from their
+// slots. One barrier and no trailing one (the slots are double-buffered, Note [host shm protocol]).
 // Anything larger, and tree at every size, runs as a pipeline over cache-sized chunks (Note [host
 // shm pipeline]): step t copies chunk t in, reduces chunk t-1 (whose peers' copies were published a
 // step earlier, so the wait is usually already over) and, for tree, gathers chunk t-2. Chunks of
@@ -41,6 +40,15 @@ uint8_t* byte_ptr(void* p) { return static_cast<uint8_t*>(p); }
 //         its own buffer and the peers' copies, writing the result to its buffer and its ring slot;
 //         then copies the other slices' results from their owners' ring slots (all-gather).
 // Both add the ranks in the order of Note [reduction order], so they give the same bits.
+//
+// Note [host slot rotation]
+// Which rank writes which slot (or ring) rotates: in flat round k rank r writes the slot of rank
+// (r + k / 2) mod n in buffer k mod 2, and pipeline step g writes ring (r + g / depth) mod n. For
+// two ranks this makes the reader of a line its next writer: what rank 1 reads in round k, rank 1
+// writes in round k + 2. Writing a line that the other core read last (and so holds) costs a
+// cross-core invalidation per line, which was half the time of a 16-128 KiB all_reduce on the 2-core
+// VM; writing a line that this core read last does not. Safety is unchanged: a round still touches
+// only its own buffer, and a ring chunk is rewritten only after every peer released it.
 namespace {
 
 constexpr size_t kPipelineChunkBytes = 128 << 10;  // per step; a ring of these stays in L2
@@ -83,11 +91,15 @@ void Communicator::all_reduce_host(void* data, size_t count, DataType dtype, Red
   uint8_t* user = byte_ptr(data);
   if (algo == Algorithm::kFlat && count * esize <= shm.slot_bytes()) {
     // One round (Note [host all_reduce]); a 0-element call still takes it, so mismatches are caught.
-    const int buf = shm.next_buffer();
-    std::memcpy(shm.slot(rank_, buf), user, count * esize);
+    const uint64_t round = shm.next_round();
+    const int buf = static_cast<int>(round & 1);
+    // Rank r's data goes to slot (r + rotation) mod n (Note [host slot rotation]).
+    const int rotation = static_cast<int>((round >> 1) % static_cast<uint64_t>(n));
+    auto slot_of = [&](int r) { return shm.slot((r + rotation) % n, buf); };
+    std::memcpy(slot_of(rank_), user, count * esize);
     shm.barrier(what, "flat", tag);
     std::vector<const void*> srcs(n);
-    for (int r = 0; r < n; ++r) srcs[r] = r == rank_ ? user : shm.slot(r, buf);
+    for (int r = 0; r < n; ++r) srcs[r] = r == rank_ ? user : slot_of(r);
     host::reduce(user, srcs.data(), n, count, dtype, op, n);
     return;
   }
@@ -97,7 +109,11 @@ void Communicator::all_reduce_host(void* data, size_t count, DataType dtype, Red
   const uint64_t first = shm.reserve_steps(p.num_steps);
   const bool tree = algo == Algorithm::kTree;
   std::vector<const void*> srcs(n);
-  auto ring_chunk = [&](int r, uint64_t t) { return shm.ring(r) + ((first + t) % kRingDepth) * p.chunk_bytes; };
+  // Where rank r writes step t (Note [host slot rotation]).
+  auto ring_chunk = [&](int r, uint64_t t) {
+    const uint64_t g = first + t;
+    return shm.ring(static_cast<int>((r + g / kRingDepth) % static_cast<uint64_t>(n))) + (g % kRingDepth) * p.chunk_bytes;
+  };
   auto chunk_len = [&](uint64_t t) { return std::min(p.chunk_elems, count - t * p.chunk_elems); };
   // Slice r of a chunk of `len` elements: [slice_lo(len, r), slice_lo(len, r + 1)).
   auto slice_lo = [&](size_t len, int r) { return std::min(len, p.slice_elems * r); };

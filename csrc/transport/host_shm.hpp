@@ -9,6 +9,9 @@
 // then barrier(), then reads the peers' slots of that buffer. Rounds alternate buffers, so no
 // trailing barrier is needed: a rank cannot write a buffer again before every peer has passed
 // the next round's barrier, which a peer reaches only after finishing its reads of this one.
+// The argument needs only that a round touches nothing but its buffer's slots, not that a rank
+// writes its own slot: an algorithm may rotate which slot of the buffer each rank writes
+// (Note [host slot rotation]).
 // barrier() stores a monotonically increasing sequence number (never reset) with release
 // semantics and waits with acquire for every peer to reach it, bounded by the timeout; it also
 // compares an OpTag so that mismatched collectives raise PeerError on every rank instead of
@@ -80,7 +83,9 @@ class HostShm {
   size_t slot_bytes() const { return slot_bytes_; }
 
   // Starts a round: returns the buffer (0 or 1) whose slots this round uses.
-  int next_buffer() { return static_cast<int>(round_++ & 1); }
+  int next_buffer() { return static_cast<int>(next_round() & 1); }
+  // Starts a round: returns its index (the same on every rank); it uses buffer index & 1.
+  uint64_t next_round() { return round_++; }
   uint8_t* slot(int rank, int buffer) const;
 
   // Publishes this rank's writes of the round and waits for every peer (see the Note).
