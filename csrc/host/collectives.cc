@@ -54,23 +54,124 @@ namespace {
 constexpr size_t kPipelineChunkBytes = 128 << 10;  // per step; a ring of these stays in L2
 constexpr size_t kRingDepth = 4;                     // >= 3: a step's copy waits for gathers 3 steps back
 
-struct Pipeline {
-  size_t chunk_elems;  // elements per step (the last step may have fewer)
-  size_t slice_elems;  // tree: elements of each rank's slice of a chunk
-  size_t chunk_bytes;  // ring stride
-  uint64_t num_steps;
-  uint64_t first;      // global index of step 0 (HostShm::reserve_steps)
+struct AllReduceArgs {
+  const char* what;
+  OpTag tag;
+  uint8_t* data;
+  size_t count;
+  size_t esize;
+  DataType dtype;
+  ReduceOp op;
+  int rank;
+  int world_size;
 };
 
-Pipeline plan_pipeline(const HostShm& shm, size_t count, size_t esize, int n) {
-  Pipeline p{};
-  const size_t budget = std::min(kPipelineChunkBytes, shm.ring_bytes() / kRingDepth);
-  p.slice_elems = std::max<size_t>(1, align_down(budget / n, kSliceAlign) / esize);
-  p.chunk_elems = p.slice_elems * n;
-  p.chunk_bytes = p.chunk_elems * esize;
-  p.num_steps = std::max<uint64_t>(1, (count + p.chunk_elems - 1) / p.chunk_elems);
-  return p;
+// Flat in one round: the message fits a slot (Note [host all_reduce]).
+void all_reduce_one_round(HostShm& shm, const AllReduceArgs& a) {
+  const int n = a.world_size;
+  const uint64_t round = shm.next_round();
+  const int buf = static_cast<int>(round & 1);
+  // Rank r's data goes to slot (r + rotation) mod n (Note [host slot rotation]).
+  const int rotation = static_cast<int>((round >> 1) % static_cast<uint64_t>(n));
+  auto slot_of = [&](int r) { return shm.slot((r + rotation) % n, buf); };
+  std::memcpy(slot_of(a.rank), a.data, a.count * a.esize);
+  shm.barrier(a.what, "flat", a.tag);
+  std::vector<const void*> srcs(n);
+  for (int r = 0; r < n; ++r) srcs[r] = r == a.rank ? a.data : slot_of(r);
+  host::reduce(a.data, srcs.data(), n, a.count, a.dtype, a.op, n);
 }
+
+// Flat or tree as a pipeline of chunk steps (Note [host all_reduce], Note [host shm pipeline]).
+class PipelinedAllReduce {
+ public:
+  PipelinedAllReduce(HostShm& shm, const AllReduceArgs& args, Algorithm algo)
+      : shm_(shm), a_(args), tree_(algo == Algorithm::kTree), srcs_(args.world_size) {
+    const int n = a_.world_size;
+    const size_t budget = std::min(kPipelineChunkBytes, shm.ring_bytes() / kRingDepth);
+    slice_elems_ = std::max<size_t>(1, align_down(budget / n, kSliceAlign) / a_.esize);
+    chunk_elems_ = slice_elems_ * n;
+    num_steps_ = std::max<uint64_t>(1, (a_.count + chunk_elems_ - 1) / chunk_elems_);
+  }
+
+  void run() {
+    shm_.next_buffer();  // keeps the ranks' round parity equal whichever path a mismatched call took
+    shm_.barrier(a_.what, tree_ ? "tree start" : "flat start", a_.tag);
+    first_ = shm_.reserve_steps(num_steps_);
+    // Each phase publishes as early as possible: step t's copy-in is needed by the peers' next step.
+    for (uint64_t t = 0; t < num_steps_ + (tree_ ? 2 : 1); ++t) {
+      if (t < num_steps_) copy_in(t);
+      if (t >= 1 && t - 1 < num_steps_) reduce(t - 1);
+      if (tree_ && t >= 2) gather(t - 2);
+    }
+    // Every peer is done with the ring: the slots are free for the next collective.
+    shm_.wait_peers(Progress::kReleased, first_ + num_steps_, a_.what, "finish");
+  }
+
+ private:
+  // Where rank r writes step t (Note [host slot rotation]).
+  uint8_t* ring_chunk(int r, uint64_t t) const {
+    const uint64_t g = first_ + t;
+    const int owner = static_cast<int>((r + g / kRingDepth) % static_cast<uint64_t>(a_.world_size));
+    return shm_.ring(owner) + (g % kRingDepth) * chunk_elems_ * a_.esize;
+  }
+  size_t chunk_len(uint64_t t) const { return std::min(chunk_elems_, a_.count - t * chunk_elems_); }
+  uint8_t* user_chunk(uint64_t t) const { return a_.data + t * chunk_elems_ * a_.esize; }
+  // Tree: rank r's slice of a chunk of `len` elements is [slice_lo(len, r), slice_lo(len, r + 1)).
+  size_t slice_lo(size_t len, int r) const { return std::min(len, slice_elems_ * r); }
+
+  void copy_in(uint64_t t) {
+    // The ring chunk was last used at step t - depth: wait until every peer has released it.
+    if (first_ + t >= kRingDepth) shm_.wait_peers(Progress::kReleased, first_ + t + 1 - kRingDepth, a_.what, "copy-in");
+    const size_t len = chunk_len(t), es = a_.esize;
+    const uint8_t* in = user_chunk(t);
+    uint8_t* ring = ring_chunk(a_.rank, t);
+    if (!tree_) {
+      std::memcpy(ring, in, len * es);
+    } else {  // the peers need only their slices; this rank's own slice is read from the user buffer
+      const size_t lo = slice_lo(len, a_.rank), hi = slice_lo(len, a_.rank + 1);
+      std::memcpy(ring, in, lo * es);
+      std::memcpy(ring + hi * es, in + hi * es, (len - hi) * es);
+    }
+    shm_.publish(Progress::kCopied, first_ + t + 1);
+  }
+
+  void reduce(uint64_t t) {
+    shm_.wait_peers(Progress::kCopied, first_ + t + 1, a_.what, tree_ ? "tree reduce-scatter" : "flat reduce");
+    const size_t len = chunk_len(t), es = a_.esize;
+    const size_t lo = tree_ ? slice_lo(len, a_.rank) : 0, hi = tree_ ? slice_lo(len, a_.rank + 1) : len;
+    uint8_t* out = user_chunk(t) + lo * es;
+    for (int r = 0; r < a_.world_size; ++r) srcs_[r] = r == a_.rank ? out : ring_chunk(r, t) + lo * es;
+    host::reduce(out, srcs_.data(), a_.world_size, hi - lo, a_.dtype, a_.op, a_.world_size);
+    if (!tree_) {
+      shm_.publish(Progress::kReleased, first_ + t + 1);
+      return;
+    }
+    // The slice's owner hands the result to the peers' all-gather through its ring chunk.
+    std::memcpy(ring_chunk(a_.rank, t) + lo * es, out, (hi - lo) * es);
+    shm_.publish(Progress::kReduced, first_ + t + 1);
+  }
+
+  void gather(uint64_t t) {
+    shm_.wait_peers(Progress::kReduced, first_ + t + 1, a_.what, "tree all-gather");
+    const size_t len = chunk_len(t), es = a_.esize;
+    uint8_t* out = user_chunk(t);
+    for (int r = 0; r < a_.world_size; ++r) {
+      if (r == a_.rank) continue;
+      const size_t lo = slice_lo(len, r), hi = slice_lo(len, r + 1);
+      std::memcpy(out + lo * es, ring_chunk(r, t) + lo * es, (hi - lo) * es);
+    }
+    shm_.publish(Progress::kReleased, first_ + t + 1);
+  }
+
+  HostShm& shm_;
+  const AllReduceArgs a_;
+  const bool tree_;
+  std::vector<const void*> srcs_;
+  size_t slice_elems_ = 0;  // tree: elements of each rank's slice of a chunk
+  size_t chunk_elems_ = 0;  // elements per step (the last step may have fewer)
+  uint64_t num_steps_ = 0;
+  uint64_t first_ = 0;      // global index of step 0 (HostShm::reserve_steps)
+};
 
 }  // namespace
 
@@ -85,88 +186,12 @@ void Communicator::all_reduce_host(void* data, size_t count, DataType dtype, Red
   COMMLIB_CHECK(algo == Algorithm::kFlat || algo == Algorithm::kTree, InvalidArgument, what, ": algo ",
                 algorithm_name(algo), " not supported for CPU tensors; supported: auto, flat, tree");
   HostShm& shm = host();
-  const int n = world_size_;
   const OpTag tag{static_cast<uint32_t>(algo == Algorithm::kFlat ? HostOp::kAllReduceFlat : HostOp::kAllReduceTree),
                   static_cast<uint32_t>(dtype), count, static_cast<uint64_t>(op)};
-  uint8_t* user = byte_ptr(data);
-  if (algo == Algorithm::kFlat && count * esize <= shm.slot_bytes()) {
-    // One round (Note [host all_reduce]); a 0-element call still takes it, so mismatches are caught.
-    const uint64_t round = shm.next_round();
-    const int buf = static_cast<int>(round & 1);
-    // Rank r's data goes to slot (r + rotation) mod n (Note [host slot rotation]).
-    const int rotation = static_cast<int>((round >> 1) % static_cast<uint64_t>(n));
-    auto slot_of = [&](int r) { return shm.slot((r + rotation) % n, buf); };
-    std::memcpy(slot_of(rank_), user, count * esize);
-    shm.barrier(what, "flat", tag);
-    std::vector<const void*> srcs(n);
-    for (int r = 0; r < n; ++r) srcs[r] = r == rank_ ? user : slot_of(r);
-    host::reduce(user, srcs.data(), n, count, dtype, op, n);
-    return;
-  }
-  const Pipeline p = plan_pipeline(shm, count, esize, n);
-  shm.next_buffer();  // keeps the ranks' round parity equal whichever path a mismatched call took
-  shm.barrier(what, algo == Algorithm::kFlat ? "flat start" : "tree start", tag);
-  const uint64_t first = shm.reserve_steps(p.num_steps);
-  const bool tree = algo == Algorithm::kTree;
-  std::vector<const void*> srcs(n);
-  // Where rank r writes step t (Note [host slot rotation]).
-  auto ring_chunk = [&](int r, uint64_t t) {
-    const uint64_t g = first + t;
-    return shm.ring(static_cast<int>((r + g / kRingDepth) % static_cast<uint64_t>(n))) + (g % kRingDepth) * p.chunk_bytes;
-  };
-  auto chunk_len = [&](uint64_t t) { return std::min(p.chunk_elems, count - t * p.chunk_elems); };
-  // Slice r of a chunk of `len` elements: [slice_lo(len, r), slice_lo(len, r + 1)).
-  auto slice_lo = [&](size_t len, int r) { return std::min(len, p.slice_elems * r); };
-  // A step's phases run in this order so each publishes as early as possible (Note [host all_reduce]).
-  for (uint64_t t = 0; t < p.num_steps + (tree ? 2 : 1); ++t) {
-    if (t < p.num_steps) {  // copy chunk t in
-      // Ring chunk (t mod depth) was last read at step t - depth: wait until every peer is done.
-      if (t + first >= kRingDepth) {
-        shm.wait_peers(Progress::kReleased, first + t + 1 - kRingDepth, what, "copy-in");
-      }
-      const size_t len = chunk_len(t);
-      uint8_t* in = user + t * p.chunk_elems * esize;
-      uint8_t* ring = ring_chunk(rank_, t);
-      if (!tree) {
-        std::memcpy(ring, in, len * esize);
-      } else {
-        const size_t lo = slice_lo(len, rank_), hi = slice_lo(len, rank_ + 1);
-        std::memcpy(ring, in, lo * esize);
-        std::memcpy(ring + hi * esize, in + hi * esize, (len - hi) * esize);
-      }
-      shm.publish(Progress::kCopied, first + t + 1);
-    }
-    if (t >= 1 && t - 1 < p.num_steps) {  // reduce chunk t-1
-      const uint64_t s = t - 1;
-      shm.wait_peers(Progress::kCopied, first + s + 1, what, tree ? "tree reduce-scatter" : "flat reduce");
-      const size_t len = chunk_len(s);
-      const size_t lo = tree ? slice_lo(len, rank_) : 0, hi = tree ? slice_lo(len, rank_ + 1) : len;
-      uint8_t* out = user + (s * p.chunk_elems + lo) * esize;
-      for (int r = 0; r < n; ++r) srcs[r] = r == rank_ ? out : ring_chunk(r, s) + lo * esize;
-      host::reduce(out, srcs.data(), n, hi - lo, dtype, op, n);
-      // The owner's ring slice carries the result to the peers' all-gather.
-      if (tree) {
-        std::memcpy(ring_chunk(rank_, s) + lo * esize, out, (hi - lo) * esize);
-        shm.publish(Progress::kReduced, first + s + 1);
-      } else {
-        shm.publish(Progress::kReleased, first + s + 1);
-      }
-    }
-    if (tree && t >= 2) {  // gather chunk t-2
-      const uint64_t s = t - 2;
-      shm.wait_peers(Progress::kReduced, first + s + 1, what, "tree all-gather");
-      const size_t len = chunk_len(s);
-      uint8_t* out = user + s * p.chunk_elems * esize;
-      for (int r = 0; r < n; ++r) {
-        if (r == rank_) continue;
-        const size_t a = slice_lo(len, r), b = slice_lo(len, r + 1);
-        std::memcpy(out + a * esize, ring_chunk(r, s) + a * esize, (b - a) * esize);
-      }
-      shm.publish(Progress::kReleased, first + s + 1);
-    }
-  }
-  // Every peer is done reading this rank's ring: the slots are free for the next collective.
-  shm.wait_peers(Progress::kReleased, first + p.num_steps, what, "finish");
+  const AllReduceArgs args{what, tag, byte_ptr(data), count, esize, dtype, op, rank_, world_size_};
+  // A 0-element call still takes a round, so mismatched calls are caught.
+  if (algo == Algorithm::kFlat && count * esize <= shm.slot_bytes()) return all_reduce_one_round(shm, args);
+  PipelinedAllReduce(shm, args, algo).run();
 }
 
 void Communicator::reduce_scatter_host(void* out, const void* in, size_t count, DataType dtype, ReduceOp op) {
