@@ -10,7 +10,11 @@
 // Built for the baseline, x86-64-v3 (AVX2, F16C, FMA) and x86-64-v4 (AVX-512); picked at load by
 // CPU features. Not "arch=haswell": GCC's resolver selects an arch= clone only on that exact CPU
 // model, so every newer core (Sapphire Rapids included) ran the scalar SSE2 / soft-fp16 clone.
+#if __GNUC__ >= 12  // the first GCC whose resolver knows the x86-64-vN levels
 #define COMMLIB_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define COMMLIB_MULTIVERSION __attribute__((target_clones("avx2", "default")))
+#endif
 #else
 #define COMMLIB_MULTIVERSION
 #endif
