@@ -1,6 +1,7 @@
 // CPU collectives over HostShm (Note [host shm protocol]); reduction per Note [reduction order].
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "commlib/communicator.hpp"
 #include "commlib/env.hpp"
@@ -25,6 +26,155 @@ uint8_t* byte_ptr(void* p) { return static_cast<uint8_t*>(p); }
 
 }  // namespace
 
+// Note [host all_reduce]
+// Flat, message fits one slot: copy the input into a slot, one barrier, then every rank reduces
+// straight into its own buffer, reading its own values from that buffer and the peers' from their
+// slots. One barrier and no trailing one (the slots are double-buffered, Note [host shm protocol]).
+// Anything larger, and tree at every size, runs as a pipeline over cache-sized chunks (Note [host
+// shm pipeline]): step t copies chunk t in, reduces chunk t-1 (whose peers' copies were published a
+// step earlier, so the wait is usually already over) and, for tree, gathers chunk t-2. Chunks of
+// the ring are reused every kRingDepth steps, so the shared memory that is written and read stays in
+// cache and DRAM sees only the user buffer: one read and one write of it per rank.
+//   flat: each rank copies the whole chunk and reduces the whole chunk from every peer's copy.
+//   tree: chunk slice r is rank r's. A rank copies only the other slices in; reduces its slice from
+//         its own buffer and the peers' copies, writing the result to its buffer and its ring slot;
+//         then copies the other slices' results from their owners' ring slots (all-gather).
+// Both add the ranks in the order of Note [reduction order], so they give the same bits.
+//
+// Note [host slot rotation]
+// Which rank writes which slot (or ring) rotates: in flat round k rank r writes the slot of rank
+// (r + k / 2) mod n in buffer k mod 2, and pipeline step g writes ring (r + g / depth) mod n. For
+// two ranks this makes the reader of a line its next writer: what rank 1 reads in round k, rank 1
+// writes in round k + 2. Writing a line that the other core read last (and so holds) costs a
+// cross-core invalidation per line, which was half the time of a 16-128 KiB all_reduce on the 2-core
+// VM; writing a line that this core read last does not. Safety is unchanged: a round still touches
+// only its own buffer, and a ring chunk is rewritten only after every peer released it.
+namespace {
+
+constexpr size_t kPipelineChunkBytes = 128 << 10;  // per step; a ring of these stays in L2
+constexpr size_t kRingDepth = 4;                     // >= 3: a step's copy waits for gathers 3 steps back
+
+struct AllReduceArgs {
+  const char* what;
+  OpTag tag;
+  uint8_t* data;
+  size_t count;
+  size_t esize;
+  DataType dtype;
+  ReduceOp op;
+  int rank;
+  int world_size;
+};
+
+// Flat in one round: the message fits a slot (Note [host all_reduce]).
+void all_reduce_one_round(HostShm& shm, const AllReduceArgs& a) {
+  const int n = a.world_size;
+  const uint64_t round = shm.next_round();
+  const int buf = static_cast<int>(round & 1);
+  // Rank r's data goes to slot (r + rotation) mod n (Note [host slot rotation]).
+  const int rotation = static_cast<int>((round >> 1) % static_cast<uint64_t>(n));
+  auto slot_of = [&](int r) { return shm.slot((r + rotation) % n, buf); };
+  std::memcpy(slot_of(a.rank), a.data, a.count * a.esize);
+  shm.barrier(a.what, "flat", a.tag);
+  std::vector<const void*> srcs(n);
+  for (int r = 0; r < n; ++r) srcs[r] = r == a.rank ? a.data : slot_of(r);
+  host::reduce(a.data, srcs.data(), n, a.count, a.dtype, a.op, n);
+}
+
+// Flat or tree as a pipeline of chunk steps (Note [host all_reduce], Note [host shm pipeline]).
+class PipelinedAllReduce {
+ public:
+  PipelinedAllReduce(HostShm& shm, const AllReduceArgs& args, Algorithm algo)
+      : shm_(shm), a_(args), tree_(algo == Algorithm::kTree), srcs_(args.world_size) {
+    const int n = a_.world_size;
+    const size_t budget = std::min(kPipelineChunkBytes, shm.ring_bytes() / kRingDepth);
+    slice_elems_ = std::max<size_t>(1, align_down(budget / n, kSliceAlign) / a_.esize);
+    chunk_elems_ = slice_elems_ * n;
+    num_steps_ = std::max<uint64_t>(1, (a_.count + chunk_elems_ - 1) / chunk_elems_);
+  }
+
+  void run() {
+    shm_.next_buffer();  // keeps the ranks' round parity equal whichever path a mismatched call took
+    shm_.barrier(a_.what, tree_ ? "tree start" : "flat start", a_.tag);
+    first_ = shm_.reserve_steps(num_steps_);
+    // Each phase publishes as early as possible: step t's copy-in is needed by the peers' next step.
+    for (uint64_t t = 0; t < num_steps_ + (tree_ ? 2 : 1); ++t) {
+      if (t < num_steps_) copy_in(t);
+      if (t >= 1 && t - 1 < num_steps_) reduce(t - 1);
+      if (tree_ && t >= 2) gather(t - 2);
+    }
+    // Every peer is done with the ring: the slots are free for the next collective.
+    shm_.wait_peers(Progress::kReleased, first_ + num_steps_, a_.what, "finish");
+  }
+
+ private:
+  // Where rank r writes step t (Note [host slot rotation]).
+  uint8_t* ring_chunk(int r, uint64_t t) const {
+    const uint64_t g = first_ + t;
+    const int owner = static_cast<int>((r + g / kRingDepth) % static_cast<uint64_t>(a_.world_size));
+    return shm_.ring(owner) + (g % kRingDepth) * chunk_elems_ * a_.esize;
+  }
+  size_t chunk_len(uint64_t t) const { return std::min(chunk_elems_, a_.count - t * chunk_elems_); }
+  uint8_t* user_chunk(uint64_t t) const { return a_.data + t * chunk_elems_ * a_.esize; }
+  // Tree: rank r's slice of a chunk of `len` elements is [slice_lo(len, r), slice_lo(len, r + 1)).
+  size_t slice_lo(size_t len, int r) const { return std::min(len, slice_elems_ * r); }
+
+  void copy_in(uint64_t t) {
+    // The ring chunk was last used at step t - depth: wait until every peer has released it.
+    if (first_ + t >= kRingDepth) shm_.wait_peers(Progress::kReleased, first_ + t + 1 - kRingDepth, a_.what, "copy-in");
+    const size_t len = chunk_len(t), es = a_.esize;
+    const uint8_t* in = user_chunk(t);
+    uint8_t* ring = ring_chunk(a_.rank, t);
+    if (!tree_) {
+      std::memcpy(ring, in, len * es);
+    } else {  // the peers need only their slices; this rank's own slice is read from the user buffer
+      const size_t lo = slice_lo(len, a_.rank), hi = slice_lo(len, a_.rank + 1);
+      std::memcpy(ring, in, lo * es);
+      std::memcpy(ring + hi * es, in + hi * es, (len - hi) * es);
+    }
+    shm_.publish(Progress::kCopied, first_ + t + 1);
+  }
+
+  void reduce(uint64_t t) {
+    shm_.wait_peers(Progress::kCopied, first_ + t + 1, a_.what, tree_ ? "tree reduce-scatter" : "flat reduce");
+    const size_t len = chunk_len(t), es = a_.esize;
+    const size_t lo = tree_ ? slice_lo(len, a_.rank) : 0, hi = tree_ ? slice_lo(len, a_.rank + 1) : len;
+    uint8_t* out = user_chunk(t) + lo * es;
+    for (int r = 0; r < a_.world_size; ++r) srcs_[r] = r == a_.rank ? out : ring_chunk(r, t) + lo * es;
+    host::reduce(out, srcs_.data(), a_.world_size, hi - lo, a_.dtype, a_.op, a_.world_size);
+    if (!tree_) {
+      shm_.publish(Progress::kReleased, first_ + t + 1);
+      return;
+    }
+    // The slice's owner hands the result to the peers' all-gather through its ring chunk.
+    std::memcpy(ring_chunk(a_.rank, t) + lo * es, out, (hi - lo) * es);
+    shm_.publish(Progress::kReduced, first_ + t + 1);
+  }
+
+  void gather(uint64_t t) {
+    shm_.wait_peers(Progress::kReduced, first_ + t + 1, a_.what, "tree all-gather");
+    const size_t len = chunk_len(t), es = a_.esize;
+    uint8_t* out = user_chunk(t);
+    for (int r = 0; r < a_.world_size; ++r) {
+      if (r == a_.rank) continue;
+      const size_t lo = slice_lo(len, r), hi = slice_lo(len, r + 1);
+      std::memcpy(out + lo * es, ring_chunk(r, t) + lo * es, (hi - lo) * es);
+    }
+    shm_.publish(Progress::kReleased, first_ + t + 1);
+  }
+
+  HostShm& shm_;
+  const AllReduceArgs a_;
+  const bool tree_;
+  std::vector<const void*> srcs_;
+  size_t slice_elems_ = 0;  // tree: elements of each rank's slice of a chunk
+  size_t chunk_elems_ = 0;  // elements per step (the last step may have fewer)
+  uint64_t num_steps_ = 0;
+  uint64_t first_ = 0;      // global index of step 0 (HostShm::reserve_steps)
+};
+
+}  // namespace
+
 void Communicator::all_reduce_host(void* data, size_t count, DataType dtype, ReduceOp op, Algorithm algo) {
   const char* what = "all_reduce";
   check_reducible(what, dtype);
@@ -36,42 +186,12 @@ void Communicator::all_reduce_host(void* data, size_t count, DataType dtype, Red
   COMMLIB_CHECK(algo == Algorithm::kFlat || algo == Algorithm::kTree, InvalidArgument, what, ": algo ",
                 algorithm_name(algo), " not supported for CPU tensors; supported: auto, flat, tree");
   HostShm& shm = host();
-  const int n = world_size_;
-  const size_t chunk_elems = shm.slot_bytes() / esize;
   const OpTag tag{static_cast<uint32_t>(algo == Algorithm::kFlat ? HostOp::kAllReduceFlat : HostOp::kAllReduceTree),
                   static_cast<uint32_t>(dtype), count, static_cast<uint64_t>(op)};
-  std::vector<const void*> srcs(n);
-  size_t offset = 0;
-  do {  // one round per chunk; a 0-element call still takes one round so mismatches are caught
-    const size_t len = std::min(chunk_elems, count - offset);
-    uint8_t* user = byte_ptr(data) + offset * esize;
-    const int buf = shm.next_buffer();
-    uint8_t* mine = shm.slot(rank_, buf);
-    if (algo == Algorithm::kFlat) {
-      std::memcpy(mine, user, len * esize);
-      shm.barrier(what, "flat", tag);
-      for (int r = 0; r < n; ++r) srcs[r] = shm.slot(r, buf);
-      host::reduce(user, srcs.data(), n, len, dtype, op, n);
-    } else {
-      // Slice r of every slot is reduced by rank r into its own slot, then gathered by all. A rank
-      // reads its own slice straight from the user buffer, so only the peers' slices are copied in.
-      const size_t elems_per_line = kSliceAlign / esize;
-      const size_t slice = align_down((len + n - 1) / n + elems_per_line - 1, elems_per_line);  // rounded up
-      auto slice_begin = [&](int r) { return std::min(len, slice * r); };
-      const size_t lo = slice_begin(rank_), hi = slice_begin(rank_ + 1);
-      std::memcpy(mine, user, lo * esize);
-      std::memcpy(mine + hi * esize, user + hi * esize, (len - hi) * esize);
-      shm.barrier(what, "tree reduce-scatter", tag);
-      for (int r = 0; r < n; ++r) srcs[r] = r == rank_ ? user + lo * esize : shm.slot(r, buf) + lo * esize;
-      host::reduce(mine + lo * esize, srcs.data(), n, hi - lo, dtype, op, n);
-      shm.barrier(what, "tree all-gather", tag);
-      for (int r = 0; r < n; ++r) {
-        const size_t a = slice_begin(r), b = slice_begin(r + 1);
-        std::memcpy(user + a * esize, shm.slot(r, buf) + a * esize, (b - a) * esize);
-      }
-    }
-    offset += len;
-  } while (offset < count);
+  const AllReduceArgs args{what, tag, byte_ptr(data), count, esize, dtype, op, rank_, world_size_};
+  // A 0-element call still takes a round, so mismatched calls are caught.
+  if (algo == Algorithm::kFlat && count * esize <= shm.slot_bytes()) return all_reduce_one_round(shm, args);
+  PipelinedAllReduce(shm, args, algo).run();
 }
 
 void Communicator::reduce_scatter_host(void* out, const void* in, size_t count, DataType dtype, ReduceOp op) {

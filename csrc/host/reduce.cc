@@ -7,25 +7,35 @@
 #include "commlib/errors.hpp"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-// Built once for the baseline and once for Haswell-class cores (AVX2, F16C, FMA); picked at load.
-#define COMMLIB_MULTIVERSION __attribute__((target_clones("arch=haswell", "default")))
+// Built for the baseline, x86-64-v3 (AVX2, F16C, FMA) and x86-64-v4 (AVX-512); picked at load by
+// CPU features. Not "arch=haswell": GCC's resolver selects an arch= clone only on that exact CPU
+// model, so every newer core (Sapphire Rapids included) ran the scalar SSE2 / soft-fp16 clone.
+#if __GNUC__ >= 12  // the first GCC whose resolver knows the x86-64-vN levels
+#define COMMLIB_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define COMMLIB_MULTIVERSION __attribute__((target_clones("avx2", "default")))
+#endif
 #else
 #define COMMLIB_MULTIVERSION
 #endif
+// Helpers of the multiversioned loops must be inlined into each clone: GCC does not inline a
+// default-target function into a target_clones clone on its own, and an out-of-line call per
+// element would keep the loops scalar.
+#define COMMLIB_ALWAYS_INLINE __attribute__((always_inline)) inline
 
 namespace commlib::host {
 namespace {
 
-constexpr size_t kBlock = 512;
+constexpr size_t kTile = 64;  // elements per register-resident accumulator tile
 
-inline float bf16_to_float(uint16_t bits) {
+COMMLIB_ALWAYS_INLINE float bf16_to_float(uint16_t bits) {
   uint32_t u = static_cast<uint32_t>(bits) << 16;
   float f;
   std::memcpy(&f, &u, 4);
   return f;
 }
 
-inline uint16_t float_to_bf16(float f) {
+COMMLIB_ALWAYS_INLINE uint16_t float_to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
@@ -35,48 +45,57 @@ inline uint16_t float_to_bf16(float f) {
 
 struct F32 {
   using Storage = float;
-  static float load(float v) { return v; }
-  static float store(float v) { return v; }
+  COMMLIB_ALWAYS_INLINE static float load(float v) { return v; }
+  COMMLIB_ALWAYS_INLINE static float store(float v) { return v; }
 };
 struct F16 {
   using Storage = _Float16;
-  static float load(_Float16 v) { return static_cast<float>(v); }
-  static _Float16 store(float v) { return static_cast<_Float16>(v); }
+  COMMLIB_ALWAYS_INLINE static float load(_Float16 v) { return static_cast<float>(v); }
+  COMMLIB_ALWAYS_INLINE static _Float16 store(float v) { return static_cast<_Float16>(v); }
 };
 struct BF16 {
   using Storage = uint16_t;
-  static float load(uint16_t v) { return bf16_to_float(v); }
-  static uint16_t store(float v) { return float_to_bf16(v); }
+  COMMLIB_ALWAYS_INLINE static float load(uint16_t v) { return bf16_to_float(v); }
+  COMMLIB_ALWAYS_INLINE static uint16_t store(float v) { return float_to_bf16(v); }
 };
 
 template <ReduceOp kOp>
-inline float combine(float a, float b) {
+COMMLIB_ALWAYS_INLINE float combine(float a, float b) {
   if constexpr (kOp == ReduceOp::kSum || kOp == ReduceOp::kAvg) return a + b;
   if constexpr (kOp == ReduceOp::kProd) return a * b;
   if constexpr (kOp == ReduceOp::kMin) return std::isnan(a) || a <= b ? a : b;
   if constexpr (kOp == ReduceOp::kMax) return std::isnan(a) || a >= b ? a : b;
 }
 
+// out[i] = reduce(srcs[0][i], ..., srcs[n - 1][i]) for i < num, for up to kTile elements: the
+// accumulator is a fixed-size array that the compiler keeps in vector registers, so every source
+// is read once and `out` written once, with no staging buffer. A tile is read fully before it is
+// written, which is what lets `out` alias a source (and keeps the loops free of alias checks).
+template <typename E, ReduceOp kOp, size_t kTile>
+COMMLIB_ALWAYS_INLINE void reduce_tile(typename E::Storage* out, const void* const* srcs, int num_srcs, size_t base, size_t num,
+                        float divisor) {
+  using T = typename E::Storage;
+  float acc[kTile];
+  const T* s0 = static_cast<const T*>(srcs[0]) + base;
+  for (size_t i = 0; i < num; ++i) acc[i] = E::load(s0[i]);
+  for (int r = 1; r < num_srcs; ++r) {
+    const T* s = static_cast<const T*>(srcs[r]) + base;
+    for (size_t i = 0; i < num; ++i) acc[i] = combine<kOp>(acc[i], E::load(s[i]));
+  }
+  if constexpr (kOp == ReduceOp::kAvg) {
+    for (size_t i = 0; i < num; ++i) acc[i] = acc[i] / divisor;
+  }
+  for (size_t i = 0; i < num; ++i) out[base + i] = E::store(acc[i]);
+}
+
 template <typename E, ReduceOp kOp>
-COMMLIB_MULTIVERSION void reduce_typed(void* out_v, const void* const* srcs_v, int num_srcs, size_t count,
+COMMLIB_MULTIVERSION void reduce_typed(void* out_v, const void* const* srcs, int num_srcs, size_t count,
                                        float divisor) {
   using T = typename E::Storage;
   T* out = static_cast<T*>(out_v);
-  float acc[kBlock];
-  for (size_t base = 0; base < count; base += kBlock) {
-    const size_t n = std::min(kBlock, count - base);
-    const T* s0 = static_cast<const T*>(srcs_v[0]) + base;
-    for (size_t i = 0; i < n; ++i) acc[i] = E::load(s0[i]);
-    for (int r = 1; r < num_srcs; ++r) {
-      const T* s = static_cast<const T*>(srcs_v[r]) + base;
-      for (size_t i = 0; i < n; ++i) acc[i] = combine<kOp>(acc[i], E::load(s[i]));
-    }
-    if constexpr (kOp == ReduceOp::kAvg) {
-      for (size_t i = 0; i < n; ++i) acc[i] = acc[i] / divisor;
-    }
-    T* o = out + base;
-    for (size_t i = 0; i < n; ++i) o[i] = E::store(acc[i]);
-  }
+  size_t base = 0;
+  for (; base + kTile <= count; base += kTile) reduce_tile<E, kOp, kTile>(out, srcs, num_srcs, base, kTile, divisor);
+  if (base < count) reduce_tile<E, kOp, kTile>(out, srcs, num_srcs, base, count - base, divisor);
 }
 
 template <typename E>

@@ -38,10 +38,13 @@ namespace commlib {
 // time slice its peer needs. Lost-wakeup freedom (Dekker): the waiter increments `sleepers` and
 // then re-reads `arrived`; the arriver stores `arrived` and then reads `sleepers`; both seq_cst,
 // so at least one sees the other. FUTEX_WAIT also re-checks the word atomically.
+// The same protocol covers the progress counters: a waiter sleeps on the counter it waits for, and
+// the publisher wakes whenever anyone sleeps on any of its words (a spurious wake is harmless).
 struct alignas(128) HostShm::RankControl {
   std::atomic<uint64_t> arrived;   // last barrier sequence number this rank reached
-  std::atomic<uint32_t> sleepers;  // peers asleep (or about to sleep) on `arrived`
+  std::atomic<uint32_t> sleepers;  // peers asleep (or about to sleep) on `arrived` or a counter
   OpTag tags[2];                   // tag of barrier seq, indexed by seq & 1 (a peer is at most one ahead)
+  std::atomic<uint64_t> progress[static_cast<int>(Progress::kNumCounters)];  // Note [host shm pipeline]
 };
 
 namespace {
@@ -157,9 +160,9 @@ bool HostShm::peer_alive(int peer) const {
   return state != 'Z' && state != 'X';
 }
 
-void HostShm::wait_for(int peer, uint64_t seq, const char* what, const char* phase) {
+void HostShm::wait_for(int peer, std::atomic<uint64_t>& arrived, uint64_t seq, const char* what, const char* phase,
+                       const char* unit) {
   RankControl& theirs = control(peer);
-  std::atomic<uint64_t>& arrived = theirs.arrived;
   if (arrived.load(std::memory_order_acquire) >= seq) return;
   const auto start = std::chrono::steady_clock::now();
   auto next_liveness_check = start + std::chrono::milliseconds(50);
@@ -194,7 +197,7 @@ void HostShm::wait_for(int peer, uint64_t seq, const char* what, const char* pha
       broken_ = true;
       broken_reason_ = detail::concat("timeout waiting for rank ", peer);
       throw Timeout(detail::concat(what, ": rank ", rank_, " timed out after ", waited.count(),
-                                   " ms waiting for rank ", peer, " at phase '", phase, "' (barrier ", seq, ")"));
+                                   " ms waiting for rank ", peer, " at phase '", phase, "' (", unit, " ", seq, ")"));
     }
   }
 }
@@ -209,7 +212,7 @@ void HostShm::barrier(const char* what, const char* phase, const OpTag& tag) {
   mine.arrived.store(seq, std::memory_order_seq_cst);
   if (mine.sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(futex_word(mine.arrived));
   for (int peer = 0; peer < world_size_; ++peer) {
-    if (peer != rank_) wait_for(peer, seq, what, phase);
+    if (peer != rank_) wait_for(peer, control(peer).arrived, seq, what, phase, "barrier");
   }
   for (int peer = 0; peer < world_size_; ++peer) {
     const OpTag& theirs = control(peer).tags[seq & 1];
@@ -220,6 +223,22 @@ void HostShm::barrier(const char* what, const char* phase, const OpTag& tag) {
                                      ", dtype ", theirs.dtype, ", size ", theirs.size, ", extra ", theirs.extra,
                                      "); every rank must call the same collective with matching sizes"));
     }
+  }
+}
+
+void HostShm::publish(Progress counter, uint64_t value) {
+  RankControl& mine = control(rank_);
+  // Publishes this rank's ring writes to peers that acquire the counter; seq_cst to order it before
+  // the read of `sleepers` (Note [host shm waiting]).
+  mine.progress[static_cast<int>(counter)].store(value, std::memory_order_seq_cst);
+  if (mine.sleepers.load(std::memory_order_seq_cst) != 0) {
+    futex_wake_all(futex_word(mine.progress[static_cast<int>(counter)]));
+  }
+}
+
+void HostShm::wait_peers(Progress counter, uint64_t value, const char* what, const char* phase) {
+  for (int peer = 0; peer < world_size_; ++peer) {
+    if (peer != rank_) wait_for(peer, control(peer).progress[static_cast<int>(counter)], value, what, phase, "step");
   }
 }
 

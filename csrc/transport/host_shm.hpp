@@ -9,10 +9,23 @@
 // then barrier(), then reads the peers' slots of that buffer. Rounds alternate buffers, so no
 // trailing barrier is needed: a rank cannot write a buffer again before every peer has passed
 // the next round's barrier, which a peer reaches only after finishing its reads of this one.
+// The argument needs only that a round touches nothing but its buffer's slots, not that a rank
+// writes its own slot: an algorithm may rotate which slot of the buffer each rank writes
+// (Note [host slot rotation]).
 // barrier() stores a monotonically increasing sequence number (never reset) with release
 // semantics and waits with acquire for every peer to reach it, bounded by the timeout; it also
 // compares an OpTag so that mismatched collectives raise PeerError on every rank instead of
 // corrupting memory.
+//
+// Note [host shm pipeline]
+// Large collectives run as a pipeline of steps instead of barrier rounds: each rank treats its
+// two slots as one ring of chunk buffers (ring(rank)) and publishes per-step progress counters
+// (Progress) that peers wait for one at a time, so a rank waits only for the data it is about to
+// read and never for a whole round. Counters are monotonically increasing across calls (never
+// reset); a pipelined collective reserves its steps with reserve_steps(), starts with barrier()
+// (the tag check, and proof that every peer has finished reading this rank's slots in earlier
+// rounds) and ends by waiting until every peer has finished reading its ring, so the slots are
+// free again for the next collective of either kind.
 #pragma once
 
 #include <atomic>
@@ -47,6 +60,16 @@ enum class HostOp : uint32_t {
   kUser,  // extensions (EP, fused) tag their own rounds as kUser + n
 };
 
+// Per-rank progress counters of pipelined collectives (Note [host shm pipeline]).
+enum class Progress : int {
+  kCopied = 0,  // steps whose input this rank has copied into its ring
+  kReduced,     // steps whose result this rank has written to its ring (tree)
+  kReleased,    // steps whose ring chunks this rank will not read again; every pipelined
+                // collective publishes it for each of its steps, since ring reuse in a later call
+                // (of whichever algorithm) waits for it
+  kNumCounters,
+};
+
 class HostShm {
  public:
   HostShm(Bootstrap& bootstrap, size_t slot_bytes, std::chrono::milliseconds timeout,
@@ -60,12 +83,31 @@ class HostShm {
   size_t slot_bytes() const { return slot_bytes_; }
 
   // Starts a round: returns the buffer (0 or 1) whose slots this round uses.
-  int next_buffer() { return static_cast<int>(round_++ & 1); }
+  int next_buffer() { return static_cast<int>(next_round() & 1); }
+  // Starts a round: returns its index (the same on every rank); it uses buffer index & 1.
+  uint64_t next_round() { return round_++; }
   uint8_t* slot(int rank, int buffer) const;
 
   // Publishes this rank's writes of the round and waits for every peer (see the Note).
   // `what` names the operation and `phase` the step, for error messages.
   void barrier(const char* what, const char* phase, const OpTag& tag);
+
+  // This rank's two slots as one contiguous ring of 2 * slot_bytes() bytes (pipelined collectives).
+  uint8_t* ring(int rank) const { return slot(rank, 0); }
+  size_t ring_bytes() const { return 2 * slot_bytes_; }
+
+  // Reserves `num_steps` pipeline steps; returns the global index of the first. Every rank makes
+  // the same reservations in the same order, so a step index means the same thing on every rank.
+  uint64_t reserve_steps(uint64_t num_steps) {
+    const uint64_t first = steps_;
+    steps_ += num_steps;
+    return first;
+  }
+  // Publishes `value` (a step count) for `counter`, with release semantics: everything this rank
+  // wrote before is visible to a peer that waits for it.
+  void publish(Progress counter, uint64_t value);
+  // Waits (bounded, like barrier()) until every peer's `counter` has reached `value`.
+  void wait_peers(Progress counter, uint64_t value, const char* what, const char* phase);
 
   // Throws PeerError if an earlier wait failed: the ranks' sequence numbers no longer agree.
   void check_usable(const char* what) const;
@@ -73,7 +115,9 @@ class HostShm {
  private:
   struct RankControl;
   RankControl& control(int rank) const;
-  void wait_for(int peer, uint64_t seq, const char* what, const char* phase);
+  // Waits until `word` (in `peer`'s control block) reaches `target`; `unit` names it in errors.
+  void wait_for(int peer, std::atomic<uint64_t>& word, uint64_t target, const char* what, const char* phase,
+                const char* unit);
   bool peer_alive(int peer) const;
 
   int rank_;
@@ -87,6 +131,7 @@ class HostShm {
   size_t control_bytes_ = 0;
   uint64_t seq_ = 0;
   uint64_t round_ = 0;
+  uint64_t steps_ = 0;
   bool broken_ = false;
   std::string broken_reason_;
 };
