@@ -77,25 +77,10 @@ def graph_of(step, iters):
 
 
 def nccl_host_path(x, idx, w, num_experts, world):
-    """The usual eager MoE all-to-all (baseline a). Returns combined [T, H]."""
-    T, K = idx.shape
-    L = num_experts // world
-    flat = idx.reshape(-1)
-    order = torch.argsort(flat // L, stable=True)
-    dest = (flat // L)[order]
-    send_counts = torch.bincount(dest, minlength=world)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts)
-    ins, outs = send_counts.tolist(), recv_counts.tolist()  # the host sync
-    send = x[order // K]
-    recv = torch.empty(sum(outs), x.shape[1], dtype=x.dtype, device=x.device)
-    dist.all_to_all_single(recv, send, outs, ins)
-    y = recv  # identity experts
-    back = torch.empty_like(send)
-    dist.all_to_all_single(back, y, ins, outs)
-    out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
-    out.index_add_(0, order // K, back.float() * w.reshape(-1)[order][:, None])
-    return out.to(x.dtype)
+    """The usual eager MoE all-to-all (baseline a), identity experts; the implementation is the one
+    commlib-perf's ep_dispatch_combine times (commlib.perf.ops_ep). Returns combined [T, H]."""
+    from commlib.perf.ops_ep import host_sync_dispatch_combine
+    return host_sync_dispatch_combine(x, idx, w, num_experts)
 
 
 def crossing_rows(idx, num_experts, world, rank):

@@ -129,7 +129,39 @@ struct TuneEntry {
   AllReduceLimits limits;
 };
 
-std::vector<TuneEntry> load_tune_file(const std::string& path) {
+struct FusedTuneEntry {
+  int world_size;
+  int num_sms;
+};
+
+// What this process needs from one tune file (Note [tune file format]).
+struct TuneFile {
+  std::vector<TuneEntry> all_reduce;
+  std::vector<FusedTuneEntry> fused_num_sms;
+};
+
+// A list-valued top-level section, or nullptr when the file has none.
+const Json* section(const Json& root, const char* name, const std::string& path) {
+  auto it = root.object.find(name);
+  if (it == root.object.end()) return nullptr;
+  COMMLIB_CHECK(it->second.kind == Json::Kind::kArray, InvalidArgument, "COMMLIB_TUNE_FILE: '", path, "': \"", name,
+                "\" must be a list");
+  for (const Json& e : it->second.array) {
+    COMMLIB_CHECK(e.kind == Json::Kind::kObject, InvalidArgument, "COMMLIB_TUNE_FILE: '", path, "': ", name,
+                  " entries must be objects");
+  }
+  return &it->second;
+}
+
+double number_field(const Json& e, const char* section_name, const char* key, const std::string& path) {
+  auto f = e.object.find(key);
+  COMMLIB_CHECK(f != e.object.end() && f->second.kind == Json::Kind::kNumber && f->second.number >= 0,
+                InvalidArgument, "COMMLIB_TUNE_FILE: '", path, "': an ", section_name, " entry lacks a non-negative \"",
+                key, "\"");
+  return f->second.number;
+}
+
+TuneFile load_tune_file(const std::string& path) {
   std::ifstream in(path);
   COMMLIB_CHECK(in.good(), InvalidArgument, "COMMLIB_TUNE_FILE: cannot read '", path, "'");
   std::stringstream text;
@@ -137,28 +169,28 @@ std::vector<TuneEntry> load_tune_file(const std::string& path) {
   const Json root = JsonParser(text.str(), path).parse();
   COMMLIB_CHECK(root.kind == Json::Kind::kObject, InvalidArgument, "COMMLIB_TUNE_FILE: '", path,
                 "' must hold a JSON object");
-  std::vector<TuneEntry> entries;
-  auto it = root.object.find("all_reduce");
-  if (it == root.object.end()) return entries;
-  COMMLIB_CHECK(it->second.kind == Json::Kind::kArray, InvalidArgument, "COMMLIB_TUNE_FILE: '", path,
-                "': \"all_reduce\" must be a list");
-  for (const Json& e : it->second.array) {
-    auto num = [&](const char* key) -> double {
-      auto f = e.object.find(key);
-      COMMLIB_CHECK(f != e.object.end() && f->second.kind == Json::Kind::kNumber && f->second.number >= 0,
-                    InvalidArgument, "COMMLIB_TUNE_FILE: '", path, "': an all_reduce entry lacks a non-negative \"",
-                    key, "\"");
-      return f->second.number;
-    };
-    COMMLIB_CHECK(e.kind == Json::Kind::kObject, InvalidArgument, "COMMLIB_TUNE_FILE: '", path,
-                  "': all_reduce entries must be objects");
-    TuneEntry t{static_cast<int>(num("world_size")), "",
-                {static_cast<size_t>(num("flat_max_bytes")), static_cast<size_t>(num("tree_max_bytes"))}};
-    auto d = e.object.find("dtype");
-    if (d != e.object.end() && d->second.kind == Json::Kind::kString) t.dtype = d->second.string;
-    entries.push_back(t);
+  TuneFile file;
+  if (const Json* list = section(root, "all_reduce", path)) {
+    for (const Json& e : list->array) {
+      TuneEntry t{static_cast<int>(number_field(e, "all_reduce", "world_size", path)), "",
+                  {static_cast<size_t>(number_field(e, "all_reduce", "flat_max_bytes", path)),
+                   static_cast<size_t>(number_field(e, "all_reduce", "tree_max_bytes", path))}};
+      auto d = e.object.find("dtype");
+      if (d != e.object.end() && d->second.kind == Json::Kind::kString) t.dtype = d->second.string;
+      file.all_reduce.push_back(t);
+    }
   }
-  return entries;
+  if (const Json* list = section(root, "fused_num_sms", path)) {
+    for (const Json& e : list->array) {
+      const double num_sms = number_field(e, "fused_num_sms", "num_sms", path);
+      COMMLIB_CHECK(num_sms >= 1 && num_sms == static_cast<double>(static_cast<int>(num_sms)), InvalidArgument,
+                    "COMMLIB_TUNE_FILE: '", path, "': fused_num_sms entry has num_sms ", num_sms,
+                    "; valid: an integer >= 1");
+      file.fused_num_sms.push_back(
+          {static_cast<int>(number_field(e, "fused_num_sms", "world_size", path)), static_cast<int>(num_sms)});
+    }
+  }
+  return file;
 }
 
 std::string tune_file_path() {
@@ -177,9 +209,9 @@ std::string tune_file_path() {
   return it->second ? path : "";
 }
 
-const std::vector<TuneEntry>& tune_entries(const std::string& path) {
+const TuneFile& tune_file(const std::string& path) {
   static std::mutex mutex;
-  static std::map<std::string, std::vector<TuneEntry>> cache;
+  static std::map<std::string, TuneFile> cache;
   std::lock_guard<std::mutex> lock(mutex);
   auto it = cache.find(path);
   if (it == cache.end()) it = cache.emplace(path, load_tune_file(path)).first;
@@ -203,7 +235,7 @@ AllReduceLimits all_reduce_limits(int world_size, DataType dtype) {
   const std::string path = tune_file_path();
   if (!path.empty()) {
     bool dtype_specific = false;
-    for (const TuneEntry& e : tune_entries(path)) {
+    for (const TuneEntry& e : tune_file(path).all_reduce) {
       if (e.world_size != world_size) continue;
       if (e.dtype.empty() && !dtype_specific) {
         limits = e.limits;
@@ -220,6 +252,16 @@ AllReduceLimits all_reduce_limits(int world_size, DataType dtype) {
   if (flat > 0) limits.flat_max_bytes = static_cast<size_t>(flat);
   if (tree > 0) limits.tree_max_bytes = static_cast<size_t>(tree);
   return limits;
+}
+
+int tuned_fused_num_sms(int world_size) {
+  const std::string path = tune_file_path();
+  int num_sms = 0;
+  if (path.empty()) return num_sms;
+  for (const FusedTuneEntry& e : tune_file(path).fused_num_sms) {
+    if (e.world_size == world_size) num_sms = e.num_sms;
+  }
+  return num_sms;
 }
 
 namespace {

@@ -15,9 +15,12 @@
 //    "all_reduce": [
 //      {"world_size": 2, "dtype": "bfloat16", "flat_max_bytes": 131072, "tree_max_bytes": 67108864},
 //      {"world_size": 4, "flat_max_bytes": 65536, "tree_max_bytes": 33554432}, ...]}
-// An entry applies to its world_size and, if "dtype" is present ("float32", "float16",
-// "bfloat16"), to that dtype only; a dtype-specific entry wins over a generic one. Unknown keys
-// are ignored (other collectives may add their own sections). A file that cannot be read or
+//    "fused_num_sms": [{"world_size": 2, "num_sms": 16}, ...]}
+// An all_reduce entry applies to its world_size and, if "dtype" is present ("float32", "float16",
+// "bfloat16"), to that dtype only; a dtype-specific entry wins over a generic one. A fused_num_sms
+// entry gives, for its world_size, the CTA count commlib-tune measured for the fused all-reduce +
+// RMSNorm P2P kernel (tuned_fused_num_sms below); the last entry for a world size wins. Unknown
+// keys are ignored (other collectives may add their own sections). A file that cannot be read or
 // parsed raises InvalidArgument naming the path. Files are read once per path per process.
 #pragma once
 
@@ -39,6 +42,13 @@ AllReduceLimits all_reduce_limits(int world_size, DataType dtype);
 // Pure: never kAuto. Throws InvalidArgument for world_size < 1, TypeMismatch for a dtype that is
 // not reducible, InvalidArgument for a bad COMMLIB_* value or tune file.
 Algorithm select_all_reduce_algorithm(size_t bytes, int world_size, DataType dtype);
+
+// The fused all-reduce + RMSNorm kernel's tuned CTA count for world_size: the tune file's
+// "fused_num_sms" entry (Note [tune file format]), 0 when there is none (or no file). It is the
+// by-size cap of the P2P kernel when neither the caller nor COMMLIB_FUSED_NUM_SMS gives a count
+// (csrc/kernels/rs_rmsnorm_ag_params.hpp, fused_rmsnorm_num_blocks). Reads no COMMLIB_* knob but
+// COMMLIB_TUNE_FILE. Throws InvalidArgument for a malformed file.
+int tuned_fused_num_sms(int world_size);
 
 // The same choice with the environment and tune file read once, at construction (as NCCL reads
 // its variables at init): what the per-call paths (the torch backend, CudaComm) use, since

@@ -75,7 +75,8 @@ CudaComm::CudaComm(Communicator& comm, int device)
       world_size_(comm.world_size()),
       selector_(comm.world_size()),
       max_blocks_(env::get_int("COMMLIB_ALLREDUCE_MAX_BLOCKS")),
-      ll_max_bytes_(env::get_int("COMMLIB_FLAT_LL_MAX_BYTES")) {
+      ll_max_bytes_(env::get_int("COMMLIB_FLAT_LL_MAX_BYTES")),
+      fused_tuned_blocks_(tuned_fused_num_sms(comm.world_size())) {
   const char* what = "cuda communicator";
   COMMLIB_CHECK(max_blocks_ >= 0 && max_blocks_ <= kMaxBarrierBlocks, InvalidArgument, "COMMLIB_ALLREDUCE_MAX_BLOCKS=",
                 max_blocks_, " out of range; valid: 0..", kMaxBarrierBlocks);

@@ -69,6 +69,10 @@ class CudaComm {
   void all_reduce(const void* input, void* output, size_t count, DataType dtype, ReduceOp op, Algorithm algo,
                   cudaStream_t stream);
 
+  // commlib-tune's CTA count for the fused all-reduce + RMSNorm kernel at this world size (0: none),
+  // read once at creation (tuned_fused_num_sms in csrc/core/algorithm_selector.hpp).
+  int fused_tuned_blocks() const { return fused_tuned_blocks_; }
+
  private:
   int device_;
   int rank_;
@@ -89,7 +93,8 @@ class CudaComm {
   // Read once, at creation (COMMLIB_ALLREDUCE_ALGO, the limits, the tune file, the LL and grid knobs).
   AllReduceSelector selector_;
   int64_t max_blocks_;
-  int64_t ll_max_bytes_;  // whether the call between begin_op and end_op is being captured
+  int64_t ll_max_bytes_;
+  int fused_tuned_blocks_;  // whether the call between begin_op and end_op is being captured
 };
 
 }  // namespace commlib

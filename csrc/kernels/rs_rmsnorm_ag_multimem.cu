@@ -214,7 +214,7 @@ Status launch_rs_rmsnorm_ag_multimem(const RsRmsNormAgMultimemParams& params, St
     return Status(StatusCode::kInvalidArgument, detail::concat(what, ": GPU workspace too small for one row"));
   }
   chunk.capacity = std::min(fit, per_rank);
-  const int blocks = fused_rmsnorm_num_blocks(params.num_blocks, chunk.capacity);
+  const int blocks = fused_rmsnorm_num_blocks(params.num_blocks, 0, chunk.capacity);  // commlib-tune measures P2P only
   for (chunk.offset = 0; chunk.offset < per_rank; chunk.offset += chunk.capacity) {
     const Status status = a.dtype == DataType::kBFloat16 ? launch_typed<__nv_bfloat16>(params, chunk, blocks, stream)
                                                          : launch_typed<__half>(params, chunk, blocks, stream);

@@ -221,7 +221,8 @@ Status launch_rs_rmsnorm_ag_p2p_ll(const RsRmsNormAgP2pParams& params, Stream st
   const int64_t padded = next_pow2(a.hidden / kGroup);
   const int threads = static_cast<int>(std::clamp<int64_t>(padded, 32, kLLMaxThreads));
   const int64_t vecs = std::max<int64_t>(1, padded / threads);
-  const int blocks = fused_rmsnorm_num_blocks(params.num_blocks, std::max<int64_t>(per_rank, kLLMinBlocks));
+  // The tuned count (measured on the barrier kernel at a large batch) does not apply here: tuned_max_blocks 0.
+  const int blocks = fused_rmsnorm_num_blocks(params.num_blocks, 0, std::max<int64_t>(per_rank, kLLMinBlocks));
   auto go = [&](auto kernel) {
     kernel<<<blocks, threads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(params, region_bytes);
     const cudaError_t err = cudaGetLastError();

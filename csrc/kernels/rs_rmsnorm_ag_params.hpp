@@ -31,8 +31,8 @@ using Stream = CUstream_st*;
 enum class FusedRmsNormPhase : int { kInputsReady = 0, kRowsPushed = 1, kLLInputs = 4, kLLRows = 5 };
 const char* fused_rmsnorm_phase_name(int phase);
 
-// Largest CTA count of the fused kernels and the default when num_blocks == 0 and
-// COMMLIB_FUSED_NUM_SMS is 0 (chosen by size, at most this).
+// Largest CTA count of the fused kernels, and the by-size cap when num_blocks == 0,
+// COMMLIB_FUSED_NUM_SMS is 0 and no tuned count applies (chosen by size, at most this).
 constexpr int kFusedMaxBlocks = 132;
 constexpr int kFusedDefaultMaxBlocks = 16;
 
@@ -41,7 +41,10 @@ struct RsRmsNormAgP2pParams {
   SymmetricBufferDevice workspace{};  // two halves alternating by call parity (Note [flag barrier])
   SymmetricBufferDevice lines{};      // the communicator's LL buffer (Note [LL lines]), zeroed; may be empty
   BarrierDevice barrier{};
-  int num_blocks = 0;  // CTAs; 0: COMMLIB_FUSED_NUM_SMS, else by size (<= kFusedDefaultMaxBlocks)
+  int num_blocks = 0;  // CTAs; 0: COMMLIB_FUSED_NUM_SMS, else by size (<= the cap, fused_rmsnorm_num_blocks)
+  // commlib-tune's fused_num_sms for this world size (tuned_fused_num_sms, read once by CudaComm);
+  // 0: none. The barrier kernel's by-size cap; the LL kernel (small slices) keeps the built-in one.
+  int tuned_max_blocks = 0;
 };
 
 // The multimem variant: the reduction reads x through the multicast mapping of the workspace
@@ -55,8 +58,12 @@ struct RsRmsNormAgMultimemParams {
 };
 
 // CTAs the launcher uses for `work_units` independent units of work per rank (rows for the LL and
-// multimem kernels, row groups for the p2p kernel); the same on every rank.
-int fused_rmsnorm_num_blocks(int requested, int64_t work_units);
+// multimem kernels, row groups for the p2p kernel); the same on every rank. In order: `requested`
+// (the caller's num_sms) if > 0, else COMMLIB_FUSED_NUM_SMS if > 0, exactly (capped at
+// kFusedMaxBlocks); else one CTA per unit of work up to `tuned_max_blocks` (commlib-tune's
+// measurement) if > 0, else up to kFusedDefaultMaxBlocks. A cap rather than a count, so small
+// batches do not launch idle CTAs that would still take part in every barrier.
+int fused_rmsnorm_num_blocks(int requested, int tuned_max_blocks, int64_t work_units);
 
 // Note [fused LL layout]
 // The LL kernel shares the communicator's LL buffer with all_reduce_flat_ll (same halves by call

@@ -1,5 +1,5 @@
-// commlib._C.select_all_reduce_algorithm / all_reduce_limits: the pure GPU all-reduce choice
-// (csrc/core/algorithm_selector.hpp), for the torch backend, commlib-tune and tests. No GPU needed.
+// commlib._C.select_all_reduce_algorithm / all_reduce_limits / tuned_fused_num_sms: the pure GPU
+// choices of csrc/core/algorithm_selector.hpp, for the torch backend, commlib-tune and tests. No GPU needed.
 #include <torch/csrc/utils/pybind.h>
 
 #include "core/algorithm_selector.hpp"
@@ -37,6 +37,17 @@ BindingRegistrar reg("algorithm_selection", [](py::module_& m) {
       },
       py::arg("world_size"), py::arg("dtype"),
       "(flat_max_bytes, tree_max_bytes) that apply to (world_size, dtype) after overrides.");
+  m.def(
+      "tuned_fused_num_sms",
+      [](int world_size) {
+        COMMLIB_CHECK(world_size >= 1, InvalidArgument, "tuned_fused_num_sms: world_size ", world_size,
+                      " must be >= 1");
+        return tuned_fused_num_sms(world_size);
+      },
+      py::arg("world_size"),
+      "commlib-tune's CTA count for the fused all-reduce + RMSNorm GPU kernel at world_size (the tune "
+      "file's fused_num_sms list, COMMLIB_TUNE_FILE), 0 when none: the by-size cap used when num_sms is "
+      "None and COMMLIB_FUSED_NUM_SMS is 0.");
 });
 
 }  // namespace

@@ -37,6 +37,7 @@ void fused_allreduce_rmsnorm_cuda(Communicator& comm, const FusedRmsNormArgs& ar
   p.lines = cuda.ll_lines_handle();
   p.barrier = cuda.barrier_handle();
   p.num_blocks = num_sms;
+  p.tuned_max_blocks = cuda.fused_tuned_blocks();
   cuda.begin_op(stream, what);
   const Status status = kernels::launch_rs_rmsnorm_ag_p2p(p, stream);
   throw_if_error(status);

@@ -87,7 +87,9 @@ def fused_allreduce_rmsnorm(comm, x: torch.Tensor, residual: torch.Tensor, weigh
       untouched) or just the slice [end - begin, hidden]. ``out`` is still complete on every rank.
 
     ``out``: optional [tokens, hidden] output (must not alias x or residual); ``num_sms``: CTAs of
-    the GPU kernel (None: ``COMMLIB_FUSED_NUM_SMS`` or by size); ``algo``: ``auto``/``p2p``, or
+    the GPU kernel (None: ``COMMLIB_FUSED_NUM_SMS``, else by size up to commlib-tune's
+    ``fused_num_sms`` for this world size when the tune file has one, else up to 16; see
+    ``tuned_fused_num_sms``); ``algo``: ``auto``/``p2p``, or
     ``multimem`` (NVLink multicast: needs ``COMMLIB_ENABLE_MULTICAST` set to 1` and no kill switch).
     Returns ``(out, residual)``.
     """
@@ -110,6 +112,13 @@ def fused_allreduce_rmsnorm(comm, x: torch.Tensor, residual: torch.Tensor, weigh
     return out, residual
 
 
+def tuned_fused_num_sms(world_size: int) -> int:
+    """commlib-tune's CTA count for the GPU kernel at ``world_size`` (the tune file's top-level
+    ``fused_num_sms`` list, ``COMMLIB_TUNE_FILE``; read once per file per process), 0 when none.
+    The GPU path reads it once per communicator and caps its by-size count with it."""
+    return int(_C.tuned_fused_num_sms(int(world_size)))
+
+
 def op_handle(comm) -> int:
     """The integer naming ``comm`` in ``torch.ops.ddacomm`` ops (registered on first use)."""
     handle = getattr(comm, "_op_handle", None)
@@ -124,4 +133,5 @@ def multicast_allowed() -> Tuple[bool, str, str]:
     return tuple(_C.multicast_allowed())
 
 
-__all__ = ["fused_allreduce_rmsnorm", "token_slice", "reference_rmsnorm", "op_handle", "multicast_allowed"]
+__all__ = ["fused_allreduce_rmsnorm", "token_slice", "reference_rmsnorm", "op_handle", "multicast_allowed",
+           "tuned_fused_num_sms"]

@@ -1,7 +1,8 @@
-"""commlib-tune: measures this machine's all_reduce crossovers and caches them.
+"""commlib-tune: measures this machine's all_reduce crossovers (and, on GPU, the fused kernel's
+CTA count) and caches them.
 
     commlib-tune                 # CPU: flat vs tree over shared memory, 2 processes
-    commlib-tune -np 2 --device cuda   # GPU: flat vs tree vs NCCL (and, once it lands, fused SMs)
+    commlib-tune -np 2 --device cuda   # GPU: flat vs tree vs NCCL, and fused_allreduce_rmsnorm's num_sms
 
 The cache (``COMMLIB_TUNE_FILE``, default ``~/.cache/commlib/tune.json``) holds one entry per
 (device model, world size, link type, library version)::
@@ -9,18 +10,22 @@ The cache (``COMMLIB_TUNE_FILE``, default ``~/.cache/commlib/tune.json``) holds 
     {"version": 1,
      "entries": [{"key": {"device": "NVIDIA H200", "world_size": 2, "link": "nvlink", "version": "0.1.0"},
                   "all_reduce": {"flat_max_bytes": 262144, "tree_max_bytes": 33554432},
-                  "fused_num_sms": null}],
-     "all_reduce": [{"world_size": 2, "flat_max_bytes": 262144, "tree_max_bytes": 33554432}]}
+                  "fused_num_sms": 16}],
+     "all_reduce": [{"world_size": 2, "flat_max_bytes": 262144, "tree_max_bytes": 33554432}],
+     "fused_num_sms": [{"world_size": 2, "num_sms": 16}]}
 
-``entries`` is what the Python side reads (keyed; CPU entries have link "shm"); ``all_reduce`` is
-rewritten from the GPU entries on every save and is what the C++ selector (GPU path, torch
-backend) reads: the file describes one machine.
+``entries`` is what the Python side reads (keyed; CPU entries have link "shm"); the top-level
+``all_reduce`` and ``fused_num_sms`` lists are rewritten from the GPU entries on every save and are
+what the C++ side (GPU path, torch backend, fused op) reads: the file describes one machine.
 
 all_reduce with ``algo="auto"`` uses flat up to ``flat_max_bytes`` (inclusive), tree up to
 ``tree_max_bytes``, and NCCL above where an NCCL engine is attached (tree otherwise; on CPU there
-is no NCCL, so ``tree_max_bytes`` is the largest size measured). ``fused_num_sms`` is ``null``
-until measured. Explicit ``COMMLIB_*`` knobs win over the cache; without a matching entry the
-built-in table applies.
+is no NCCL, so ``tree_max_bytes`` is the largest size measured). ``fused_num_sms``: the GPU fused
+all-reduce + RMSNorm kernel's CTA count, the smallest of FUSED_NUM_SMS_CANDIDATES whose time at
+1024 tokens x hidden 8192 bf16 is within 5% of the best; ``null`` on CPU or when not measured. The
+fused op uses it as the cap of its by-size CTA count when the caller passes ``num_sms=None`` and
+``COMMLIB_FUSED_NUM_SMS`` is 0. Explicit ``COMMLIB_*`` knobs win over the cache; without a
+matching entry the built-in table applies.
 """
 from __future__ import annotations
 
@@ -31,9 +36,12 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 FORMAT_VERSION = 1
+FUSED_NUM_SMS_CANDIDATES = (4, 8, 16, 32, 64)
+FUSED_TUNE_TOKENS, FUSED_TUNE_HIDDEN = 1024, 8192  # a representative prefill chunk (bf16)
+FUSED_WITHIN = 0.05  # the smallest count within this fraction of the best time wins
 
 
 def cache_path(path: Optional[str] = None) -> Path:
@@ -105,6 +113,10 @@ def _validate(data, path) -> dict:
             if not isinstance(ar.get(field), int) or ar[field] < 0:
                 raise ValueError(f"commlib.tune: {path}: entry {i}: all_reduce.{field} must be an integer >= 0, "
                                  f"got {ar.get(field)!r}")
+        sms = entry.get("fused_num_sms")
+        if sms is not None and (isinstance(sms, bool) or not isinstance(sms, int) or sms < 1):
+            raise ValueError(f"commlib.tune: {path}: entry {i}: fused_num_sms must be null or an integer >= 1, "
+                             f"got {sms!r}")
     return data
 
 
@@ -136,10 +148,13 @@ def save(entry: dict, path: Optional[str] = None) -> Path:
     _validate(data, p)
     # The C++ selector (csrc/core/algorithm_selector.cc, used by the GPU path and the torch
     # backend) reads the flat top-level list; it is derived from the GPU entries on every save.
+    gpu_entries = [e for e in data["entries"] if e["key"].get("link") != "shm"]
     data["all_reduce"] = [
         {"world_size": e["key"]["world_size"], "flat_max_bytes": e["all_reduce"]["flat_max_bytes"],
-         "tree_max_bytes": e["all_reduce"]["tree_max_bytes"]}
-        for e in data["entries"] if e["key"].get("link") != "shm"]
+         "tree_max_bytes": e["all_reduce"]["tree_max_bytes"]} for e in gpu_entries]
+    # Read by csrc/core/algorithm_selector.cc (tuned_fused_num_sms; Note [tune file format]).
+    data["fused_num_sms"] = [{"world_size": e["key"]["world_size"], "num_sms": e["fused_num_sms"]}
+                             for e in gpu_entries if e.get("fused_num_sms") is not None]
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tune-", suffix=".json")
     with os.fdopen(fd, "w") as f:
@@ -234,6 +249,30 @@ def measure(device: str, np_: int, minbytes: str, maxbytes: str, iters: int) -> 
     return sizes, times
 
 
+def pick_fused_num_sms(times: Dict[int, Optional[float]], within: float = FUSED_WITHIN) -> Optional[int]:
+    """The smallest CTA count whose time is within ``within`` of the best (fewer CTAs leave more
+    SMs to the GEMMs that overlap the fused op); None when nothing was measured."""
+    measured = {k: t for k, t in times.items() if t is not None and t > 0}
+    if not measured:
+        return None
+    best = min(measured.values())
+    return min(k for k, t in measured.items() if t <= best * (1 + within))
+
+
+def measure_fused_num_sms(np_: int, iters: int, counts=FUSED_NUM_SMS_CANDIDATES, tokens: int = FUSED_TUNE_TOKENS,
+                          hidden: int = FUSED_TUNE_HIDDEN) -> Dict[int, Optional[float]]:
+    """GPU only: µs per fused_allreduce_rmsnorm (``tokens`` x ``hidden`` bf16, replicated residual,
+    CUDA-graph replay) for each CTA count, one commlib-perf run per count."""
+    times: Dict[int, Optional[float]] = {}
+    for k in counts:
+        result = _run_perf(["fused_allreduce_rmsnorm", "--tokens", str(tokens), "--hidden", str(hidden),
+                            "-d", "bfloat16", "-n", str(iters), "-w", "3", "-G", "10", "-np", str(np_),
+                            "--device", "cuda", "--backend", "ddacomm", "--fused-num-sms", str(k)])
+        rows = [r for r in result["results"] if r["backend"] == "ddacomm"]
+        times[k] = (rows[0].get("oop") or {}).get("time_us") if rows else None
+    return times
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="commlib-tune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -244,6 +283,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("-n", "--iters", type=int, default=20)
     p.add_argument("--file", default=None, help="cache path (default $COMMLIB_TUNE_FILE or ~/.cache/commlib/tune.json)")
     p.add_argument("--show", action="store_true", help="print the cache and exit")
+    p.add_argument("--no-fused", dest="fused", action="store_false",
+                   help="GPU: skip the fused kernel's CTA-count sweep (fused_num_sms stays null)")
     opts = p.parse_args(argv)
     if opts.show:
         print(json.dumps(read_file(opts.file), indent=1))
@@ -260,6 +301,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"# {'bytes':>12} " + " ".join(f"{a + ' (us)':>12}" for a in times))
     for i, s in enumerate(sizes):
         print(f"  {s:>12d} " + " ".join(f"{times[a][i]:12.2f}" if times[a][i] else f"{'n/a':>12}" for a in times))
+    if device == "cuda" and opts.fused:
+        try:
+            fused = measure_fused_num_sms(np_, opts.iters)
+        except RuntimeError as e:  # keep the crossovers; the fused op then keeps its built-in cap
+            print(f"commlib-tune: fused_num_sms not measured: {e}", file=sys.stderr)
+            fused = {}
+        entry["fused_num_sms"] = pick_fused_num_sms(fused)
+        print(f"# fused_allreduce_rmsnorm {FUSED_TUNE_TOKENS} x {FUSED_TUNE_HIDDEN} bf16: "
+              + ", ".join(f"{k} CTAs {t:.2f} us" if t else f"{k} CTAs n/a" for k, t in fused.items())
+              + f" -> fused_num_sms {entry['fused_num_sms']}")
     path = save(entry, opts.file)
     print(f"# wrote {path}: {json.dumps(entry)}")
     return 0

@@ -108,6 +108,9 @@ def test_planted_wrong_result_is_reported():
     (["-o", "xor"], "-o xor not supported"),
     (["all_reduce_fancy"], "operation 'all_reduce_fancy' not known"),
     (["-b", "1M", "-e", "1K"], "is larger than -e"),
+    (["fused_allreduce_rmsnorm", "--hidden", "12"], "--hidden 12 not supported by fused_allreduce_rmsnorm; "
+                                                    "supported: multiples of 8 up to 16384"),
+    (["ep_dispatch_combine", "-np", "2", "--experts", "7"], "--experts 7 is not a multiple of the world size 2"),
 ])
 def test_bad_arguments(args, message):
     r = run_cli("commlib.perf", *args)
@@ -216,3 +219,114 @@ def test_cpu_auto_honours_tune_file(ranks, tmp_path):
     assert out == [["flat", "tree"]] * 2
     out = ranks(2, env={"COMMLIB_TUNE_FILE": str(tmp_path / "missing.json")}).run(_auto_follows_tune_file, 4096)
     assert out == [["auto", "auto"]] * 2  # no entry: the built-in threshold (C++) decides
+
+
+# ---- operations over [tokens, hidden] rows: fused_allreduce_rmsnorm, ep_dispatch_combine ----
+
+ROW_OPS = ["fused_allreduce_rmsnorm", "ep_dispatch_combine"]
+
+
+def test_fused_and_ep_ops_table_json(tmp_path):
+    """Both row operations, ddacomm (fused op / EPBuffer) vs gloo (unfused / host-synchronised path):
+    sizes are whole rows (tokens x hidden), #wrong 0 against the fp64 reference, in-place n/a."""
+    js = tmp_path / "rows.json"
+    tokens, hidden = [1, 7, 33], 64
+    r = run_cli("commlib.perf", *ROW_OPS, "--tokens", ",".join(map(str, tokens)), "--hidden", str(hidden),
+                "-n", "2", "-w", "1", "-np", "2", "-d", "float,bfloat16", "--json", str(js))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = table_rows(r.stdout)
+    assert len(rows) == 2 * 2 * 3 * 2, r.stdout  # ops x dtypes x token counts x backends
+    for row in rows:
+        backend, size, count, typ, redop, root = row[:6]
+        assert backend in ("ddacomm", "gloo") and redop == "none" and root == "-1"
+        assert int(count) // hidden in tokens and int(count) % hidden == 0
+        assert int(size) == int(count) * (4 if typ == "float" else 2)
+        assert float(row[6]) > 0 and row[9] == "0", r.stdout  # out-of-place time, #wrong
+        assert row[10] == "n/a", r.stdout  # no in-place form
+    for op in ROW_OPS:
+        assert f"# {op}" in r.stdout and f"# n/a: {op} has no in-place form" in r.stdout
+    assert "# Out of bounds values : 0 OK" in r.stdout
+    data = json.loads(js.read_text())
+    assert data["wrong"] == 0 and len(data["results"]) == 24
+    assert {res["op"] for res in data["results"]} == set(ROW_OPS)
+    assert {res["count"] for res in data["results"]} == {t * hidden for t in tokens}
+    for res in data["results"]:
+        assert res["oop"]["wrong"] == 0 and res["oop"]["time_us"] > 0 and "time_us" not in res["ip"]
+        assert res["oop"]["busbw"] == pytest.approx(res["oop"]["algbw"])  # 2(n-1)/n = 1 for n = 2
+
+
+def test_row_ops_planted_wrong_result_is_reported():
+    """One damaged output element per rank-1 result of each new operation, fused and baseline, and
+    the sharded residual mode on the way."""
+    r = run_cli("commlib.perf", *ROW_OPS, "--tokens", "5", "--hidden", "32", "-n", "1", "-w", "0", "-np", "2",
+                "-d", "half", "--residual-mode", "sharded", "--corrupt-rank", "1")
+    assert r.returncode == 1, r.stdout + r.stderr
+    rows = table_rows(r.stdout)
+    assert len(rows) == 4 and all(row[9] == "1" for row in rows), r.stdout
+    assert "# Out of bounds values : 4 FAILED" in r.stdout
+
+
+def test_row_sizes_mapping():
+    sys.path.insert(0, str(ROOT / "python"))
+    from commlib.perf.rows import row_sizes
+    # -b/-e sizes become whole rows (at least one), repeats dropped; --tokens replaces them.
+    assert row_sizes([1024, 2048, 4096, 65536], 2, 1024, None) == [2048, 4096, 65536]
+    assert row_sizes([1024], 4, 8, [3, 1, 3]) == [96, 32]
+
+
+def test_pick_fused_num_sms():
+    from commlib.tune import pick_fused_num_sms
+    assert pick_fused_num_sms({4: 30.0, 8: 20.0, 16: 19.5, 32: 19.0, 64: 19.2}) == 16  # within 5% of 19.0
+    assert pick_fused_num_sms({4: 10.0, 8: 12.0}) == 4
+    assert pick_fused_num_sms({4: None, 8: 12.0, 16: 11.9}) == 8
+    assert pick_fused_num_sms({4: None}) is None
+
+
+def test_tuner_writes_fused_num_sms_and_the_fused_default_reads_it(tmp_path, monkeypatch):
+    """GPU tuning with fake measurements (the sweeps need GPUs): the entry and the top-level list get
+    fused_num_sms, and the C++ reader behind the fused op's default returns it for that world size."""
+    sys.path.insert(0, str(ROOT / "python"))
+    from commlib import fused, tune
+    key = {"device": "NVIDIA H200", "world_size": 2, "link": "nvlink", "version": "0.1.0"}
+    monkeypatch.setattr(tune, "make_key", lambda device, world_size: {**key, "world_size": world_size})
+    monkeypatch.setattr(tune, "measure", lambda *a: ([1024, 2048], {"flat": [1.0, 3.0], "tree": [2.0, 2.0],
+                                                                   "nccl": [4.0, 4.0]}))
+    swept = []
+
+    def fake_sweep(np_, iters):
+        swept.append(np_)
+        return {4: 41.0, 8: 30.0, 16: 24.9, 32: 24.0, 64: 24.5}
+    monkeypatch.setattr(tune, "measure_fused_num_sms", fake_sweep)
+    cache = tmp_path / "gpu.json"
+    assert tune.main(["--device", "cuda", "-np", "2", "--file", str(cache)]) == 0
+    assert swept == [2]
+    data = tune.read_file(str(cache))
+    assert data["entries"][0]["fused_num_sms"] == 16  # the smallest count within 5% of the best (24.0)
+    assert data["fused_num_sms"] == [{"world_size": 2, "num_sms": 16}]
+    assert tune.main(["--device", "cuda", "-np", "2", "--file", str(cache), "--no-fused"]) == 0
+    assert swept == [2] and tune.read_file(str(cache))["fused_num_sms"] == []
+    # The reader (C++, csrc/core/algorithm_selector.cc) behind the fused op's default num_sms.
+    tune.save({"key": {**key, "world_size": 4}, "all_reduce": {"flat_max_bytes": 1, "tree_max_bytes": 2},
+               "fused_num_sms": 24}, str(cache))
+    tune.save({"key": {**key, "link": "shm"}, "all_reduce": {"flat_max_bytes": 1, "tree_max_bytes": 2},
+               "fused_num_sms": 99}, str(cache))  # CPU entries never reach the C++ list
+    monkeypatch.setenv("COMMLIB_TUNE_FILE", str(cache))
+    assert [fused.tuned_fused_num_sms(n) for n in (2, 4, 8)] == [0, 24, 0]
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"version": 1, "entries": [], "fused_num_sms": [{"world_size": 2, "num_sms": 8}]}))
+    monkeypatch.setenv("COMMLIB_TUNE_FILE", str(other))
+    assert fused.tuned_fused_num_sms(2) == 8
+
+
+def test_fused_num_sms_malformed(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "python"))
+    from commlib import fused, tune
+    bad = tmp_path / "bad-sms.json"
+    bad.write_text(json.dumps({"version": 1, "entries": [], "fused_num_sms": [{"world_size": 2, "num_sms": 0}]}))
+    monkeypatch.setenv("COMMLIB_TUNE_FILE", str(bad))
+    with pytest.raises(ValueError, match=r"fused_num_sms entry has num_sms 0; valid: an integer >= 1"):
+        fused.tuned_fused_num_sms(2)
+    entry = {"key": {"world_size": 2}, "all_reduce": {"flat_max_bytes": 1, "tree_max_bytes": 2}, "fused_num_sms": 0}
+    bad.write_text(json.dumps({"version": 1, "entries": [entry]}))
+    with pytest.raises(ValueError, match=r"entry 0: fused_num_sms must be null or an integer >= 1, got 0"):
+        tune.read_file(str(bad))

@@ -48,3 +48,65 @@ def test_planted_wrong_result_on_gpu():
                 "--backend", "nccl", "--corrupt-rank", "0")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "FAILED" in r.stdout
+
+
+ROW_OPS = ["fused_allreduce_rmsnorm", "ep_dispatch_combine"]
+
+
+@pytest.mark.parametrize("graph", [[], ["-G", "5"]], ids=["eager", "graph"])
+def test_fused_and_ep_ddacomm_vs_nccl(tmp_path, graph):
+    """fused op vs NCCL all_reduce + add + rms_norm; EPBuffer vs the host-synchronised NCCL path
+    (n/a under -G: it cannot be captured). Default GPU shapes (hidden 8192 / DeepSeek-like EP)."""
+    js = tmp_path / "rows.json"
+    r = run_cli(*ROW_OPS, "--tokens", "1,128,1024", "-n", "5", "-w", "2", "-np", "2", "-d", "bfloat16",
+                "--device", "cuda", "--backend", "ddacomm", "nccl", "--json", str(js), *graph)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads(js.read_text())
+    assert data["wrong"] == 0
+    for row in data["results"]:
+        expect_time = row["backend"] == "ddacomm" or not (graph and row["op"] == "ep_dispatch_combine")
+        assert (row["oop"].get("time_us") is not None) == expect_time, row
+        assert row["oop"].get("wrong", 0) == 0
+    assert {row["count"] for row in data["results"] if row["op"] == "fused_allreduce_rmsnorm"} == \
+        {t * 8192 for t in (1, 128, 1024)}
+    assert {row["count"] for row in data["results"] if row["op"] == "ep_dispatch_combine"} == \
+        {t * 7168 for t in (1, 128, 1024)}
+
+
+def test_fused_sharded_and_num_sms_ep_small(tmp_path):
+    r = run_cli(*ROW_OPS, "--tokens", "3,64,333", "--hidden", "4096", "--residual-mode", "sharded",
+                "--fused-num-sms", "8", "--experts", "16", "--topk", "4", "-n", "3", "-w", "1", "-np", "2",
+                "-d", "half", "--device", "cuda", "--backend", "ddacomm", "nccl", "symm", "-G", "3")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "# Out of bounds values : 0 OK" in r.stdout
+
+
+def test_row_ops_planted_wrong_result_on_gpu():
+    r = run_cli(*ROW_OPS, "--tokens", "16", "-n", "2", "-w", "0", "-np", "2", "-d", "bfloat16", "--device", "cuda",
+                "--backend", "ddacomm", "nccl", "--corrupt-rank", "0")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "# Out of bounds values : 4 FAILED" in r.stdout
+
+
+def test_tune_measures_fused_num_sms_and_the_fused_op_uses_it(tmp_path):
+    """commlib-tune on the GPUs writes fused_num_sms (one of the candidates); the C++ reader returns
+    it and the fused op stays right with it as its default."""
+    cache = tmp_path / "tune.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "commlib.tune", "--device", "cuda", "-np", "2", "-b", "64K", "-e", "1M",
+                        "-n", "5", "--file", str(cache)], capture_output=True, text=True, env=env, timeout=900,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads(cache.read_text())
+    sms = data["entries"][0]["fused_num_sms"]
+    assert sms in (4, 8, 16, 32, 64), data
+    assert data["fused_num_sms"] == [{"world_size": 2, "num_sms": sms}]
+    env["COMMLIB_TUNE_FILE"] = str(cache)
+    env.pop("COMMLIB_FUSED_NUM_SMS", None)
+    code = "import commlib.fused as f; print(f.tuned_fused_num_sms(2))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == [str(sms)], r.stdout + r.stderr
+    r = subprocess.run([sys.executable, "-m", "commlib.perf", "fused_allreduce_rmsnorm", "--tokens", "64,1024,4096",
+                        "-n", "3", "-w", "1", "-np", "2", "-d", "bfloat16", "--device", "cuda", "--backend", "ddacomm"],
+                       capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert r.returncode == 0 and "# Out of bounds values : 0 OK" in r.stdout, r.stdout + r.stderr

@@ -3,6 +3,8 @@ symmetric memory in one run.
 
     commlib-perf                                  # CPU: ddacomm vs gloo, 2 processes, 1K..64M
     commlib-perf all_reduce -b 8 -e 256M -f 2 -G 20 --backend ddacomm nccl symm
+    commlib-perf fused_allreduce_rmsnorm --tokens 1,128,1024 -d bfloat16 -G 20   # tokens x --hidden
+    commlib-perf ep_dispatch_combine --tokens 1,32,512 -d bfloat16             # vs the host-synced a2a
     torchrun --nproc-per-node 2 -m commlib.perf all_gather -d bfloat16
 
 Exit code: 0 when every result is right, 1 when any #wrong is non-zero, 2 on errors.
@@ -76,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE.png", help="plot latency and busbw against size (needs matplotlib)")
     # Tests only: rank R damages one element of its output in the check path (proves #wrong works).
     p.add_argument("--corrupt-rank", dest="corrupt_rank", type=int, default=-1, help=argparse.SUPPRESS)
+    registry.load_plugins()
+    for title, add, _ in registry.option_groups():  # flags of the operations modules register
+        add(p.add_argument_group(title))
     return p
 
 
@@ -99,7 +104,6 @@ def resolve(argv: Optional[List[str]] = None) -> argparse.Namespace:
         opts.np = gpus if opts.device == "cuda" else 2
     if opts.np < 1 or (opts.device == "cuda" and opts.np > gpus):
         parser.error(f"-np {opts.np} out of range; valid: 1..{gpus if opts.device == 'cuda' else 'any'}")
-    registry.load_plugins()
     ops = _split(opts.ops) if opts.ops else ["all_reduce"]
     opts.ops = registry.names() if ops == ["all"] else ops
     for op in opts.ops:
@@ -142,6 +146,10 @@ def resolve(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error("-G (CUDA-graph launches) needs --device cuda")
     if not 0 <= opts.root < opts.np and "RANK" not in __import__("os").environ:
         parser.error(f"-r {opts.root} out of range; valid: 0..{opts.np - 1}")
+    for _, _, validate in registry.option_groups():
+        error = validate(opts) if validate else None
+        if error:
+            parser.error(error)
     return opts
 
 

@@ -31,6 +31,10 @@ class Backend:
     name = "?"
     capturable = False  # may run inside CUDA-graph capture
 
+    def __init__(self):
+        # Objects operations keep between calls (e.g. registered EP buffers), dropped before close().
+        self.resources: dict = {}
+
     def label(self) -> str:
         return self.name
 
@@ -50,6 +54,7 @@ class DDAComm(Backend):
 
     def __init__(self, store, rank: int, world_size: int, algo: str, device: torch.device):
         import commlib
+        super().__init__()
         self.algo = algo
         self.world_size = world_size
         self.comm = commlib.Communicator(dist.PrefixStore(f"commlib-perf/ddacomm-{algo}", store), rank, world_size,
@@ -88,6 +93,7 @@ class DDAComm(Backend):
         self._call(self.comm.broadcast, t, root)
 
     def close(self) -> None:
+        self.resources.clear()  # registered buffers go before the communicator they live on
         self.comm.close()
 
 
@@ -95,6 +101,7 @@ class TorchDist(Backend):
     """torch.distributed on its own process group of backend ``name`` (gloo or nccl)."""
 
     def __init__(self, name: str):
+        super().__init__()
         self.name = name
         self.capturable = name == "nccl"
         self.group = dist.new_group(backend=name)
@@ -135,6 +142,7 @@ class SymmMem(Backend):
         if device.type != "cuda":
             raise Unsupported("symm: torch symmetric memory needs CUDA tensors")
         import torch.distributed._symmetric_memory as symm_mem
+        super().__init__()
         self.symm_mem = symm_mem
         self.algo = algo
         self.group = dist.group.WORLD

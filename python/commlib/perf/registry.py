@@ -11,27 +11,34 @@ A descriptor says, for one operation, everything the runner needs and nothing ab
 * ``check(buffers, case)``: the number of wrong elements of this rank's output, against a
   reference computed in fp64 from every rank's input (each rank regenerates its peers' inputs
   from their seeds, so no extra communication is needed).
+* ``sizes(cli_sizes, esize, world_size, options)`` (optional): the byte sizes this operation
+  measures, from the CLI's -b/-e/-f sizes (an operation over rows maps them to whole rows, drops
+  repeats, or takes an explicit list from its own flag). Default: the CLI's sizes.
 
-Other modules add their operations (fused_allreduce_rmsnorm, ep_dispatch, ep_combine) by calling
-``register(Collective(...))`` at import time and listing their module in ``PLUGIN_MODULES`` (or by
-being imported before ``commlib.perf.main`` runs); a backend that lacks the operation raises
-``Unsupported`` from ``run`` during the first (untimed) call, and the table shows ``n/a``.
+Other modules add their operations (``ops_fused``: fused_allreduce_rmsnorm, ``ops_ep``:
+ep_dispatch_combine) by calling ``register(Collective(...))`` at import time and listing their
+module in ``PLUGIN_MODULES`` (or by being imported before ``commlib.perf.main`` runs); flags of
+their own come from ``register_options`` and reach ``setup``/``run`` as ``case.options``. A backend
+that lacks the operation raises ``Unsupported`` from ``run`` during the first (untimed) call, and
+the table shows ``n/a``.
 """
 from __future__ import annotations
 
+import argparse
 import functools
 import importlib
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-# Modules imported (when present) before the CLI lists its operations; each may register
-# descriptors. Missing modules are ignored, so a branch can add its line before its module lands.
+# Modules imported (when present) before the CLI builds its parser; each may register
+# descriptors and options. Missing modules are ignored, so a branch can add its line before its
+# module lands (an ImportError inside a present module is raised).
 PLUGIN_MODULES = (
-    "commlib.tokenweave_perf",   # fused_allreduce_rmsnorm (tokens x hidden)
-    "commlib.ep_perf",           # ep_dispatch / ep_combine
+    "commlib.perf.ops_fused",    # fused_allreduce_rmsnorm (tokens x hidden)
+    "commlib.perf.ops_ep",       # ep_dispatch_combine (expert-parallel dispatch + combine)
 )
 
 DTYPES: Dict[str, torch.dtype] = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}
@@ -56,6 +63,7 @@ class Case:
     in_place: bool
     salt: int = 0                     # changes the random inputs between check calls
     corrupt: bool = False             # planted wrong result (tests only): this rank damages its output
+    options: dict = field(default_factory=dict)  # the CLI's parsed flags (read-only), for operations' own
 
     @property
     def esize(self) -> int:
@@ -79,9 +87,13 @@ class Collective:
     check: Callable[[Buffers, Case], int]
     has_redop: bool = False
     has_root: bool = False
+    sizes: Optional[Callable[[List[int], int, int, dict], List[int]]] = None
 
 
 _REGISTRY: Dict[str, Collective] = {}
+# (title, add(group), validate(opts) -> error message or None), in registration order.
+_OPTIONS: Dict[str, Tuple[Callable[[argparse._ArgumentGroup], None],
+                          Optional[Callable[[argparse.Namespace], Optional[str]]]]] = {}
 
 
 def register(desc: Collective) -> Collective:
@@ -90,12 +102,25 @@ def register(desc: Collective) -> Collective:
     return desc
 
 
+def register_options(title: str, add: Callable[[argparse._ArgumentGroup], None],
+                     validate: Optional[Callable[[argparse.Namespace], Optional[str]]] = None) -> None:
+    """Flags of an operation module: ``add`` declares them on an argument group titled ``title``
+    (flag names must not clash with other modules'); ``validate(opts)`` returns an error message
+    for bad values (the CLI exits with it) or None. The parsed values reach ``case.options``."""
+    _OPTIONS[title] = (add, validate)
+
+
+def option_groups() -> List[Tuple[str, Callable, Optional[Callable]]]:
+    return [(title, add, validate) for title, (add, validate) in _OPTIONS.items()]
+
+
 def load_plugins() -> None:
     for module in PLUGIN_MODULES:
         try:
             importlib.import_module(module)
-        except ImportError:
-            pass
+        except ModuleNotFoundError as e:
+            if e.name != module and not module.startswith(f"{e.name}."):  # a dependency of a present module
+                raise
 
 
 def get(name: str) -> Collective:
@@ -165,9 +190,11 @@ def count_unequal(got: torch.Tensor, expected: torch.Tensor) -> int:
     return int((~(g == e)).sum())
 
 
-def _plant(out: torch.Tensor, case: Case) -> None:
+def plant(out: torch.Tensor, case: Case) -> None:
+    """The planted wrong result (``--corrupt-rank``, tests only): damages one element of ``out``."""
     if case.corrupt and out.numel():
         out.view(-1)[out.numel() // 2] += 1000.0
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,7 +216,7 @@ def _all_reduce_run(backend, b: Buffers, case: Case) -> None:
 def _all_reduce_check(b: Buffers, case: Case) -> int:
     count = b.extra["count"]
     inputs = [rank_input(r, count, case.dtype, case.salt, torch.device("cpu")) for r in range(case.world_size)]
-    _plant(b.out, case)
+    plant(b.out, case)
     roundings = case.world_size + (1 if case.redop == "avg" else 0)
     if case.redop in ("min", "max"):
         return count_unequal(b.out, reduce_reference(inputs, case.redop).to(case.dtype))
@@ -220,7 +247,7 @@ def _rs_check(b: Buffers, case: Case) -> int:
     lo, hi = case.rank * recv, (case.rank + 1) * recv
     inputs = [rank_input(r, recv * case.world_size, case.dtype, case.salt, torch.device("cpu"))[lo:hi]
               for r in range(case.world_size)]
-    _plant(b.out, case)
+    plant(b.out, case)
     if case.redop in ("min", "max"):
         return count_unequal(b.out, reduce_reference(inputs, case.redop).to(case.dtype))
     return count_wrong(b.out, reduce_reference(inputs, case.redop), case.dtype,
@@ -253,7 +280,7 @@ def _ag_check(b: Buffers, case: Case) -> int:
     send = b.extra["send"]
     expected = torch.cat([rank_input(r, send, case.dtype, case.salt, torch.device("cpu"))
                           for r in range(case.world_size)])
-    _plant(b.out, case)
+    plant(b.out, case)
     return count_unequal(b.out, expected)
 
 
@@ -281,7 +308,7 @@ def _a2a_check(b: Buffers, case: Case) -> int:
     block = count // n
     expected = torch.cat([rank_input(q, count, case.dtype, case.salt, torch.device("cpu"))
                           [case.rank * block:(case.rank + 1) * block] for q in range(n)])
-    _plant(b.out, case)
+    plant(b.out, case)
     return count_unequal(b.out, expected)
 
 
@@ -307,7 +334,7 @@ def _bc_run(backend, b: Buffers, case: Case) -> None:
 
 def _bc_check(b: Buffers, case: Case) -> int:
     expected = rank_input(case.root, b.extra["count"], case.dtype, case.salt, torch.device("cpu"))
-    _plant(b.out, case)
+    plant(b.out, case)
     return count_unequal(b.out, expected)
 
 

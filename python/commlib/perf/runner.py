@@ -152,6 +152,7 @@ def run_rank(opts, rank: int, world_size: int, store, local_rank: int) -> int:
                        f"CUDA graph of {opts.iters} ops x {opts.graph_launches} replays, median"
                        if opts.graph_launches > 0 else f"CUDA events, mean of {opts.iters} ops"
                        + (", blocking" if opts.blocking else ""))}
+    options = dict(vars(opts))  # what operations read as case.options
     backends = []
     try:
         for name in opts.backends:
@@ -169,8 +170,11 @@ def run_rank(opts, rank: int, world_size: int, store, local_rank: int) -> int:
             for type_name in opts.dtypes:
                 dtype = registry.DTYPES[type_name]
                 esize = torch.tensor([], dtype=dtype).element_size()
+                sizes = _sizes(opts)
+                if desc.sizes is not None:
+                    sizes = desc.sizes(sizes, esize, world_size, options)
                 for redop in (opts.redops if desc.has_redop else ["none"]):
-                    for nbytes in _sizes(opts):
+                    for nbytes in sizes:
                         count = desc.count(nbytes, esize, world_size)
                         actual = count * esize
                         rows = []
@@ -180,7 +184,7 @@ def run_rank(opts, rank: int, world_size: int, store, local_rank: int) -> int:
                             for mode, in_place in (("oop", False), ("ip", True)):
                                 case = Case(rank=rank, world_size=world_size, nbytes=actual, dtype=dtype,
                                             redop=redop if desc.has_redop else "sum", root=opts.root,
-                                            device=device, in_place=in_place)
+                                            device=device, in_place=in_place, options=options)
                                 m = measure(desc, be, case, opts)
                                 row[mode] = m
                             rows.append(row)
