@@ -37,16 +37,17 @@ void check_same_or_disjoint(const char* what, const void* input, const void* out
 
 // Note [host all_reduce]
 // Flat, message fits one slot: copy the input into a slot, one barrier, then every rank reduces
-// straight into its own buffer, reading its own values from that buffer and the peers' from their
+// straight into its output, reading its own values from its input and the peers' from their
 // slots. One barrier and no trailing one (the slots are double-buffered, Note [host shm protocol]).
 // Anything larger, and tree at every size, runs as a pipeline over cache-sized chunks (Note [host
 // shm pipeline]): step t copies chunk t in, reduces chunk t-1 (whose peers' copies were published a
 // step earlier, so the wait is usually already over) and, for tree, gathers chunk t-2. Chunks of
 // the ring are reused every kRingDepth steps, so the shared memory that is written and read stays in
-// cache and DRAM sees only the user buffer: one read and one write of it per rank.
+// cache and DRAM sees only the user's buffers: one read of the input and one write of the output
+// per rank (the same buffer in place).
 //   flat: each rank copies the whole chunk and reduces the whole chunk from every peer's copy.
 //   tree: chunk slice r is rank r's. A rank copies only the other slices in; reduces its slice from
-//         its own buffer and the peers' copies, writing the result to its buffer and its ring slot;
+//         its input and the peers' copies, writing the result to its output and its ring slot;
 //         then copies the other slices' results from their owners' ring slots (all-gather).
 // Both add the ranks in the order of Note [reduction order], so they give the same bits.
 //
