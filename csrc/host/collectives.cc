@@ -1,5 +1,6 @@
 // CPU collectives over HostShm (Note [host shm protocol]); reduction per Note [reduction order].
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -24,22 +25,41 @@ void check_reducible(const char* what, DataType dtype) {
 const uint8_t* byte_ptr(const void* p) { return static_cast<const uint8_t*>(p); }
 uint8_t* byte_ptr(void* p) { return static_cast<uint8_t*>(p); }
 
+// The pipelines rely on input == output or no shared byte (Note [host all_reduce out of place]).
+void check_same_or_disjoint(const char* what, const void* input, const void* output, size_t bytes) {
+  const auto in = reinterpret_cast<uintptr_t>(input), out = reinterpret_cast<uintptr_t>(output);
+  COMMLIB_CHECK(in == out || bytes == 0 || in + bytes <= out || out + bytes <= in, InvalidArgument, what,
+                ": output overlaps input partly (input ", input, ", output ", output, ", ", bytes,
+                " bytes); supported: the same buffer (in place) or disjoint buffers");
+}
+
 }  // namespace
 
 // Note [host all_reduce]
 // Flat, message fits one slot: copy the input into a slot, one barrier, then every rank reduces
-// straight into its own buffer, reading its own values from that buffer and the peers' from their
+// straight into its output, reading its own values from its input and the peers' from their
 // slots. One barrier and no trailing one (the slots are double-buffered, Note [host shm protocol]).
 // Anything larger, and tree at every size, runs as a pipeline over cache-sized chunks (Note [host
 // shm pipeline]): step t copies chunk t in, reduces chunk t-1 (whose peers' copies were published a
 // step earlier, so the wait is usually already over) and, for tree, gathers chunk t-2. Chunks of
 // the ring are reused every kRingDepth steps, so the shared memory that is written and read stays in
-// cache and DRAM sees only the user buffer: one read and one write of it per rank.
+// cache and DRAM sees only the user's buffers: one read of the input and one write of the output
+// per rank (the same buffer in place).
 //   flat: each rank copies the whole chunk and reduces the whole chunk from every peer's copy.
 //   tree: chunk slice r is rank r's. A rank copies only the other slices in; reduces its slice from
-//         its own buffer and the peers' copies, writing the result to its buffer and its ring slot;
+//         its input and the peers' copies, writing the result to its output and its ring slot;
 //         then copies the other slices' results from their owners' ring slots (all-gather).
 // Both add the ranks in the order of Note [reduction order], so they give the same bits.
+//
+// Note [host all_reduce out of place]
+// Every path reads this rank's values only from `input` and writes results only to `output`, and
+// within a chunk all reads of the input come before any write of the output: the one-round flat
+// copies the input to its slot before reducing; the pipeline copies chunk t in (step t) before it
+// reduces chunk t (step t + 1), tree reads its own slice of chunk t in that reduce before writing
+// it, and the all-gather writes only the other slices, which this rank read in its copy-in. So in
+// place (input == output) is the same schedule on one buffer, and out of place reads exactly the
+// values in place would have read: the results are the same bits. A partial overlap would break
+// that ordering across chunks and is rejected.
 //
 // Note [host slot rotation]
 // Which rank writes which slot (or ring) rotates: in flat round k rank r writes the slot of rank
@@ -57,7 +77,8 @@ constexpr size_t kRingDepth = 4;                     // >= 3: a step's copy wait
 struct AllReduceArgs {
   const char* what;
   OpTag tag;
-  uint8_t* data;
+  const uint8_t* input;  // this rank's values; may equal `output` (in place), never partly overlap it
+  uint8_t* output;
   size_t count;
   size_t esize;
   DataType dtype;
@@ -74,11 +95,11 @@ void all_reduce_one_round(HostShm& shm, const AllReduceArgs& a) {
   // Rank r's data goes to slot (r + rotation) mod n (Note [host slot rotation]).
   const int rotation = static_cast<int>((round >> 1) % static_cast<uint64_t>(n));
   auto slot_of = [&](int r) { return shm.slot((r + rotation) % n, buf); };
-  std::memcpy(slot_of(a.rank), a.data, a.count * a.esize);
+  std::memcpy(slot_of(a.rank), a.input, a.count * a.esize);
   shm.barrier(a.what, "flat", a.tag);
   std::vector<const void*> srcs(n);
-  for (int r = 0; r < n; ++r) srcs[r] = r == a.rank ? a.data : slot_of(r);
-  host::reduce(a.data, srcs.data(), n, a.count, a.dtype, a.op, n);
+  for (int r = 0; r < n; ++r) srcs[r] = r == a.rank ? a.input : slot_of(r);
+  host::reduce(a.output, srcs.data(), n, a.count, a.dtype, a.op, n);
 }
 
 // Flat or tree as a pipeline of chunk steps (Note [host all_reduce], Note [host shm pipeline]).
@@ -115,7 +136,9 @@ class PipelinedAllReduce {
     return shm_.ring(owner) + (g % kRingDepth) * chunk_elems_ * a_.esize;
   }
   size_t chunk_len(uint64_t t) const { return std::min(chunk_elems_, a_.count - t * chunk_elems_); }
-  uint8_t* user_chunk(uint64_t t) const { return a_.data + t * chunk_elems_ * a_.esize; }
+  // Chunk t of the user's input and output (the same bytes in place, Note [host all_reduce out of place]).
+  const uint8_t* input_chunk(uint64_t t) const { return a_.input + t * chunk_elems_ * a_.esize; }
+  uint8_t* output_chunk(uint64_t t) const { return a_.output + t * chunk_elems_ * a_.esize; }
   // Tree: rank r's slice of a chunk of `len` elements is [slice_lo(len, r), slice_lo(len, r + 1)).
   size_t slice_lo(size_t len, int r) const { return std::min(len, slice_elems_ * r); }
 
@@ -123,11 +146,11 @@ class PipelinedAllReduce {
     // The ring chunk was last used at step t - depth: wait until every peer has released it.
     if (first_ + t >= kRingDepth) shm_.wait_peers(Progress::kReleased, first_ + t + 1 - kRingDepth, a_.what, "copy-in");
     const size_t len = chunk_len(t), es = a_.esize;
-    const uint8_t* in = user_chunk(t);
+    const uint8_t* in = input_chunk(t);
     uint8_t* ring = ring_chunk(a_.rank, t);
     if (!tree_) {
       std::memcpy(ring, in, len * es);
-    } else {  // the peers need only their slices; this rank's own slice is read from the user buffer
+    } else {  // the peers need only their slices; this rank's own slice is read from the input
       const size_t lo = slice_lo(len, a_.rank), hi = slice_lo(len, a_.rank + 1);
       std::memcpy(ring, in, lo * es);
       std::memcpy(ring + hi * es, in + hi * es, (len - hi) * es);
@@ -139,8 +162,9 @@ class PipelinedAllReduce {
     shm_.wait_peers(Progress::kCopied, first_ + t + 1, a_.what, tree_ ? "tree reduce-scatter" : "flat reduce");
     const size_t len = chunk_len(t), es = a_.esize;
     const size_t lo = tree_ ? slice_lo(len, a_.rank) : 0, hi = tree_ ? slice_lo(len, a_.rank + 1) : len;
-    uint8_t* out = user_chunk(t) + lo * es;
-    for (int r = 0; r < a_.world_size; ++r) srcs_[r] = r == a_.rank ? out : ring_chunk(r, t) + lo * es;
+    const uint8_t* own = input_chunk(t) + lo * es;
+    uint8_t* out = output_chunk(t) + lo * es;
+    for (int r = 0; r < a_.world_size; ++r) srcs_[r] = r == a_.rank ? own : ring_chunk(r, t) + lo * es;
     host::reduce(out, srcs_.data(), a_.world_size, hi - lo, a_.dtype, a_.op, a_.world_size);
     if (!tree_) {
       shm_.publish(Progress::kReleased, first_ + t + 1);
@@ -154,7 +178,7 @@ class PipelinedAllReduce {
   void gather(uint64_t t) {
     shm_.wait_peers(Progress::kReduced, first_ + t + 1, a_.what, "tree all-gather");
     const size_t len = chunk_len(t), es = a_.esize;
-    uint8_t* out = user_chunk(t);
+    uint8_t* out = output_chunk(t);
     for (int r = 0; r < a_.world_size; ++r) {
       if (r == a_.rank) continue;
       const size_t lo = slice_lo(len, r), hi = slice_lo(len, r + 1);
@@ -175,10 +199,12 @@ class PipelinedAllReduce {
 
 }  // namespace
 
-void Communicator::all_reduce_host(void* data, size_t count, DataType dtype, ReduceOp op, Algorithm algo) {
+void Communicator::all_reduce_host(const void* input, void* output, size_t count, DataType dtype, ReduceOp op,
+                                   Algorithm algo) {
   const char* what = "all_reduce";
   check_reducible(what, dtype);
   const size_t esize = dtype_size(dtype);
+  check_same_or_disjoint(what, input, output, count * esize);
   if (algo == Algorithm::kAuto) {
     algo = count * esize >= static_cast<size_t>(env::get_int("COMMLIB_HOST_TREE_THRESHOLD")) ? Algorithm::kTree
                                                                                               : Algorithm::kFlat;
@@ -188,7 +214,7 @@ void Communicator::all_reduce_host(void* data, size_t count, DataType dtype, Red
   HostShm& shm = host();
   const OpTag tag{static_cast<uint32_t>(algo == Algorithm::kFlat ? HostOp::kAllReduceFlat : HostOp::kAllReduceTree),
                   static_cast<uint32_t>(dtype), count, static_cast<uint64_t>(op)};
-  const AllReduceArgs args{what, tag, byte_ptr(data), count, esize, dtype, op, rank_, world_size_};
+  const AllReduceArgs args{what, tag, byte_ptr(input), byte_ptr(output), count, esize, dtype, op, rank_, world_size_};
   // A 0-element call still takes a round, so mismatched calls are caught.
   if (algo == Algorithm::kFlat && count * esize <= shm.slot_bytes()) return all_reduce_one_round(shm, args);
   PipelinedAllReduce(shm, args, algo).run();

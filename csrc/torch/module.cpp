@@ -54,6 +54,13 @@ void bind_communicator(py::module_& m) {
           },
           py::arg("tensor"), py::arg("op"), py::arg("algo"), py::call_guard<py::gil_scoped_release>())
       .def(
+          "all_reduce_out",
+          [](Communicator& c, at::Tensor out, const at::Tensor& t, const std::string& op, const std::string& algo) {
+            all_reduce_out(c, out, t, parse_reduce_op("all_reduce", op), parse_algorithm("all_reduce", algo));
+          },
+          py::arg("output"), py::arg("tensor"), py::arg("op"), py::arg("algo"),
+          py::call_guard<py::gil_scoped_release>())
+      .def(
           "reduce_scatter",
           [](Communicator& c, at::Tensor out, const at::Tensor& in, const std::string& op) {
             reduce_scatter(c, out, in, parse_reduce_op("reduce_scatter", op));

@@ -82,8 +82,30 @@ void all_reduce(Communicator& comm, at::Tensor& t, ReduceOp op, Algorithm algo) 
 #endif
   require_cpu(t, what);
   with_contiguous(t, [&](at::Tensor& c) {
-    comm.all_reduce_host(c.data_ptr(), static_cast<size_t>(c.numel()), dtype, op, algo);
+    comm.all_reduce_host(c.data_ptr(), c.data_ptr(), static_cast<size_t>(c.numel()), dtype, op, algo);
   });
+}
+
+void all_reduce_out(Communicator& comm, at::Tensor& out, const at::Tensor& in, ReduceOp op, Algorithm algo) {
+  const char* what = "all_reduce";
+  check_cpu_or_cuda(out, what, "out");
+  check_cpu_or_cuda(in, what, "tensor");
+  check_same_dtype(out, in, what);
+  check_same_device(out, in, what);
+  COMMLIB_CHECK(out.sizes() == in.sizes(), InvalidArgument, what, ": out has shape ", out.sizes(),
+                " but tensor has shape ", in.sizes(), "; out must have the same shape");
+  COMMLIB_CHECK(out.is_contiguous(), InvalidArgument, what, ": out must be contiguous (strides ", out.strides(),
+                ")");
+  const DataType dtype = reducible_type(in, what);
+#if defined(COMMLIB_TORCH_CUDA)
+  if (in.device().is_cuda()) {  // GPU: no native out-of-place path; copy, then reduce in place
+    if (!out.is_same(in)) out.copy_(in);
+    return all_reduce_cuda(comm, out, op, algo);
+  }
+#endif
+  require_cpu(in, what);
+  const at::Tensor src = in.contiguous();
+  comm.all_reduce_host(src.data_ptr(), out.data_ptr(), static_cast<size_t>(out.numel()), dtype, op, algo);
 }
 
 void reduce_scatter(Communicator& comm, at::Tensor& out, const at::Tensor& in, ReduceOp op) {

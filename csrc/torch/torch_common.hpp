@@ -70,6 +70,9 @@ class TorchStore final : public Store {
 
 // ---- tensor-level collectives shared by the Python API and the c10d backend ----
 void all_reduce(Communicator& comm, at::Tensor& t, ReduceOp op, Algorithm algo);
+// Out of place: `out` (same shape, dtype and device as `in`, contiguous) receives the reduction and
+// `in` is left as it was. `out` may be `in` itself (in place); a partial overlap raises ValueError.
+void all_reduce_out(Communicator& comm, at::Tensor& out, const at::Tensor& in, ReduceOp op, Algorithm algo);
 void reduce_scatter(Communicator& comm, at::Tensor& out, const at::Tensor& in, ReduceOp op);
 void all_gather(Communicator& comm, at::Tensor& out, const at::Tensor& in);
 void broadcast(Communicator& comm, at::Tensor& t, int src);

@@ -50,8 +50,11 @@ class Communicator {
   void close();
 
   // ---- CPU collectives over POSIX shared memory (csrc/host). Collective. ----
-  // In place on `data` (count elements). Reduction in fp32, ranks in order 0..n-1.
-  void all_reduce_host(void* data, size_t count, DataType dtype, ReduceOp op, Algorithm algo);
+  // Reads `count` elements of `input`, writes the reduction to `output`; `input` is not modified
+  // unless it is `output` (in place). The two must be the same pointer or not overlap at all
+  // (InvalidArgument otherwise). Reduction in fp32, ranks in order 0..n-1: in place and out of
+  // place give the same bits.
+  void all_reduce_host(const void* input, void* output, size_t count, DataType dtype, ReduceOp op, Algorithm algo);
   // `in` holds world_size * count elements; `out` receives this rank's reduced count elements.
   void reduce_scatter_host(void* out, const void* in, size_t count, DataType dtype, ReduceOp op);
   // `out` receives world_size blocks of `bytes`, block r from rank r.

@@ -39,6 +39,24 @@ def _check_tensor(what: str, arg: str, t) -> None:
         raise TypeError(f"{what}: {arg} must be a torch.Tensor, got {type(t).__name__}")
 
 
+def _check_out(what: str, tensor: torch.Tensor, out) -> None:
+    """``out`` of an out-of-place collective: a contiguous tensor like ``tensor``."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{what}: out must be a torch.Tensor or None, got {type(out).__name__}")
+    if out.dtype != tensor.dtype:
+        raise TypeError(f"{what}: out has dtype {out.dtype} but tensor has {tensor.dtype}; "
+                        "out must have the same dtype")
+    if out.device != tensor.device:
+        raise TypeError(f"{what}: out is on {out.device} but tensor is on {tensor.device}; "
+                        "out must be on the same device")
+    if out.shape != tensor.shape:
+        raise ValueError(f"{what}: out has shape {tuple(out.shape)} but tensor has {tuple(tensor.shape)}; "
+                         "out must have the same shape")
+    if not out.is_contiguous():
+        raise ValueError(f"{what}: out must be contiguous (strides {out.stride()}); "
+                         "supported: a contiguous tensor")
+
+
 class Communicator:
     """One rank's membership in a group of processes on one node.
 
@@ -119,23 +137,36 @@ class Communicator:
         return f"commlib.Communicator(name={self.name!r}, rank={self.rank}, world_size={self.world_size})"
 
     # ---- collectives ----
-    def all_reduce(self, tensor: torch.Tensor, op="sum", algo: str = "auto") -> torch.Tensor:
-        """Reduces ``tensor`` across ranks in place and returns it.
+    def all_reduce(self, tensor: torch.Tensor, op="sum", algo: str = "auto", *,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Reduces ``tensor`` across ranks and returns the result: in place, or into ``out``.
 
         ``op``: sum, avg, min, max, prod (CUDA: sum and avg). ``algo``: ``auto`` (by size),
         ``flat`` (one-shot), ``tree`` (reduce-scatter + all-gather), ``nccl`` (CUDA only, where an
         NCCL engine is attached). Every algorithm reduces in fp32 in rank order, so all give the same
         bits on every rank. dtypes: float32, float16, bfloat16.
+
+        ``out``: a contiguous tensor of the same shape, dtype and device as ``tensor``; the result
+        is written there, ``tensor`` is left unchanged, and ``out`` is returned (the same bits as in
+        place). CPU tensors read ``tensor`` and write ``out`` directly (no extra copy); CUDA tensors
+        copy ``tensor`` into ``out`` and reduce ``out`` in place. ``out`` must be ``tensor`` itself
+        or share no memory with it.
         """
         _check_tensor("all_reduce", "tensor", tensor)
         if algo not in _ALGOS:
             raise ValueError(f"all_reduce: algo '{algo}' not supported; supported: {', '.join(_ALGOS)}")
         if algo == "auto" and not tensor.is_cuda:
             algo = self._host_auto_algo(tensor.numel() * tensor.element_size())
-        self._comm.all_reduce(tensor, _op_name("all_reduce", op), algo)
-        return tensor
+        if out is None or out is tensor:
+            self._comm.all_reduce(tensor, _op_name("all_reduce", op), algo)
+            return tensor
+        _check_out("all_reduce", tensor, out)
+        self._comm.all_reduce_out(out, tensor, _op_name("all_reduce", op), algo)
+        return out
 
-    all_reduce_ = all_reduce
+    def all_reduce_(self, tensor: torch.Tensor, op="sum", algo: str = "auto") -> torch.Tensor:
+        """In place: ``all_reduce(tensor, op, algo)``."""
+        return self.all_reduce(tensor, op, algo)
 
     def symmetric_empty(self, shape, dtype: torch.dtype = torch.bfloat16, device=None) -> torch.Tensor:
         """An uninitialised CUDA tensor in symmetric memory (mapped into every rank's GPU).

@@ -78,6 +78,45 @@ def test_all_reduce_ops(ranks, world_size, op, dtype_name):
     ranks(world_size).run(_all_reduce_case, dtype_name, op, ["flat", "tree"], [1, 7, 4097, 300001])
 
 
+def _bits(t):
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+def _out_of_place_case(ctx, dtype_name):
+    # Reference: the in-place call on the same input, bit for bit; the input must stay as it was.
+    dtype = DTYPES[dtype_name]
+    esize = torch.tensor([], dtype=dtype).element_size()
+    sizes = [0, 1, 7, 4097, (1 << 20) // esize + 3, (5 << 20) // esize]  # 5 MiB: many pipeline chunks
+    for op in ("sum", "avg", "min", "max", "prod"):
+        for count in sizes:
+            inp = rank_input(ctx.rank, count, dtype, salt=11)
+            for algo in ("flat", "tree", "auto"):
+                in_place = ctx.comm.all_reduce(inp.clone(), op=op, algo=algo)
+                x = inp.clone()
+                out = torch.full_like(inp, float("nan"))
+                got = ctx.comm.all_reduce(x, op=op, algo=algo, out=out)
+                where = f"{algo} {op} {dtype_name} count={count}"
+                assert got is out, where
+                assert torch.equal(_bits(out), _bits(in_place)), f"{where}: out of place differs from in place"
+                assert torch.equal(_bits(x), _bits(inp)), f"{where}: input modified"
+    # out=tensor itself is the in-place call; a non-contiguous input is read through a copy.
+    t = torch.full((6,), float(ctx.rank + 1))
+    assert ctx.comm.all_reduce(t, out=t) is t
+    assert torch.equal(t, torch.full((6,), float(sum(range(1, ctx.world_size + 1)))))
+    base = rank_input(ctx.rank, 16 * 9, torch.float32, salt=12).reshape(16, 9)
+    out = torch.full((16, 5), float("nan"))
+    ctx.comm.all_reduce(base[:, ::2], out=out)
+    expected = ordered_reference([rank_input(r, 16 * 9, torch.float32, salt=12).reshape(16, 9)[:, ::2]
+                                  for r in range(ctx.world_size)], "sum", ctx.world_size)
+    assert torch.equal(out, expected)
+    return True
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_all_reduce_out_of_place_matches_in_place(ranks, dtype_name):
+    ranks(2).run(_out_of_place_case, dtype_name)
+
+
 def _against_gloo(ctx, dtype_name):
     import torch.distributed as dist
     group = ctx.gloo()
@@ -206,6 +245,16 @@ def _bad_inputs(ctx):
         (ValueError, "split sizes sum to", lambda: comm.all_to_all_v(torch.ones(4), torch.ones(4), [1] * ctx.world_size,
                                                                       [2] * ctx.world_size)),
         (TypeError, "must be a torch.Tensor", lambda: comm.all_reduce([1.0, 2.0])),
+        (ValueError, r"out has shape \(3,\) but tensor has \(4,\)",
+         lambda: comm.all_reduce(torch.ones(4), out=torch.empty(3))),
+        (TypeError, "out has dtype torch.float16 but tensor has torch.float32",
+         lambda: comm.all_reduce(torch.ones(4), out=torch.empty(4, dtype=torch.float16))),
+        (TypeError, "out is on meta but tensor is on cpu",
+         lambda: comm.all_reduce(torch.ones(4), out=torch.empty(4, device="meta"))),
+        (ValueError, "out must be contiguous", lambda: comm.all_reduce(torch.ones(4), out=torch.empty(8)[::2])),
+        (TypeError, "out must be a torch.Tensor or None", lambda: comm.all_reduce(torch.ones(4), out=[0.0] * 4)),
+        (ValueError, "output overlaps input partly", lambda: (lambda b: comm.all_reduce(b[:8], out=b[2:]))(
+            torch.ones(10))),
     ]
     for exc, text, call in cases:
         with pytest.raises(exc, match=text):

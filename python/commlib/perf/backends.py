@@ -10,7 +10,8 @@
   Never the multimem (NVLink multicast) variants.
 
 Every verb is blocking on CPU and stream-ordered on CUDA. A verb a backend lacks raises
-``Unsupported``.
+``Unsupported``. ``all_reduce_out`` (out of place) is ``out.copy_(inp)`` + the in-place
+``all_reduce`` unless a backend has a native one (ddacomm: ``all_reduce(inp, out=out)`` on CPU).
 """
 from __future__ import annotations
 
@@ -39,6 +40,12 @@ class Backend:
         return self.name
 
     def all_reduce(self, t, redop): raise Unsupported(f"{self.name}: all_reduce not available")
+
+    def all_reduce_out(self, out: torch.Tensor, inp: torch.Tensor, redop: str) -> None:
+        """Out of place; ``inp`` unchanged. Default: copy, then reduce in place."""
+        out.copy_(inp)
+        self.all_reduce(out, redop)
+
     def reduce_scatter(self, out, inp, redop): raise Unsupported(f"{self.name}: reduce_scatter not available")
     def all_gather(self, out, inp): raise Unsupported(f"{self.name}: all_gather not available")
     def all_to_all(self, out, inp): raise Unsupported(f"{self.name}: all_to_all not available")
@@ -72,13 +79,22 @@ class DDAComm(Backend):
             raise Unsupported(f"{self.name}: {e}") from e
 
     def all_reduce(self, t, redop):
-        if self.nccl is not None and t.is_cuda and redop in ("sum", "avg"):
-            import commlib
-            nbytes = t.numel() * t.element_size()
-            if commlib._C.select_all_reduce_algorithm(nbytes, self.world_size, t.dtype) == "nccl":
-                dist.all_reduce(t, op=_DIST_OPS[redop], group=self.nccl)
-                return
+        if self._routes_to_nccl(t, redop):
+            dist.all_reduce(t, op=_DIST_OPS[redop], group=self.nccl)
+            return
         self._call(self.comm.all_reduce, t, redop, self.algo)
+
+    def _routes_to_nccl(self, t, redop) -> bool:
+        if self.nccl is None or not t.is_cuda or redop not in ("sum", "avg"):
+            return False
+        import commlib
+        nbytes = t.numel() * t.element_size()
+        return commlib._C.select_all_reduce_algorithm(nbytes, self.world_size, t.dtype) == "nccl"
+
+    def all_reduce_out(self, out: torch.Tensor, inp: torch.Tensor, redop: str) -> None:
+        if self._routes_to_nccl(inp, redop):
+            return super().all_reduce_out(out, inp, redop)
+        self._call(lambda: self.comm.all_reduce(inp, redop, self.algo, out=out))
 
     def reduce_scatter(self, out, inp, redop):
         self._call(self.comm.reduce_scatter, out, inp, redop)

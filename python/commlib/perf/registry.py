@@ -208,19 +208,22 @@ def _all_reduce_setup(case: Case) -> Buffers:
 
 
 def _all_reduce_run(backend, b: Buffers, case: Case) -> None:
-    if not case.in_place:
-        b.out.copy_(b.inp)  # the direct APIs reduce in place; out-of-place = copy + in place, for all
-    backend.all_reduce(b.out, case.redop)
+    if case.in_place:
+        backend.all_reduce(b.out, case.redop)
+    else:  # native out of place where the backend has it, else copy + in place (backends.py)
+        backend.all_reduce_out(b.out, b.inp, case.redop)
 
 
 def _all_reduce_check(b: Buffers, case: Case) -> int:
     count = b.extra["count"]
     inputs = [rank_input(r, count, case.dtype, case.salt, torch.device("cpu")) for r in range(case.world_size)]
     plant(b.out, case)
+    # Out of place must leave the input as generated: every changed input element counts as wrong.
+    clobbered = 0 if case.in_place else count_unequal(b.inp, inputs[case.rank])
     roundings = case.world_size + (1 if case.redop == "avg" else 0)
     if case.redop in ("min", "max"):
-        return count_unequal(b.out, reduce_reference(inputs, case.redop).to(case.dtype))
-    return count_wrong(b.out, reduce_reference(inputs, case.redop), case.dtype, roundings)
+        return clobbered + count_unequal(b.out, reduce_reference(inputs, case.redop).to(case.dtype))
+    return clobbered + count_wrong(b.out, reduce_reference(inputs, case.redop), case.dtype, roundings)
 
 
 register(Collective(
