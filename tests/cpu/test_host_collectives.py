@@ -312,10 +312,12 @@ def _slow_peer(ctx):
     import time
 
     import commlib
-    comm = ctx.new_comm("slow", timeout=datetime.timedelta(seconds=2))
+    # 4 s, not less: creating the communicator is bounded by the same timeout, and on a loaded
+    # 2-core machine one rank can start a few seconds after the other.
+    comm = ctx.new_comm("slow", timeout=datetime.timedelta(seconds=4))
     comm.barrier()
     if ctx.rank == 1:
-        time.sleep(4)
+        time.sleep(8)
         return "slept"
     with pytest.raises(commlib.TimeoutError, match="rank 0 timed out .* waiting for rank 1"):
         comm.all_reduce(torch.ones(10))
