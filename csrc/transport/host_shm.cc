@@ -33,9 +33,12 @@ namespace commlib {
 
 // Note [host shm waiting]
 // A waiter spins briefly (the peer is usually a few microseconds away when cores are free), then
-// sleeps on a futex on the low 32 bits of the peer's `arrived` word. Spinning longer, or
-// sched_yield(), loses badly when ranks share cores with other work: the spinning rank burns the
-// time slice its peer needs. Lost-wakeup freedom (Dekker): the waiter increments `sleepers` and
+// sleeps on a futex on the low 32 bits of the peer's `arrived` word. The spin (250 µs) is longer
+// than a futex wake-up takes on the VMs measured (tens of µs to ~100): with a shorter one (50 µs),
+// one late rank made its peer sleep, the peer then woke late for the next call, and whole runs
+// of calls took 80-170 µs instead of 5-20 (bench/results/cpu-all-reduce-2026-11-30-d.md). With
+// more ranks than cores there is no spin at all, and sched_yield() is not used: the spinning rank
+// would burn the time slice its peer needs. Lost-wakeup freedom (Dekker): the waiter increments `sleepers` and
 // then re-reads `arrived`; the arriver stores `arrived` and then reads `sleepers`; both seq_cst,
 // so at least one sees the other. FUTEX_WAIT also re-checks the word atomically.
 // The same protocol covers the progress counters: a waiter sleeps on the counter it waits for, and
@@ -74,7 +77,7 @@ void futex_wait(uint32_t* addr, uint32_t expected, std::chrono::microseconds tim
 
 void futex_wake_all(uint32_t* addr) { ::syscall(SYS_futex, addr, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0); }
 
-constexpr auto kSpinTime = std::chrono::microseconds(50);
+constexpr auto kSpinTime = std::chrono::microseconds(250);
 constexpr auto kSleepSlice = std::chrono::microseconds(20000);  // liveness and timeout checks between sleeps
 
 }  // namespace
