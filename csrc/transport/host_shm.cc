@@ -36,7 +36,7 @@ namespace commlib {
 // sleeps on a futex on the low 32 bits of the peer's `arrived` word. The spin (250 µs) is longer
 // than a futex wake-up takes on the VMs measured (tens of µs to ~100): with a shorter one (50 µs),
 // one late rank made its peer sleep, the peer then woke late for the next call, and whole runs
-// of calls took 80-170 µs instead of 5-20 (bench/results/cpu-all-reduce-2026-11-30-d.md). With
+// of calls took 77-176 µs instead of 5-20 (bench/results/cpu-all-reduce-2026-11-30-d.md). With
 // more ranks than cores there is no spin at all, and sched_yield() is not used: the spinning rank
 // would burn the time slice its peer needs. Lost-wakeup freedom (Dekker): the waiter increments `sleepers` and
 // then re-reads `arrived`; the arriver stores `arrived` and then reads `sleepers`; both seq_cst,
