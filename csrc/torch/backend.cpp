@@ -350,13 +350,14 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::endCoalescing() {
 
 c10d::Backend& DdaBackend::inner(const at::Device& device, const char* what) {
   TORCH_CHECK(!shut_down_, what, ": the ddacomm process group was shut down");
+  // Only gloo's works are collected in a coalescing region; NCCL returns its own at the end.
+  collect_next_work_ = coalescing_ && device.is_cpu();
   if (device.is_cuda()) {
     cuda_used_ = true;
     return nccl(what);
   }
   TORCH_CHECK_TYPE(device.is_cpu(), what, ": tensors on device ", device.str(),
                    " are not supported; supported: cpu, cuda");
-  collect_next_work_ = coalescing_;
   return *gloo_;
 }
 

@@ -68,6 +68,8 @@ class DDAComm(Backend):
                                          name=f"perf-{algo}")
         # The engine for the sizes where NCCL is the faster one (auto only, as in the torch backend).
         self.nccl = dist.new_group(backend="nccl") if device.type == "cuda" and algo == "auto" else None
+        self._select = commlib._C.select_all_reduce_algorithm
+        self._to_nccl: dict = {}  # (bytes, dtype) -> bool, decided once: the lookup stays out of timed calls
 
     def label(self) -> str:
         return self.name if self.algo == "auto" else f"{self.name}:{self.algo}"
@@ -87,9 +89,10 @@ class DDAComm(Backend):
     def _routes_to_nccl(self, t, redop) -> bool:
         if self.nccl is None or not t.is_cuda or redop not in ("sum", "avg"):
             return False
-        import commlib
-        nbytes = t.numel() * t.element_size()
-        return commlib._C.select_all_reduce_algorithm(nbytes, self.world_size, t.dtype) == "nccl"
+        key = (t.numel() * t.element_size(), t.dtype)
+        if key not in self._to_nccl:
+            self._to_nccl[key] = self._select(key[0], self.world_size, t.dtype) == "nccl"
+        return self._to_nccl[key]
 
     def all_reduce_out(self, out: torch.Tensor, inp: torch.Tensor, redop: str) -> None:
         if self._routes_to_nccl(inp, redop):
