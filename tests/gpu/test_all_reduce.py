@@ -122,6 +122,28 @@ def test_against_nccl(ranks):
     assert all(ranks(2).run(_against_nccl))
 
 
+def _out_of_place(ctx):
+    dev = torch.device("cuda", ctx.device)
+    n = ctx.world_size
+    for dtype in DTYPES.values():
+        for count in (1, 1023, 65537, (1 << 20) + 3):
+            inputs, expected, _ = references(count, dtype, "sum", n, 5)
+            for algo in ("flat", "tree", "auto"):
+                x = inputs[ctx.rank].to(dev)
+                out = torch.full((count,), float("nan"), dtype=dtype, device=dev)
+                assert ctx.comm.all_reduce(x, algo=algo, out=out) is out
+                assert torch.equal(bits(out.cpu()), bits(expected)), f"out= {algo} {dtype} count={count}"
+                assert torch.equal(bits(x.cpu()), bits(inputs[ctx.rank])), "out= changed the input"
+    x = torch.ones(4, device=dev)
+    with pytest.raises(ValueError, match="all_reduce"):
+        ctx.comm.all_reduce(x, out=torch.empty(5, device=dev))
+    return True
+
+
+def test_out_of_place(ranks):
+    assert all(ranks(2).run(_out_of_place))
+
+
 def _workspace_chunking(ctx):
     # COMMLIB_GPU_WORKSPACE_BYTES=131072: halves of 64 KiB, so these run as many chunks.
     comm = ctx.new_comm("small-workspace")
