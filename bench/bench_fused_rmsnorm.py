@@ -10,9 +10,10 @@ runs on the same random inputs and is checked first:
                             and within bf16 tolerance of NCCL + torch rms_norm)
   nccl-seq                  dist.all_reduce(x); residual += x; out = torch rms_norm(residual) * w
   symm-2shot-seq            torch.ops.symm_mem.two_shot_all_reduce_ + add + rms_norm (when available)
+  commlib-seq               comm.all_reduce(x) (auto) + add + torch rms_norm: the unfused commlib path
 then timed as CUDA-graph replays of `ops` back-to-back calls (median over replays of replay/ops,
 µs). Inputs are restored from pristine copies between replays (not timed) so values stay finite.
-An SM sweep (num_sms 2, 4, 8, 16, 32; --sweep-sms) of fused-rep follows at --sweep-tokens. Token
+An SM sweep (num_sms 2, 4, 8, 16, 32; --sweep-sms) of fused-rep (--sweep-modes) follows at --sweep-tokens. Token
 counts whose slice is at most COMMLIB_FUSED_LL_MAX_BYTES run the LL kernel, the others the
 barrier kernel (docs/fused.md). Prints markdown; --out writes it.
 """
@@ -83,6 +84,12 @@ def worker(rank: int, world: int, port: int, args, queue):
             res.add_(x)
             out.copy_(rms_norm(res, weight))
         fns["nccl-seq"] = nccl_seq
+
+        def commlib_seq():
+            comm.all_reduce(x)
+            res.add_(x)
+            out.copy_(rms_norm(res, weight))
+        fns["commlib-seq"] = commlib_seq
         if symm is not None:
             try:
                 xs = symm.empty(tokens, hidden, dtype=dtype, device=dev)
@@ -113,12 +120,14 @@ def worker(rank: int, world: int, port: int, args, queue):
         for name, fn in fns.items():
             row[name] = time_graph(fn, restore, ops_for(tokens), args.replays)
         if tokens in args.sweep_tokens:
-            point = {"tokens": tokens}
-            for sms in args.sweep_sms:
-                point[sms] = time_graph(lambda s=sms: comm.fused_allreduce_rmsnorm(x, res, weight, EPS, out=out,
-                                                                                   num_sms=s),
-                                        restore, ops_for(tokens), args.replays)
-            sweep.append(point)
+            for mode in args.sweep_modes:
+                point = {"tokens": tokens, "mode": mode}
+                for sms in args.sweep_sms:
+                    point[sms] = time_graph(
+                        lambda s=sms, m=mode: comm.fused_allreduce_rmsnorm(x, res, weight, EPS, out=out, num_sms=s,
+                                                                           residual_mode=m),
+                        restore, ops_for(tokens), args.replays)
+                sweep.append(point)
         row["notes"] = "; ".join(notes)
         rows.append(row)
         if rank == 0:
@@ -151,24 +160,24 @@ def render(rows, sweep, world: int, hidden: int, command: str, sms_list: list[in
         "- speed-ups are baseline time / fused time (> 1: fused faster); targets: >= 2x vs nccl-seq at "
         "1-32 tokens, >= 1.8x at >= 128",
         "",
-        "| tokens | fused-rep | fused-shard | nccl-seq | symm-2shot-seq | rep vs nccl | shard vs nccl "
-        "| rep vs symm | notes |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| tokens | fused-rep | fused-shard | nccl-seq | symm-2shot-seq | commlib-seq | rep vs nccl "
+        "| shard vs nccl | rep vs symm | notes |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(f"| {r['tokens']} | {cell(r, 'fused-rep')} | {cell(r, 'fused-shard')} | {cell(r, 'nccl-seq')} | "
-                     f"{cell(r, 'symm-2shot-seq')} | {speedup(r, 'fused-rep', 'nccl-seq')} | "
+                     f"{cell(r, 'symm-2shot-seq')} | {cell(r, 'commlib-seq')} | {speedup(r, 'fused-rep', 'nccl-seq')} | "
                      f"{speedup(r, 'fused-shard', 'nccl-seq')} | {speedup(r, 'fused-rep', 'symm-2shot-seq')} | "
                      f"{r['notes']} |")
     if sweep:
-        lines += ["", "## SM sweep (fused-rep, num_sms)", "",
-                  "| tokens | " + " | ".join(str(s) for s in sms_list) + " | best <= 16 SMs / best |",
-                  "| --- | " + " | ".join("---" for _ in sms_list) + " | --- |"]
+        lines += ["", "## SM sweep (num_sms)", "",
+                  "| tokens | mode | " + " | ".join(str(s) for s in sms_list) + " | best <= 16 SMs / best |",
+                  "| --- | --- | " + " | ".join("---" for _ in sms_list) + " | --- |"]
         for p in sweep:
             best = min(p[s] for s in sms_list)
             small = [p[s] for s in sms_list if s <= 16]
             ratio = f"{best / min(small) * 100:.0f}%" if small else "n/a"
-            lines.append(f"| {p['tokens']} | " + " | ".join(f"{p[s]:.1f}" for s in sms_list) + f" | {ratio} |")
+            lines.append(f"| {p['tokens']} | {p['mode']} | " + " | ".join(f"{p[s]:.1f}" for s in sms_list) + f" | {ratio} |")
     return "\n".join(lines) + "\n"
 
 
@@ -180,6 +189,8 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=16384)
     parser.add_argument("--sweep-tokens", type=int, nargs="*", default=[1, 128, 1024, 8192])
     parser.add_argument("--sweep-sms", type=int, nargs="*", default=SM_SWEEP, help="num_sms values of the sweep")
+    parser.add_argument("--sweep-modes", nargs="*", default=["replicated"], choices=["replicated", "sharded"],
+                        help="residual modes of the sweep")
     parser.add_argument("--out", type=Path, help="also write the markdown table here")
     args = parser.parse_args()
     rows, sweep = run_ranks(worker, args.world_size, args)
