@@ -266,12 +266,12 @@ const char* fused_rmsnorm_phase_name(int phase) {
   return "unknown phase";
 }
 
-int fused_rmsnorm_num_blocks(int requested, int tuned_max_blocks, int64_t work_units) {
-  const int max_blocks = std::min(kFusedMaxBlocks, kMaxBarrierBlocks);
+int fused_rmsnorm_num_blocks(int requested, int max_blocks, int64_t work_units) {
+  const int limit = std::min(kFusedMaxBlocks, kMaxBarrierBlocks);
   if (requested <= 0) requested = static_cast<int>(env::get_int("COMMLIB_FUSED_NUM_SMS"));
-  if (requested > 0) return std::min(requested, max_blocks);
-  // By size: one CTA per unit of work up to the cap, which leaves the other SMs to compute.
-  const int cap = tuned_max_blocks > 0 ? std::min(tuned_max_blocks, max_blocks) : kFusedDefaultMaxBlocks;
+  if (requested > 0) return std::min(requested, limit);
+  // By size: one CTA per unit of work up to the cap (no idle CTAs in the barriers).
+  const int cap = max_blocks > 0 ? std::min(max_blocks, limit) : kFusedDefaultMaxBlocks;
   return static_cast<int>(std::clamp<int64_t>(work_units, 1, cap));
 }
 
@@ -300,7 +300,8 @@ Status launch_rs_rmsnorm_ag_p2p(const RsRmsNormAgP2pParams& params, Stream strea
   }
   const int group = row_threads(a.hidden);
   const int64_t rows_per_block = kThreads / group;
-  const int blocks = fused_rmsnorm_num_blocks(params.num_blocks, params.tuned_max_blocks,
+  const int cap = params.tuned_max_blocks > 0 ? params.tuned_max_blocks : kFusedP2pDefaultMaxBlocks;
+  const int blocks = fused_rmsnorm_num_blocks(params.num_blocks, cap,
                                               (chunk.capacity + rows_per_block - 1) / rows_per_block);
   for (chunk.offset = 0; chunk.offset < per_rank; chunk.offset += chunk.capacity) {
     const auto launch = [&]<typename T>() {

@@ -35,6 +35,12 @@ const char* fused_rmsnorm_phase_name(int phase);
 // COMMLIB_FUSED_NUM_SMS is 0 and no tuned count applies (chosen by size, at most this).
 constexpr int kFusedMaxBlocks = 132;
 constexpr int kFusedDefaultMaxBlocks = 16;
+// The barrier (p2p) kernel's by-size cap: the whole GPU. Measured on 2x H200 at 512-4096 tokens x
+// 8192 (bench/results/fused-rmsnorm-2026-11-30-c.md), 16 CTAs run at 49-63% of 132 CTAs' speed: a
+// CTA is latency-bound (a row's loads, its block-wide sum of squares, its stores), not
+// NVLink-bound (8 CTAs already saturate the link for a plain copy). Callers that overlap the op
+// with compute pass num_sms (or COMMLIB_FUSED_NUM_SMS, or the tune file's fused_num_sms) to cap it.
+constexpr int kFusedP2pDefaultMaxBlocks = kFusedMaxBlocks;
 
 struct RsRmsNormAgP2pParams {
   FusedRmsNormArgs args{};            // x, residual, weight, out: this rank's, 16-byte aligned
@@ -43,7 +49,8 @@ struct RsRmsNormAgP2pParams {
   BarrierDevice barrier{};
   int num_blocks = 0;  // CTAs; 0: COMMLIB_FUSED_NUM_SMS, else by size (<= the cap, fused_rmsnorm_num_blocks)
   // commlib-tune's fused_num_sms for this world size (tuned_fused_num_sms, read once by CudaComm);
-  // 0: none. The barrier kernel's by-size cap; the LL kernel (small slices) keeps the built-in one.
+  // 0: none, kFusedP2pDefaultMaxBlocks applies. The barrier kernel's by-size cap; the LL kernel
+  // (small slices) keeps kFusedDefaultMaxBlocks.
   int tuned_max_blocks = 0;
 };
 
@@ -60,10 +67,10 @@ struct RsRmsNormAgMultimemParams {
 // CTAs the launcher uses for `work_units` independent units of work per rank (rows for the LL and
 // multimem kernels, row groups for the p2p kernel); the same on every rank. In order: `requested`
 // (the caller's num_sms) if > 0, else COMMLIB_FUSED_NUM_SMS if > 0, exactly (capped at
-// kFusedMaxBlocks); else one CTA per unit of work up to `tuned_max_blocks` (commlib-tune's
-// measurement) if > 0, else up to kFusedDefaultMaxBlocks. A cap rather than a count, so small
+// kFusedMaxBlocks); else one CTA per unit of work up to `max_blocks` (the p2p kernel passes
+// commlib-tune's measurement or kFusedP2pDefaultMaxBlocks) if > 0, else up to kFusedDefaultMaxBlocks. A cap rather than a count, so small
 // batches do not launch idle CTAs that would still take part in every barrier.
-int fused_rmsnorm_num_blocks(int requested, int tuned_max_blocks, int64_t work_units);
+int fused_rmsnorm_num_blocks(int requested, int max_blocks, int64_t work_units);
 
 // Note [fused LL layout]
 // The LL kernel shares the communicator's LL buffer with all_reduce_flat_ll (same halves by call

@@ -88,7 +88,8 @@ def fused_allreduce_rmsnorm(comm, x: torch.Tensor, residual: torch.Tensor, weigh
 
     ``out``: optional [tokens, hidden] output (must not alias x or residual); ``num_sms``: CTAs of
     the GPU kernel (None: ``COMMLIB_FUSED_NUM_SMS``, else by size up to commlib-tune's
-    ``fused_num_sms`` for this world size when the tune file has one, else up to 16; see
+    ``fused_num_sms`` for this world size when the tune file has one, else up to 132 (the barrier
+    kernel; 16 for the LL kernel of small batches); see
     ``tuned_fused_num_sms``); ``algo``: ``auto``/``p2p``, or
     ``multimem`` (NVLink multicast: needs ``COMMLIB_ENABLE_MULTICAST` set to 1` and no kill switch).
     Returns ``(out, residual)``.

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 FORMAT_VERSION = 1
-FUSED_NUM_SMS_CANDIDATES = (4, 8, 16, 32, 64)
+FUSED_NUM_SMS_CANDIDATES = (8, 16, 32, 64, 132)
 FUSED_TUNE_TOKENS, FUSED_TUNE_HIDDEN = 1024, 8192  # a representative prefill chunk (bf16)
 FUSED_WITHIN = 0.05  # the smallest count within this fraction of the best time wins
 
