@@ -70,16 +70,9 @@ constexpr int64_t kEPMaxExpertsCuda = 4096;
 // Largest grid (the flag arrays have one slot per (rank, block)).
 constexpr int kEPMaxBlocks = 256;
 
-// Local bookkeeping at the start of each rank's piece (only its own rank touches it).
-struct EPControl {
-  uint64_t seq;          // dispatch/combine pairs completed on this rank
-  uint32_t blocks_done;  // blocks of the current combine receive that finished
-  uint32_t reserved;
-};
-
 // Byte offsets of the regions of one rank's piece (Note [EP GPU protocol]); [s] is the writer.
 struct EPSymmetricLayout {
-  size_t control = 0;        // EPControl
+  size_t seq = 0;            // uint64 [blocks]: dispatch/combine pairs block b of this rank completed
   size_t overflow = 0;       // int64 [kEPOverflowWords]
   size_t meta_flags = 0;     // uint64 [world][blocks]
   size_t data_flags = 0;     // uint64 [world][blocks]
