@@ -39,6 +39,22 @@ constexpr int kDataBarrier = 2;
 
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
+// Opt-in timing trace, for finding where a call's time goes (build with -DCOMMLIB_EP_TRACE, e.g.
+// `CUDAFLAGS=-DCOMMLIB_EP_TRACE make build`; bench/ep_trace.py reads it): thread `who` of block 0
+// records %globaltimer at each EPTracePoint; ep_trace_snapshot() returns the last call's values.
+#if defined(COMMLIB_EP_TRACE)
+__device__ unsigned long long g_ep_trace[kEPTracePoints];
+__device__ __forceinline__ void trace(EPTracePoint point, int who) {
+  if (blockIdx.x != 0 || static_cast<int>(threadIdx.x) != who) return;
+  if (point == EPTracePoint::kDispatchStart) {  // keep the previous call's end: the gap between calls
+    g_ep_trace[static_cast<int>(EPTracePoint::kPrevCombineEnd)] = g_ep_trace[static_cast<int>(EPTracePoint::kCombineEnd)];
+  }
+  g_ep_trace[static_cast<int>(point)] = device::globaltimer_ns();
+}
+#else
+__device__ __forceinline__ void trace(EPTracePoint, int) {}
+#endif
+
 __host__ __device__ constexpr bool has(EPMode mode, EPMode part) { return (static_cast<int>(mode) & static_cast<int>(part)) != 0; }
 
 // By value (std::min/max/clamp return references, which can put their operands in local memory).
@@ -526,6 +542,7 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
   if (poisoned != 0) return;
   const uint64_t value = seq + 1;
   bool failed = false;
+  trace(EPTracePoint::kDispatchStart, 0);
 
   if (send) {
     const int64_t items = clamp64(p.num_tokens - t_begin, 0, p.tokens_per_block);
@@ -546,10 +563,13 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
         __syncwarp();  // the list is rewritten by the next token
       }
       // The rows of this group and (bar.arrive) the meta warps' writes, then one release per peer.
+      trace(EPTracePoint::kDispatchRowsPushed, 0);
       named_barrier(kDataBarrier, kThreads);
       signal_peers(p, p.layout.data_flags, value, static_cast<int>(threadIdx.x));
+      trace(EPTracePoint::kDispatchDataSignalled, 0);
     } else {
       send_meta<T>(p, counts, value, warp, lane);
+      trace(EPTracePoint::kDispatchMetaSignalled, kPushWarps * 32);
       if (recv) {
         // Fused kernel: the own chunk from x meanwhile. Its positions need the totals of the ranks
         // below this one: their meta flags only.
@@ -563,6 +583,7 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
                             cols_of<T>(c.hidden, static_cast<int>(w % parts), parts), lane);
           }
         }
+        trace(EPTracePoint::kDispatchOwnExpanded, kPushWarps * 32);
       }
     }
     if (!recv) return;
@@ -572,6 +593,7 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
   // their meta have landed.
   if (__syncthreads_or(failed)) return;
   if (wait_block(p, p.layout.data_flags, value, EPPhaseId::kDispatchLanded, seq, n)) return;
+  trace(EPTracePoint::kDispatchDataLanded, 0);
   // Stage the chunk sizes and the prefix of the totals (all loads in flight together; registers
   // first, so no shared store sits between two of them).
   int32_t* base = counts;
@@ -616,6 +638,7 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
     expand_token<T>(p, s, t, src, base + s * num_local, lists[warp],
                     cols_of<T>(c.hidden, static_cast<int>(w % parts), parts), lane);
   }
+  trace(EPTracePoint::kDispatchEnd, 0);
 }
 
 // ---- combine ----
@@ -639,6 +662,7 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPM
   const int32_t my_size = static_cast<int>(threadIdx.x) < n ? chunk_tokens(p, static_cast<int>(threadIdx.x), b) : 0;
   if (poisoned != 0) return;
   const uint64_t value = seq + 1;
+  trace(EPTracePoint::kCombineStart, 0);
   if (static_cast<int>(threadIdx.x) < n) chunk_sizes[threadIdx.x] = my_size;
   __syncthreads();
   const int32_t* meta_idx = piece<const int32_t>(p, me, p.layout.meta_idx);
@@ -687,10 +711,12 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPM
     }
     __syncthreads();
     signal_peers(p, p.layout.combine_flags, value, static_cast<int>(threadIdx.x));
+    trace(EPTracePoint::kCombineSignalled, 0);
   }
   if (!recv) return;
 
   if (wait_block(p, p.layout.combine_flags, value, EPPhaseId::kCombineLanded, seq, n)) return;
+  trace(EPTracePoint::kCombineLanded, 0);
   const T* land_y = piece<const T>(p, me, p.layout.land_y);
   for (int64_t w = warp; w < own_items * own_parts; w += kWarps) {
     const int64_t t = t_begin + w / own_parts;
@@ -705,6 +731,7 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPM
   // Block b's pair is complete: the next dispatch's block b (stream order) reads seq + 1. Every
   // thread of the block read seq before the barrier in wait_block, so none reads the new value.
   if (threadIdx.x == 0) *seq_of(p, b) = seq + 1;
+  trace(EPTracePoint::kCombineEnd, 0);
 }
 
 Status cuda_status(const char* what) {
@@ -739,6 +766,16 @@ Status check_params(const EPParams& p, const char* what) {
 }
 
 }  // namespace
+
+std::vector<int64_t> ep_trace_snapshot() {
+#if defined(COMMLIB_EP_TRACE)
+  unsigned long long values[kEPTracePoints] = {};
+  if (cudaMemcpyFromSymbol(values, g_ep_trace, sizeof(values)) != cudaSuccess) return {};
+  return std::vector<int64_t>(values, values + kEPTracePoints);
+#else
+  return {};
+#endif
+}
 
 const char* ep_phase_name(int phase) {
   switch (static_cast<EPPhaseId>(phase)) {

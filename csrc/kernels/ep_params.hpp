@@ -62,6 +62,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "commlib/ep.hpp"
 #include "commlib/errors.hpp"
@@ -130,6 +131,17 @@ struct EPParams {
   int32_t* expert_counts = nullptr;     // [L]
   int32_t* recv_pos = nullptr;          // [world, max_tokens, topk]
 };
+
+// Points of the opt-in timing trace (ep_dispatch_combine.cu, -DCOMMLIB_EP_TRACE), in call order.
+enum class EPTracePoint : int {
+  kDispatchStart, kDispatchRowsPushed, kDispatchDataSignalled, kDispatchMetaSignalled, kDispatchOwnExpanded,
+  kDispatchDataLanded, kDispatchEnd, kCombineStart, kCombineSignalled, kCombineLanded, kCombineEnd,
+  kPrevCombineEnd  // the previous call's kCombineEnd
+};
+constexpr int kEPTracePoints = 12;
+// The last call's %globaltimer values (ns) per point on the current device; empty unless built
+// with COMMLIB_EP_TRACE.
+std::vector<int64_t> ep_trace_snapshot();
 
 Status launch_ep_dispatch(const EPParams& params, EPMode mode, Stream stream);
 Status launch_ep_combine(const EPParams& params, EPMode mode, Stream stream);

@@ -329,6 +329,8 @@ BindingRegistrar reg("ep_cuda_ops", [](py::module_& m) {
       py::call_guard<py::gil_scoped_release>());
   add_method(
       cls, "check_all_to_all", [](Communicator& c) { all_to_all_v_check(c); }, py::call_guard<py::gil_scoped_release>());
+  // Developer aid: the EP kernels' opt-in timing trace (empty unless built with COMMLIB_EP_TRACE).
+  m.def("_ep_trace", [] { return kernels::ep_trace_snapshot(); });
 });
 
 }  // namespace
