@@ -3,7 +3,7 @@
     CUDAFLAGS=-DCOMMLIB_EP_TRACE make build      # a build with the trace compiled in
     python bench/ep_trace.py [--tokens 1] [--model deepseek|mixtral] [--iters 200]
 
-Two ranks replay a CUDA graph of `iters` dispatch + combine steps; then each rank prints block
+Two ranks (--world) replay a CUDA graph of `iters` dispatch + combine steps; then each rank prints block
 0's trace of the last step, in µs from its dispatch kernel's start (points: EPTracePoint in
 csrc/kernels/ep_params.hpp). Clocks of different GPUs are not compared.
 """
@@ -71,8 +71,9 @@ def main():
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--model", choices=list(MODELS), default="deepseek")
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--world", type=int, default=2, help="ranks (1: the kernels' local costs alone)")
     args = ap.parse_args()
-    world = 2
+    world = args.world
     port = 29700 + os.getpid() % 200
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
