@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-POINTS = ["dispatch start", "rows pushed", "data signalled", "meta signalled (meta warps)",
-          "own chunk expanded (meta warps)", "peers' data landed", "dispatch end", "combine start",
+POINTS = ["dispatch start", "rows pushed", "data signalled", "meta signalled",
+          "own chunk expanded (non-push warps)", "peers' data landed", "dispatch end", "combine start",
           "partials signalled", "partials landed", "combine end", "previous step's combine end"]
 MODELS = {"deepseek": (7168, 256, 8), "mixtral": (4096, 8, 2)}
 

@@ -9,55 +9,40 @@
 // rank owns token chunk b: tokens [b * c, (b + 1) * c), c = tokens_per_block. Block b only ever
 // waits for block b of the peers, through per-(writer rank, block) flags in the reader's piece:
 // no grid-wide barrier, no cross-block wait inside a rank, no memset.
-// Flags carry seq + 1, where seq[b] (this rank's piece) counts the dispatch/combine pairs that
-// block b completed: block b of both kernels reads it at start and block b of the combine's
-// receive part advances it at its end (stream order makes that visible to the next dispatch), so
-// flags only grow, nothing is ever reset, and no block counts the others.
-// Decode sizes are a chain of memory round trips, so every step issues the loads it needs together
-// before using any (routing with row packs, every source of a weighted sum) and stages what a
-// block reuses (chunk sizes, totals prefix) in shared memory once.
+// Flags carry seq + 1, where seq (EPControl, this rank's piece) counts completed
+// dispatch/combine pairs: every block reads it at kernel start and the last block of the
+// combine's receive part advances it, so flags only grow and nothing is ever reset.
 //
-// dispatch, block b of source rank s (warps 0-7 push, warps 8-15 are the meta warps):
-//   1. counts (meta warps): scan all of s's routes (topk_idx, 8 bytes a route, L2-resident;
-//      8 loads in flight per thread) and count routes per expert: totals[e], and before[e]
-//      (tokens before chunk b) in shared memory, order-free (shared atomics).
-//   2. meta (meta warps): one warp walks chunk b's routes in (t, k) order, 32 at a time;
-//      __match_any_sync gives each route its rank among equal experts in the step, so
-//      j(t, k) = before[e] + earlier routes to e: the route's rank among all of s's routes to e
-//      (deterministic). It writes idx, weight and j of every route of the chunk, s's token count
-//      and the totals of d's experts into every rank d. The meta warps then arrive (bar.arrive,
-//      no wait) at the push warps' barrier and raise flag meta[s][b] on every peer (release).
-//   3. rows (push warps, from the kernel's first instruction: they need only x and topk_idx):
-//      each token of the chunk is stored once into land_x[s][t] of every *remote* rank owning one
-//      of its experts (16-byte packs, 8 in flight per lane, loaded before the routing that picks
-//      the destinations); then bar.sync with the meta warps' arrival and flag data[s][b]
-//      (release; cumulative: covers the meta too). The two releases are issued by different
-//      warps, so neither waits for the other.
+// dispatch, block b of source rank s:
+//   1. counts: every block scans all of s's routes (topk_idx, 4-8 bytes a route, L2-resident)
+//      and counts routes per expert: totals[e], and before[e] (tokens before chunk b) into shared
+//      memory, order-free (shared atomics on counts).
+//   2. meta: warp 0 walks chunk b's routes in (t, k) order, 32 at a time; __match_any_sync gives
+//      each route its rank among equal experts in the step, so j(t, k) = before[e] + earlier
+//      routes to e: the route's rank among all of s's routes to e (deterministic). It writes
+//      idx, weight and j of every route of the chunk, s's token count and the totals of d's
+//      experts into every rank d; then flag meta[s][b] on every peer (release).
+//   3. rows: each token of the chunk is stored once into land_x[s][t] of every *remote* rank
+//      owning one of its experts (one warp per token, 16-byte packs, 8 in flight per lane);
+//      then flag data[s][b] (release; cumulative: covers the meta too).
 // dispatch, block b of receiving rank d (from the same kernel, or a second one with mode kRecv):
 //   the route (s, t, k) to local expert l lands at row base(s, l) + j(s, t, k) of expert_x[l],
 //   base(s, l) = sum over s' < s of totals[s'][l]: exactly Note [EP layout]'s position, computed
-//   with no scan. In the fused kernel the meta warps expand the own chunk (s = d) from x after
-//   the meta flags of ranks < d only; then, after the data flags, the block stages every source's
-//   chunk size and base(s, l) for all s in shared memory (one round of loads) and expands the
-//   remote chunks from land_x (a receive-only launch expands the own chunk here too). Each warp
-//   loads a row once (its first packs together with the route's expert and j) and stores it to
-//   all its expert rows. recv_pos records every position (-1: dropped by capacity); block 0
-//   writes expert_counts (from the staged totals) and raises the overflow word on every rank.
-// combine, block b of owner rank d: the chunk sizes of every source are loaded with the sequence
-//   number and staged; for every source s (d included) and token t of chunk b with a route to d,
-//   one warp sums w * y over those routes (k ascending, fp32, no FMA; the packs of up to 4
-//   routes in flight at once), rounds to the dtype and stores the partial into s's land_y[d][t];
-//   then flag combine[d][b] on every peer. Block b of source s waits for combine[*][b] (the
-//   experts of its first own token already in registers) and sums the partials of t's owner
-//   ranks in rank order into out[t].
-// Why no landing zone is overwritten while a peer still reads it (per block b: block b of s only
-//   writes chunk b's rows, meta and slots, and only block b of d reads them): block b of s writes
-//   d's meta, totals and land_x in dispatch n + 1 (the push warps from their first instruction)
-//   only after its combine n passed d's combine flag of block b, which d raises after its
-//   dispatch n and its combine-n reads of s's meta and chunk size (d's combine receive part then
-//   reads only d's own meta, recv_pos and land_y); d writes s's land_y in combine n + 1 only
-//   after its dispatch n + 1 passed s's data flag of block b, raised after s's combine n (its
-//   last read of land_y) finished.
+//   with no scan. The own chunk (s = d) is expanded from x directly by the warps that do not
+//   push (they wait only for the meta flags of ranks < d), remote chunks from land_x after the
+//   data flags. Each warp loads a row once and stores it to all its expert rows. recv_pos
+//   records every position (-1: dropped by capacity); block 0 writes expert_counts and raises
+//   the overflow word on every rank.
+// combine, block b of owner rank d: for every source s (d included) and token t of chunk b with a
+//   route to d, one warp sums w * y over those routes (k ascending, fp32, no FMA), rounds to the
+//   dtype and stores the partial into s's land_y[d][t]; then flag combine[d][b] on every peer.
+//   Block b of source s waits for combine[*][b] and sums the partials of t's owner ranks in rank
+//   order into out[t].
+// Why no landing zone is overwritten while a peer still reads it: rank s writes rank d's meta,
+//   totals and land_x in dispatch n + 1 only after its combine n has passed the combine flags of
+//   every block of d, which d raises after its dispatch n and its combine-n reads of s's meta;
+//   d writes s's land_y in combine n + 1 only after its dispatch n + 1 passed s's dispatch flags,
+//   raised after s's combine n (its last read of land_y) finished.
 #pragma once
 
 #include <cstddef>
@@ -86,9 +71,16 @@ constexpr int64_t kEPMaxExpertsCuda = 4096;
 // Largest grid (the flag arrays have one slot per (rank, block)).
 constexpr int kEPMaxBlocks = 256;
 
+// Local bookkeeping at the start of each rank's piece (only its own rank touches it).
+struct EPControl {
+  uint64_t seq;          // dispatch/combine pairs completed on this rank
+  uint32_t blocks_done;  // blocks of the current combine receive that finished
+  uint32_t reserved;
+};
+
 // Byte offsets of the regions of one rank's piece (Note [EP GPU protocol]); [s] is the writer.
 struct EPSymmetricLayout {
-  size_t seq = 0;            // uint64 [blocks]: dispatch/combine pairs block b of this rank completed
+  size_t control = 0;        // EPControl
   size_t overflow = 0;       // int64 [kEPOverflowWords]
   size_t meta_flags = 0;     // uint64 [world][blocks]
   size_t data_flags = 0;     // uint64 [world][blocks]
