@@ -256,8 +256,8 @@ __device__ __forceinline__ float cross_warp_levels(const float* nodes, int l32) 
 // group's G floats, not read by any group thread still in the previous use of the same buffer
 // (callers alternate two buffers: a thread that writes buffer b for row n + 2 has passed the
 // barrier of row n + 1, which every thread of the group reached after reading b for row n).
-__device__ __forceinline__ float group_sum_squares(float node, float* scratch, int group, int lane,
-                                                   int barrier_id) {
+__device__ __forceinline__ float row_sum_squares(float node, float* scratch, int group, int lane,
+                                                 int barrier_id) {
   if (group > 32) {
     scratch[lane] = node;
     named_barrier_sync(barrier_id, group);  // the group's roots are visible to all its warps
@@ -389,7 +389,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       row.residual = reinterpret_cast<char*>(residual_row<T>(a, own_begin, token));
       row.out = static_cast<char*>(a.out) + token * row_bytes;
       const float node = reduce_row<T, kWorldSize, kCap>(row, lay, world, replicated);
-      const float sumsq = group_sum_squares(node, &scratch[parity][g * group], group, lay.lane, 1 + g);
+      const float sumsq = row_sum_squares(node, &scratch[parity][g * group], group, lay.lane, 1 + g);
       normalise_row<T, kWorldSize, kCap>(row, lay, world, row_rstd(sumsq, a.hidden, a.eps),
                                          static_cast<const char*>(a.weight));
     }
