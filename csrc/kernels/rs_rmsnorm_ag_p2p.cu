@@ -5,10 +5,11 @@
 //   phase A  push: copies those rows of x owned by each peer d into d's workspace, region X, slot
 //            of this rank (Note [fused p2p workspace]); barrier kInputsReady.
 //   phase B  reduce its own rows i: x from its own tensor and the peers' rows from its own region
-//            X (local loads only), in rank order; add the residual; sum of squares in registers
-//            (one row per group of threads, several rows per CTA in flight); normalise; store out
-//            (and residual) locally and push the normalised row (and, replicated, the residual
-//            row) into every peer's region O (R); barrier kRowsPushed.
+//            X (local loads only), in rank order; add the residual; sum of squares in registers;
+//            normalise; store out (and residual) locally and push the normalised row (and,
+//            replicated, the residual row) into every peer's region O (R). Each row belongs to one
+//            independent group of threads, up to 16 rows in flight per CTA (Note [fused p2p phase
+//            B]); barrier kRowsPushed.
 //   phase C  copy the other owners' rows i from its own regions O (R) to out (residual).
 // Every NVLink transfer is a store (no remote load waits on a round trip), and every load is local,
 // issued several packs per thread at once so that few SMs keep enough bytes in flight.
@@ -22,6 +23,30 @@
 // half holds three regions, X, O and R, each with world - 1 slots (rank s != o in slot
 // peer_slot(s, o, world)) of chunk.capacity rows: X[s][i] is row i of o's chunk of s's x, O[d][i]
 // and R[d][i] are row i of d's chunk of out and of the new residual. Only o reads its own half.
+//
+// Note [fused p2p phase B]
+// A row belongs to a group of G threads (a power of two, 32..512, warp-aligned; the launcher picks
+// the largest G that still puts all of a block's rows of the call in flight at once, so G = 32,
+// one warp per row and 16 rows per CTA, whenever a block has 16 rows or more). Groups never wait
+// for each other: no __syncthreads, and a group of several warps meets only at its own named
+// barrier, once per row. With P = the row's pack count padded to a power of two, thread l of the
+// group owns the packs k = l + G * j, j < max(1, P / G), and handles a row in two passes:
+//   pass 1  in steps of L packs (L = 4, 2, 1 for 2, 4, 8 ranks: bounded registers), loads every
+//           source's pack and the old residual pack of the step before any arithmetic, reduces in
+//           rank order, adds the residual, stores the new residual (locally; replicated: also into
+//           every peer's region R) and keeps the pack's q_k (Note [fused rmsnorm arithmetic]).
+//   pass 2  re-reads its new residual packs (its own stores, still in L2) and the weight,
+//           normalises, stores out locally and into every peer's region O.
+// Equal bits with the documented tree: its node at level m covers the packs whose index has the
+// same low log2(P) - m bits, so thread l's packs (k = l mod G) are exactly the subtree of node l
+// at the level where G nodes remain. The thread evaluates that subtree without holding all its
+// leaves: it visits j in bit-reversed order, in which every subtree is a contiguous run, so each
+// step's L leaves form one subtree (added pairwise) and a binary counter of pending subtrees (one
+// register per level) adds two siblings as soon as both exist; additions are commutative, so only
+// the tree's shape matters. Then levels G/2 .. 32 (node l + node l + half, across warps: shared
+// memory, each warp of the group evaluating them itself) and 16 .. 1 (xor butterfly in the warp).
+// Zero leaves beyond P (j padded up to L, lanes beyond P when P < 32) add exact zeros: a larger
+// zero-padded tree has the same root. So G and L change only the order of work, never the bits.
 #include <algorithm>
 
 #include "commlib/device/barrier.cuh"
@@ -33,35 +58,251 @@ namespace commlib::kernels {
 namespace {
 using namespace fused_detail;
 
-constexpr int kThreads = 512;    // per CTA: several rows in flight, up to 128 registers a thread
-constexpr int kVecs = 4;         // packs per thread and row in phase B
-constexpr int kCopyUnroll = 8;   // packs in flight per thread in phases A and C
+constexpr int kThreads = 512;                // per CTA: up to 16 rows in flight, <= 128 registers a thread
+constexpr int kMaxGroups = kThreads / 32;    // row groups per CTA (one warp each at most)
+constexpr int kCopyUnroll = 8;               // packs in flight per thread in phases A and C
+constexpr int kOutPacks = 4;                 // packs per thread and step in phase B, pass 2
+constexpr int kStackLevels = 6;              // pending subtrees of pass 1: steps per row <= 2^6
+static_assert((kFusedMaxHidden / kGroup) / 32 <= (1 << kStackLevels), "pass 1 of a row has at most 64 steps");
 
 enum Region : int { kRegionX = 0, kRegionO = 1, kRegionR = 2 };
 
-// Threads per row in phase B: a power of two in [32, kThreads] (warp-aligned groups, Note [fused
-// rmsnorm arithmetic]'s tree) whose kVecs packs each cover the row's zero-padded pack count.
-int row_threads(int64_t hidden) {
-  return static_cast<int>(std::clamp<int64_t>(next_pow2(hidden / kGroup) / kVecs, 32, kThreads));
+// Pass-1 packs per thread and step (L of Note [fused p2p phase B]): every source and the residual
+// are loaded before the arithmetic, so the registers grow with the rank count.
+template <int kCap>
+constexpr int leaves_per_step() {
+  return kCap <= 2 ? 4 : (kCap <= 4 ? 2 : 1);
 }
 
-// Copies rows m = 0 .. num_rows - 1 (src_row(m) -> dst_row(m), num_packs packs each) with the whole
-// block, kCopyUnroll 16-byte loads in flight per thread before their stores.
-template <typename SrcRow, typename DstRow>
-__device__ __forceinline__ void block_copy_rows(int num_rows, int num_packs, SrcRow src_row, DstRow dst_row) {
+// Rows per unit of work for the by-size CTA count (fused_rmsnorm_num_blocks): 512 threads of four
+// packs per row, e.g. 2 rows of hidden 8192. Kept from the former block-wide row design, whose
+// measurements chose the default cap (kFusedP2pDefaultMaxBlocks).
+int64_t rows_per_work_unit(int64_t hidden) {
+  return kThreads / std::clamp<int64_t>(next_pow2(hidden / kGroup) / 4, 32, kThreads);
+}
+
+// G of Note [fused p2p phase B] for a block with up to `rows_per_block` rows of the call: the most
+// threads per row that still keep every row in flight at once (16 groups of a warp from 16 rows
+// on), and no more than the row's padded pack count (more threads would only hold zeros).
+int row_threads(int64_t hidden, int64_t rows_per_block) {
+  const int64_t groups = std::clamp<int64_t>(next_pow2(std::max<int64_t>(rows_per_block, 1)), 1, kMaxGroups);
+  return static_cast<int>(std::min<int64_t>(kThreads / groups, std::max<int64_t>(32, next_pow2(hidden / kGroup))));
+}
+
+// The smallest power of two >= v (v >= 1).
+__device__ __forceinline__ int next_pow2_device(int v) { return v <= 1 ? 1 : 1 << (32 - __clz(v - 1)); }
+
+// The low `bits` bits of t in reverse order (t < 2^bits).
+__device__ __forceinline__ int bit_reverse(int t, int bits) {
+  return bits == 0 ? 0 : static_cast<int>(__brev(static_cast<unsigned>(t)) >> (32 - bits));
+}
+
+// bar.sync on a named barrier for `count` threads (a multiple of 32): orders the participants'
+// shared-memory accesses like __syncthreads, without waiting for the rest of the block.
+__device__ __forceinline__ void named_barrier_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+
+// Copies rows m = 0 .. num_rows - 1 (src + m * stride -> dst + m * stride, num_packs packs each)
+// with the whole block, kCopyUnroll 16-byte loads in flight per thread before their stores. A
+// thread's flat pack index m * num_packs + k advances by blockDim.x per slot; its byte offset
+// m * stride + 16 k follows by adds and one compare, not a division per pack.
+__device__ __forceinline__ void block_copy_rows(int num_rows, int num_packs, const char* src, char* dst,
+                                                size_t stride) {
   const int total = num_rows * num_packs;
   const int step = static_cast<int>(blockDim.x);
-  for (int base = static_cast<int>(threadIdx.x); base < total; base += kCopyUnroll * step) {
-    uint4 v[kCopyUnroll];
+  const int t = static_cast<int>(threadIdx.x);
+  if (t >= total) return;
+  const int dm = step / num_packs;
+  const int dk = step - dm * num_packs;
+  const size_t advance = dm * stride + static_cast<size_t>(dk) * 16;  // offset change without a wrap
+  const size_t wrap = stride - static_cast<size_t>(num_packs) * 16;     // extra when k passes the row end
+  int k = t % num_packs;
+  size_t off = (t / num_packs) * stride + static_cast<size_t>(k) * 16;
+#pragma unroll 1
+  for (int base = t; base < total; base += kCopyUnroll * step) {
+    // Defined on every path: a slot left unloaded must not carry a value from the previous
+    // iteration (the compiler would keep v[] alive across iterations, in local memory).
+    uint4 v[kCopyUnroll] = {};
+    size_t at[kCopyUnroll];  // the same offset in src and dst
 #pragma unroll
     for (int u = 0; u < kCopyUnroll; ++u) {
-      const int idx = base + u * step;
-      if (idx < total) v[u] = device::ld_v4_u32(src_row(idx / num_packs) + (idx % num_packs) * 16);
+      at[u] = off;
+      if (base + u * step < total) v[u] = device::ld_v4_u32(src + off);
+      off += advance;
+      k += dk;
+      if (k >= num_packs) {
+        k -= num_packs;
+        off += wrap;
+      }
     }
 #pragma unroll
     for (int u = 0; u < kCopyUnroll; ++u) {
-      const int idx = base + u * step;
-      if (idx < total) device::st_v4_u32(dst_row(idx / num_packs) + (idx % num_packs) * 16, v[u]);
+      if (base + u * step < total) device::st_v4_u32(dst + at[u], v[u]);
+    }
+  }
+}
+
+// One row of phase B as seen by one thread of its group (Note [fused p2p phase B]).
+template <int kCap>
+struct RowRefs {
+  const char* src[kCap];  // the row of rank s's x, s < world: rank order (Note [reduction order])
+  char* peer[kCap];       // [step - 1]: row i of this rank's slot of rank (rank + step) % world's
+                          // region X; + region * region_bytes for O and R
+  char* residual;         // this rank's residual row (read, then overwritten)
+  char* out;              // this rank's out row
+};
+
+struct RowLayout {
+  int num_packs;      // packs of the row
+  int group;          // G: threads per row
+  int lane;           // this thread's index in its group
+  int leaf_bits;      // log2 of the thread's leaf count, padded to at least a step
+  int num_steps;      // pass-1 steps per row
+  size_t region_bytes;
+};
+
+// Pass 1 of Note [fused p2p phase B]: the new residual of this thread's packs, stored, and the
+// root of this thread's subtree of q (levels P/2 .. G of the tree).
+template <typename T, int kWorldSize, int kCap>
+__device__ __forceinline__ float reduce_row(const RowRefs<kCap>& row, const RowLayout& lay, int world,
+                                            bool replicated) {
+  constexpr int kLeaves = leaves_per_step<kCap>();
+  float pending[kStackLevels] = {};  // pending[l]: a finished subtree of 2^l steps, its sibling not yet
+  float node = 0.0f;
+#pragma unroll 1
+  for (int step = 0; step < lay.num_steps; ++step) {
+    int at[kLeaves];  // byte offset of the leaf's pack in the row; -1: a zero leaf (no pack)
+    uint4 xs[kLeaves][kCap] = {};  // defined on every path (see block_copy_rows)
+    uint4 old[kLeaves] = {};
+    // All loads of the step first (local memory only), then the arithmetic.
+#pragma unroll
+    for (int u = 0; u < kLeaves; ++u) {
+      const int k = lay.lane + lay.group * bit_reverse(step * kLeaves + u, lay.leaf_bits);
+      at[u] = k < lay.num_packs ? k * 16 : -1;
+      if (at[u] < 0) continue;
+#pragma unroll
+      for (int s = 0; s < kCap; ++s) {
+        if (kWorldSize > 0 || s < world) xs[u][s] = device::ld_v4_u32(row.src[s] + at[u]);
+      }
+      old[u] = device::ld_v4_u32(row.residual + at[u]);
+    }
+    float q[kLeaves];
+#pragma unroll
+    for (int u = 0; u < kLeaves; ++u) {
+      q[u] = 0.0f;
+      if (at[u] < 0) continue;
+      float acc[kGroup], rf[kGroup];
+#pragma unroll
+      for (int e = 0; e < kGroup; ++e) acc[e] = raw_elem<T>(xs[u][0], e);
+#pragma unroll
+      for (int s = 1; s < kCap; ++s) {  // rank order (Note [reduction order])
+        if (kWorldSize > 0 || s < world) {
+#pragma unroll
+          for (int e = 0; e < kGroup; ++e) acc[e] = __fadd_rn(acc[e], raw_elem<T>(xs[u][s], e));
+        }
+      }
+      const uint4 r = new_residual<T>(old[u], acc, rf);
+      q[u] = sum_squares(rf);
+      device::st_v4_u32(row.residual + at[u], r);
+      if (replicated) {
+#pragma unroll
+        for (int d = 0; d < kCap - 1; ++d) {
+          if (kWorldSize > 0 || d < world - 1) device::st_v4_u32(row.peer[d] + kRegionR * lay.region_bytes + at[u], r);
+        }
+      }
+    }
+    // The step's leaves are one subtree (consecutive in bit-reversed order): add them pairwise.
+#pragma unroll
+    for (int h = 1; h < kLeaves; h *= 2) {
+#pragma unroll
+      for (int u = 0; u < kLeaves; u += 2 * h) q[u] = __fadd_rn(q[u], q[u + h]);
+    }
+    // Binary counter over steps: bit l of `step` set means a left sibling of 2^l steps is pending.
+    // (No early exit: the loop unrolls completely, so pending[] stays in registers.)
+    node = q[0];
+    bool carry = true;
+#pragma unroll
+    for (int l = 0; l < kStackLevels; ++l) {
+      if (carry) {
+        if ((step >> l) & 1) {
+          node = __fadd_rn(pending[l], node);
+        } else {
+          pending[l] = node;
+          carry = false;
+        }
+      }
+    }
+  }
+  return node;  // after the last step: the root of the thread's subtree
+}
+
+// Levels G/2 .. 32 of the tree for the warp lane l32, over the nodes l32 + 32 w (w < kWarps) in
+// shared memory: the node covering the w = kA (mod kStride) is the sum of the nodes covering
+// w = kA and w = kA + kStride (mod 2 kStride), as the stride-halving loop adds them. Recursion
+// with constant indices, no array: everything stays in registers.
+template <int kWarps, int kStride = 1, int kA = 0>
+__device__ __forceinline__ float cross_warp_levels(const float* nodes, int l32) {
+  if constexpr (kStride == kWarps) {
+    return nodes[l32 + 32 * kA];
+  } else {
+    return __fadd_rn(cross_warp_levels<kWarps, 2 * kStride, kA>(nodes, l32),
+                     cross_warp_levels<kWarps, 2 * kStride, kA + kStride>(nodes, l32));
+  }
+}
+
+// Levels G/2 .. 1 of the tree over the group's per-thread roots (thread l holds node l); every
+// thread of the group returns the row's sum of squares with the same bits. `scratch`: the
+// group's G floats, not read by any group thread still in the previous use of the same buffer
+// (callers alternate two buffers: a thread that writes buffer b for row n + 2 has passed the
+// barrier of row n + 1, which every thread of the group reached after reading b for row n).
+__device__ __forceinline__ float row_sum_squares(float node, float* scratch, int group, int lane,
+                                                 int barrier_id) {
+  if (group > 32) {
+    scratch[lane] = node;
+    named_barrier_sync(barrier_id, group);  // the group's roots are visible to all its warps
+    // Every warp of the group does the same additions in the same order.
+    const int l32 = lane & 31;
+    switch (group / 32) {
+      case 2: node = cross_warp_levels<2>(scratch, l32); break;
+      case 4: node = cross_warp_levels<4>(scratch, l32); break;
+      case 8: node = cross_warp_levels<8>(scratch, l32); break;
+      default: node = cross_warp_levels<kMaxGroups>(scratch, l32); break;
+    }
+  }
+  // Levels 16 .. 1: lanes l and l ^ half add the same two values, so all end with the root's bits.
+#pragma unroll
+  for (int half = 16; half >= 1; half /= 2) node = __fadd_rn(node, __shfl_xor_sync(0xffffffffu, node, half));
+  return node;
+}
+
+// Pass 2 of Note [fused p2p phase B]: out = round((r * rstd) * w) for this thread's packs, stored
+// locally and pushed into every peer's region O.
+template <typename T, int kWorldSize, int kCap>
+__device__ __forceinline__ void normalise_row(const RowRefs<kCap>& row, const RowLayout& lay, int world, float rstd,
+                                              const char* weight) {
+#pragma unroll 1
+  for (int j0 = 0; lay.group * j0 < lay.num_packs; j0 += kOutPacks) {
+    int at[kOutPacks];
+    uint4 r[kOutPacks] = {}, w[kOutPacks] = {};
+#pragma unroll
+    for (int u = 0; u < kOutPacks; ++u) {
+      const int k = lay.lane + lay.group * (j0 + u);
+      at[u] = k < lay.num_packs ? k * 16 : -1;
+      if (at[u] < 0) continue;
+      // This thread's own stores of pass 1 (program order makes them visible to it).
+      r[u] = device::ld_v4_u32(row.residual + at[u]);
+      w[u] = device::ld_v4_u32(weight + at[u]);  // cache-resident: every row reads it
+    }
+#pragma unroll
+    for (int u = 0; u < kOutPacks; ++u) {
+      if (at[u] < 0) continue;
+      const uint4 y = normalised<T>(r[u], rstd, w[u]);
+      device::st_v4_u32(row.out + at[u], y);
+#pragma unroll
+      for (int d = 0; d < kCap - 1; ++d) {
+        if (kWorldSize > 0 || d < world - 1) device::st_v4_u32(row.peer[d] + kRegionO * lay.region_bytes + at[u], y);
+      }
     }
   }
 }
@@ -70,11 +311,7 @@ template <typename T, int kWorldSize>
 __global__ void __launch_bounds__(kThreads, 1)
     rs_rmsnorm_ag_p2p_kernel(RsRmsNormAgP2pParams p, FusedChunk chunk, int group) {
   constexpr int kCap = kWorldSize > 0 ? kWorldSize : kMaxDeviceRanks;
-  // Packs of one row loaded per batch in phase B: all kVecs for 2 ranks, fewer for more sources
-  // (bounded registers: batch * (sources + residual) loads in flight).
-  constexpr int kBatch = kCap <= 2 ? kVecs : (kCap <= 4 ? 2 : 1);
-  __shared__ float scratch[kThreads];
-  __shared__ float totals[kThreads / 32];
+  __shared__ float scratch[2][kThreads];  // phase B: group roots, two buffers by row parity
   const device::CallInfo call = device::call_begin(p.barrier);
   if (!call.ok) return;
   const FusedRmsNormArgs& a = p.args;
@@ -88,6 +325,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool replicated = a.mode == ResidualMode::kReplicated;
   const int grid = static_cast<int>(gridDim.x);
   const int b = static_cast<int>(blockIdx.x);
+  const size_t block_stride = static_cast<size_t>(grid) * row_bytes;  // between a block's rows
   // Row i of rank s's slot of region `which` in rank `owner`'s workspace (Note [fused p2p workspace]).
   auto ws_row = [&](int owner, int which, int s, int64_t i) {
     return p.workspace.peer<char>(owner) + half + which * region_bytes + peer_slot(s, owner, world) * slot_bytes +
@@ -105,92 +343,55 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int step = 1; step < world; ++step) {
     const int d = (rank + step) % world;
     const TokenSlice rows = chunk_rows(a, chunk, world, d);
-    block_copy_rows(
-        block_rows(rows), num_packs, [&](int m) { return x + (rows.begin + row_of(m)) * row_bytes; },
-        [&](int m) { return ws_row(d, kRegionX, rank, row_of(m)); });
+    block_copy_rows(block_rows(rows), num_packs, x + (rows.begin + b) * row_bytes, ws_row(d, kRegionX, rank, b),
+                    block_stride);
   }
   // Publishes this block's pushes to the peers' block b; acquires the rows they pushed here.
   if (!device::barrier_block(p.barrier, call.call, static_cast<int>(FusedRmsNormPhase::kInputsReady))) return;
 
-  // Phase B: reduce, add, normalise and push this rank's rows; blockDim / group rows at a time.
-  // Packs stay raw (Note [raw packs]).
-  const TokenSlice mine = chunk_rows(a, chunk, world, rank);
-  const int64_t own_begin = token_slice(a.num_tokens, world, rank).begin;
-  const int rows_per_iter = static_cast<int>(blockDim.x) / group;
-  const int lane = static_cast<int>(threadIdx.x) & (group - 1);
-  const int my_rows = block_rows(mine);
-  const char* weight = static_cast<const char*>(a.weight);
-  const char* x_peers = ws_row(rank, kRegionX, (rank + 1) % world, 0);  // slot 0; slot s at + s * slot_bytes
-  for (int m0 = 0; m0 < my_rows; m0 += rows_per_iter) {  // block-uniform trip count
-    const int m = m0 + static_cast<int>(threadIdx.x) / group;
-    const bool active = m < my_rows;
-    const int64_t i = row_of(m);
-    const int64_t token = mine.begin + i;
-    char* res_row = active ? reinterpret_cast<char*>(residual_row<T>(a, own_begin, token)) : nullptr;
-    uint4 r[kVecs];
-    float q[kVecs];
+  // Phase B: group g of this block reduces, adds, normalises and pushes the block's rows g,
+  // g + groups, ... (Note [fused p2p phase B]); packs stay raw (Note [raw packs]).
+  {
+    const TokenSlice mine = chunk_rows(a, chunk, world, rank);
+    const int64_t own_begin = token_slice(a.num_tokens, world, rank).begin;
+    const int my_rows = block_rows(mine);
+    const int num_groups = kThreads / group;
+    const int g = static_cast<int>(threadIdx.x) / group;
+    constexpr int kLeaves = leaves_per_step<kCap>();
+    RowLayout lay;
+    lay.num_packs = num_packs;
+    lay.group = group;
+    lay.lane = static_cast<int>(threadIdx.x) & (group - 1);
+    // The thread's leaves: P / G packs, at least one, padded with zero leaves to a whole step.
+    const int per_thread = next_pow2_device(num_packs) / group;
+    const int leaves = per_thread > kLeaves ? per_thread : kLeaves;
+    lay.leaf_bits = __ffs(leaves) - 1;
+    lay.num_steps = leaves / kLeaves;
+    lay.region_bytes = region_bytes;
+    const char* x_peers = ws_row(rank, kRegionX, (rank + 1) % world, 0);  // slot 0; slot s at + s * slot_bytes
+    int parity = 0;
+#pragma unroll 1
+    for (int m = g; m < my_rows; m += num_groups, parity ^= 1) {  // trip count uniform in the group
+      const int64_t i = row_of(m);
+      const int64_t token = mine.begin + i;
+      RowRefs<kCap> row;
 #pragma unroll
-    for (int j0 = 0; j0 < kVecs; j0 += kBatch) {
-      uint4 xs[kBatch][kCap];
-      uint4 old[kBatch];
-      // All loads of the batch first (local memory only), then the arithmetic.
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const int k = lane + (j0 + j) * group;
-        if (!active || k >= num_packs) continue;
-        const size_t at = static_cast<size_t>(k) * 16;
-#pragma unroll
-        for (int s = 0; s < kCap; ++s) {
-          if (kWorldSize == 0 && s >= world) continue;
-          xs[j][s] = s == rank ? device::ld_v4_u32(x + token * row_bytes + at)
-                               : device::ld_v4_u32(x_peers + peer_slot(s, rank, world) * slot_bytes +
-                                                   i * row_bytes + at);
-        }
-        old[j] = device::ld_v4_u32(res_row + at);
+      for (int s = 0; s < kCap; ++s) {
+        if (kWorldSize == 0 && s >= world) continue;
+        row.src[s] =
+            s == rank ? x + token * row_bytes : x_peers + peer_slot(s, rank, world) * slot_bytes + i * row_bytes;
       }
 #pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const int k = lane + (j0 + j) * group;
-        q[j0 + j] = 0.0f;
-        if (!active || k >= num_packs) continue;
-        const size_t at = static_cast<size_t>(k) * 16;
-        float acc[kGroup], rf[kGroup];
-#pragma unroll
-        for (int e = 0; e < kGroup; ++e) acc[e] = raw_elem<T>(xs[j][0], e);
-#pragma unroll
-        for (int s = 1; s < kCap; ++s) {  // rank order (Note [reduction order])
-          if (kWorldSize > 0 || s < world) {
-#pragma unroll
-            for (int e = 0; e < kGroup; ++e) acc[e] = __fadd_rn(acc[e], raw_elem<T>(xs[j][s], e));
-          }
-        }
-        r[j0 + j] = new_residual<T>(old[j], acc, rf);
-        q[j0 + j] = sum_squares(rf);
-        device::st_v4_u32(res_row + at, r[j0 + j]);
-        if (replicated) {
-          for (int step = 1; step < world; ++step) {
-            const int d = (rank + step) % world;
-            device::st_v4_u32(ws_row(d, kRegionR, rank, i) + at, r[j0 + j]);
-          }
-        }
+      for (int d = 0; d < kCap - 1; ++d) {
+        if (kWorldSize == 0 && d >= world - 1) continue;
+        row.peer[d] = ws_row((rank + d + 1) % world, kRegionX, rank, i);
       }
-    }
-    const float sumsq = group_sum_squares<kVecs>(q, scratch, totals, group);
-    if (!active) continue;
-    const float rstd = row_rstd(sumsq, a.hidden, a.eps);
-    char* out_row = static_cast<char*>(a.out) + token * row_bytes;
-#pragma unroll
-    for (int j = 0; j < kVecs; ++j) {
-      const int k = lane + j * group;
-      if (k >= num_packs) continue;
-      const size_t at = static_cast<size_t>(k) * 16;
-      // The weight is cache-resident (every row reads it): loaded here, not held across the row.
-      const uint4 y = normalised<T>(r[j], rstd, device::ld_v4_u32(weight + at));
-      device::st_v4_u32(out_row + at, y);
-      for (int step = 1; step < world; ++step) {
-        const int d = (rank + step) % world;
-        device::st_v4_u32(ws_row(d, kRegionO, rank, i) + at, y);
-      }
+      row.residual = reinterpret_cast<char*>(residual_row<T>(a, own_begin, token));
+      row.out = static_cast<char*>(a.out) + token * row_bytes;
+      const float node = reduce_row<T, kWorldSize, kCap>(row, lay, world, replicated);
+      const float sumsq = row_sum_squares(node, &scratch[parity][g * group], group, lay.lane, 1 + g);
+      normalise_row<T, kWorldSize, kCap>(row, lay, world, row_rstd(sumsq, a.hidden, a.eps),
+                                         static_cast<const char*>(a.weight));
     }
   }
   // Publishes this block's pushed rows to the peers' block b; acquires the rows they pushed here.
@@ -203,13 +404,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int d = (rank + step) % world;
     const TokenSlice rows = chunk_rows(a, chunk, world, d);
     const int n = block_rows(rows);
-    block_copy_rows(
-        n, num_packs, [&](int m) { return static_cast<const char*>(ws_row(rank, kRegionO, d, row_of(m))); },
-        [&](int m) { return out + (rows.begin + row_of(m)) * row_bytes; });
+    block_copy_rows(n, num_packs, ws_row(rank, kRegionO, d, b), out + (rows.begin + b) * row_bytes, block_stride);
     if (replicated) {
-      block_copy_rows(
-          n, num_packs, [&](int m) { return static_cast<const char*>(ws_row(rank, kRegionR, d, row_of(m))); },
-          [&](int m) { return residual + (rows.begin + row_of(m)) * row_bytes; });
+      block_copy_rows(n, num_packs, ws_row(rank, kRegionR, d, b), residual + (rows.begin + b) * row_bytes,
+                      block_stride);
     }
   }
   device::call_end(p.barrier);
@@ -298,11 +496,12 @@ Status launch_rs_rmsnorm_ag_p2p(const RsRmsNormAgP2pParams& params, Stream strea
     }
     chunk.capacity = std::min(fit, per_rank);
   }
-  const int group = row_threads(a.hidden);
-  const int64_t rows_per_block = kThreads / group;
+  const int64_t rows_per_unit = rows_per_work_unit(a.hidden);
   const int cap = params.tuned_max_blocks > 0 ? params.tuned_max_blocks : kFusedP2pDefaultMaxBlocks;
   const int blocks = fused_rmsnorm_num_blocks(params.num_blocks, cap,
-                                              (chunk.capacity + rows_per_block - 1) / rows_per_block);
+                                              (chunk.capacity + rows_per_unit - 1) / rows_per_unit);
+  // Only the order of work depends on the group size, never the bits (Note [fused p2p phase B]).
+  const int group = row_threads(a.hidden, (chunk.capacity + blocks - 1) / blocks);
   for (chunk.offset = 0; chunk.offset < per_rank; chunk.offset += chunk.capacity) {
     const auto launch = [&]<typename T>() {
       return COMMLIB_DISPATCH_WORLD_SIZE(

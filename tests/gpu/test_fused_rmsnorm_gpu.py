@@ -92,6 +92,15 @@ def test_fused_gpu_barrier_kernel_small_tokens(ranks):
                                                            (None, 1, 3))
 
 
+def test_fused_gpu_barrier_kernel_row_groups(ranks):
+    # The barrier kernel's phase B gives each row a group of 32..512 threads, chosen from the rows
+    # per CTA (Note [fused p2p phase B]): 301 tokens (slices of 151 and 150 rows) on 1, 20, 40 and
+    # 132 CTAs give groups of 32, 64, 128 and 256 threads; hidden 8 (one pack), 1032 (129 packs:
+    # zero-padded tree) and 16384 (64 packs per thread of a warp). Same bits for every group size.
+    ranks(2, env={"COMMLIB_FUSED_LL_MAX_BYTES": "0"}).run(_gpu_case, "bfloat16", [301], [8, 1032, 16384],
+                                                           (1, 20, 40, 132))
+
+
 def test_fused_gpu_ll_kernel_large_slices(ranks):
     # A huge LL limit: the LL kernel (rs_rmsnorm_ag_p2p_ll.cu) runs whenever the slice fits the LL
     # buffer (40 tokens of hidden 16384 does not: the launcher falls back to the barrier kernel).
