@@ -6,8 +6,10 @@ A 1-rank communicator has no peers, so the barrier kernel's phase B (reduce, res
 squares, normalise) is all that runs: every output is compared bit for bit with
 commlib.fused.reference_rmsnorm on the CPU, for hidden sizes 8 .. 16384, odd token counts, both
 dtypes, both residual modes and CTA counts 1 .. 132 (the LL kernel off). Then it times the kernel
-(CUDA-graph replay) at 1024 / 4096 tokens x 8192 by CTA count: the local part of the op's cost.
-Useful when only one GPU is available; the 2-GPU suite (tests/gpu) is the real test.
+(CUDA-graph replay) at 1024 / 4096 tokens x 8192 by CTA count. World 1 runs the generic-world
+instantiation (one pack per thread per step, sized for 8 sources), so its times are not those of
+the specialised 2/4/8-rank kernels. Useful when only one GPU is available; the 2-GPU suite
+(tests/gpu) is the real test.
 """
 import datetime
 import os
