@@ -36,11 +36,10 @@ const char* fused_rmsnorm_phase_name(int phase);
 constexpr int kFusedMaxBlocks = 132;
 constexpr int kFusedDefaultMaxBlocks = 16;
 // The barrier (p2p) kernel's by-size cap: the whole GPU. Measured on 2x H200 at 512-4096 tokens x
-// 8192 (bench/results/fused-rmsnorm-2026-11-30-c.md), 16 CTAs run at 49-63% of 132 CTAs' speed: a
-// CTA of that kernel (block-wide rows, since replaced by independent row groups, Note [fused p2p
-// phase B]) was latency-bound (a row's loads, its block-wide sum of squares, its stores), not
-// NVLink-bound (8 CTAs already saturate the link for a plain copy). Callers that overlap the op
-// with compute pass num_sms (or COMMLIB_FUSED_NUM_SMS, or the tune file's fused_num_sms) to cap it.
+// 8192 (bench/results/fused-rmsnorm-2026-11-30-d.md): 132 CTAs are the fastest count at every size,
+// and 16 CTAs reach 68-80% of that (a CTA is latency-bound, not NVLink-bound: 8 CTAs already
+// saturate the link for a plain copy). Callers that overlap the op with compute pass num_sms (or
+// COMMLIB_FUSED_NUM_SMS, or the tune file's fused_num_sms) to cap it.
 constexpr int kFusedP2pDefaultMaxBlocks = kFusedMaxBlocks;
 
 struct RsRmsNormAgP2pParams {
