@@ -41,10 +41,9 @@
 //   kernel before) and needs meta[d][(i, 0)] for d's other parts. The own chunk (s = d) is
 //   expanded from x directly by the warps that do not push (they wait only for the meta flags of
 //   ranks < d, and d's own when p > 0); remote chunks from land_x after data[s][b] (this part's
-//   columns) and meta[s][(i, 0)].
-//   Each warp loads a row once and stores it to all its expert rows. recv_pos records every
-//   position (-1: dropped by capacity), written by the lead only; block 0 (chunk 0's lead)
-//   writes expert_counts and raises the overflow word on every rank.
+//   columns) and meta[s][(i, 0)]. Each warp loads a row once and stores it to all its expert
+//   rows. recv_pos records every position (-1: dropped by capacity), written by the lead only;
+//   block 0 (chunk 0's lead) writes expert_counts and raises the overflow word on every rank.
 // combine, block b = (i, p) of owner rank d: for every source s (d included) and token t of
 //   chunk i with a route to d, one warp (or several, splitting part p) sums w * y over those
 //   routes (k ascending, fp32, no FMA), rounds to the dtype and stores part p of the partial into
