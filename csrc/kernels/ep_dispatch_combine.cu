@@ -21,8 +21,12 @@ constexpr unsigned kFullMask = 0xffffffffu;
 // 16-byte packs in flight per lane in a row copy, and per lane and route in a weighted sum.
 constexpr int kCopyUnroll = 8;
 constexpr int kSumUnroll = 4;
-// Smallest chunk of tokens per block (more blocks than this only add flag traffic).
-constexpr int64_t kMinTokensPerBlock = 2;
+// Smallest chunk of tokens (more chunks than this only add flag traffic).
+constexpr int64_t kMinTokensPerChunk = 2;
+// Blocks the grid aims for when chunks are few (decode): chunks x column parts (Note [EP GPU protocol]).
+constexpr int kTargetBlocks = 128;
+// Smallest column range of one warp when several warps share a row: one 16-byte pack per lane.
+constexpr int64_t kMinPacksPerWarp = 32;
 // Named barrier id of the pushing warps (0 is __syncthreads).
 constexpr int kPushBarrier = 1;
 
@@ -58,10 +62,31 @@ __device__ __forceinline__ U* piece(const EPParams& p, int r, size_t offset) {
   return reinterpret_cast<U*>(p.sym.peer<char>(r) + offset);
 }
 
-// Slot of writer s, block b in a [world][blocks] array.
+// Slot of writer s, block b in a [world][blocks] array (the flags).
 __device__ __forceinline__ size_t slot(const EPParams& p, int s, int b) {
-  return static_cast<size_t>(s) * p.num_blocks + b;
+  return static_cast<size_t>(s) * p.grid.num_blocks() + b;
 }
+
+// Slot of writer s, chunk i in a [world][chunks] array (token counts, totals).
+__device__ __forceinline__ size_t chunk_slot(const EPParams& p, int s, int i) {
+  return static_cast<size_t>(s) * p.grid.num_chunks + i;
+}
+
+// This block's place in the grid: block (chunk, part); lead is the block index of (chunk, 0).
+struct BlockRole {
+  int chunk, part, lead;
+};
+
+__device__ __forceinline__ BlockRole block_role(const EPParams& p) {
+  const int b = static_cast<int>(blockIdx.x);
+  return {b / p.grid.num_parts, b % p.grid.num_parts, b - b % p.grid.num_parts};
+}
+
+// Rank sets as bit masks (bit q: rank q).
+__device__ __forceinline__ unsigned all_ranks(const EPParams& p) { return (1u << p.world_size) - 1u; }
+__device__ __forceinline__ unsigned self_rank(const EPParams& p) { return 1u << p.rank; }
+__device__ __forceinline__ unsigned other_ranks(const EPParams& p) { return all_ranks(p) & ~self_rank(p); }
+__device__ __forceinline__ unsigned ranks_below(const EPParams& p) { return self_rank(p) - 1u; }
 
 // Route i = t * topk + k of source s in a [world][max_tokens][topk] array.
 __device__ __forceinline__ size_t route(const EPParams& p, int s, int64_t i) {
@@ -73,10 +98,10 @@ __device__ __forceinline__ size_t row(const EPParams& p, int s, int64_t t) {
   return (static_cast<size_t>(s) * p.config.max_tokens_per_rank + t) * p.config.hidden;
 }
 
-// Tokens of source s in chunk b (s's token count comes from its slot in this rank's piece).
-__device__ __forceinline__ int64_t chunk_tokens(const EPParams& p, int s, int b) {
-  const int64_t num_tokens = piece<const int32_t>(p, p.rank, p.layout.num_tokens)[slot(p, s, b)];
-  return clamp64(num_tokens - b * p.tokens_per_block, 0, p.tokens_per_block);
+// Tokens of source s in chunk i (s's token count comes from its slot in this rank's piece).
+__device__ __forceinline__ int64_t chunk_tokens(const EPParams& p, int s, int i) {
+  const int64_t num_tokens = piece<const int32_t>(p, p.rank, p.layout.num_tokens)[chunk_slot(p, s, i)];
+  return clamp64(num_tokens - i * p.grid.tokens_per_chunk, 0, p.grid.tokens_per_chunk);
 }
 
 struct SourceToken {
@@ -84,27 +109,28 @@ struct SourceToken {
   int64_t t;
 };
 
-// The r-th token of chunk b over the sources in rank order (skipping `skip`, -1 for none).
-__device__ __forceinline__ SourceToken nth_token(const EPParams& p, int b, int skip, int64_t r) {
+// The r-th token of chunk i over the sources in rank order (skipping `skip`, -1 for none).
+__device__ __forceinline__ SourceToken nth_token(const EPParams& p, int i, int skip, int64_t r) {
   int s = 0;
   for (; s < p.world_size; ++s) {
     if (s == skip) continue;
-    const int64_t count = chunk_tokens(p, s, b);
+    const int64_t count = chunk_tokens(p, s, i);
     if (r < count) break;
     r -= count;
   }
-  return {s, b * p.tokens_per_block + r};
+  return {s, i * p.grid.tokens_per_chunk + r};
 }
 
-__device__ __forceinline__ int64_t chunk_tokens_total(const EPParams& p, int b, int skip) {
+__device__ __forceinline__ int64_t chunk_tokens_total(const EPParams& p, int i, int skip) {
   int64_t total = 0;
-  for (int s = 0; s < p.world_size; ++s) total += s == skip ? 0 : chunk_tokens(p, s, b);
+  for (int s = 0; s < p.world_size; ++s) total += s == skip ? 0 : chunk_tokens(p, s, i);
   return total;
 }
 
-__device__ __forceinline__ int32_t* totals_of(const EPParams& p, int r, int s, int b) {
+// Source s's routes to each of rank r's experts, as s's lead of chunk i wrote them into r's piece.
+__device__ __forceinline__ int32_t* totals_of(const EPParams& p, int r, int s, int i) {
   const int64_t num_local = p.config.num_experts / p.world_size;
-  return piece<int32_t>(p, r, p.layout.totals) + slot(p, s, b) * num_local;
+  return piece<int32_t>(p, r, p.layout.totals) + chunk_slot(p, s, i) * num_local;
 }
 
 // An expert id as the kernels use it: out-of-range ids become -1 (counted by the sender).
@@ -146,37 +172,46 @@ __device__ __forceinline__ bool wait_flag(const uint64_t* flag, uint64_t value, 
   return false;
 }
 
-// Thread q < world (q != rank) waits for flags[q][b] of this rank's piece; `first_peers` limits it
-// to ranks below `first_peers`. Block-wide: every thread calls it; the __syncthreads_or makes the
-// acquired writes visible to the whole block. Returns true on every thread if a wait failed.
-__device__ __forceinline__ bool wait_block(const EPParams& p, size_t flags, uint64_t value, EPPhaseId phase,
-                                           uint64_t seq, int num_peers) {
-  const int q = static_cast<int>(threadIdx.x);
+// The flags one wait covers: flags[q][block] of this rank's piece for every rank q in `ranks`.
+struct FlagSet {
+  size_t flags;
+  int block;
+  unsigned ranks;
+  EPPhaseId phase;
+};
+
+// Lane q of a waiting warp waits for rank q's flag of `set` (if q is in it).
+__device__ __forceinline__ bool wait_lane(const EPParams& p, const FlagSet& set, uint64_t value, uint64_t seq, int q) {
+  if (q >= p.world_size || ((set.ranks >> q) & 1u) == 0u) return false;
+  return wait_flag(piece<uint64_t>(p, p.rank, set.flags) + slot(p, q, set.block), value, p.barrier, q, set.phase, seq);
+}
+
+// Block-wide (every thread calls it): warp 0 waits for `first`, warp 1 for `second` at the same
+// time; the __syncthreads_or makes the acquired writes visible to the whole block. Returns true on
+// every thread if a wait failed.
+__device__ __forceinline__ bool wait_block(const EPParams& p, const FlagSet& first, const FlagSet& second,
+                                           uint64_t value, uint64_t seq) {
+  const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
   bool failed = false;
-  if (q < num_peers && q != p.rank) {
-    failed = wait_flag(piece<uint64_t>(p, p.rank, flags) + slot(p, q, blockIdx.x), value, p.barrier, q, phase, seq);
-  }
+  if (warp == 0) failed = wait_lane(p, first, value, seq, lane);
+  if (warp == 1) failed = wait_lane(p, second, value, seq, lane);
   return __syncthreads_or(failed) != 0;
 }
 
-// The same for one warp (lane q waits for rank q < num_peers); __syncwarp shares the visibility.
-__device__ __forceinline__ bool wait_warp(const EPParams& p, size_t flags, uint64_t value, EPPhaseId phase,
-                                          uint64_t seq, int num_peers, int lane) {
-  bool failed = false;
-  if (lane < num_peers && lane != p.rank) {
-    failed = wait_flag(piece<uint64_t>(p, p.rank, flags) + slot(p, lane, blockIdx.x), value, p.barrier, lane, phase,
-                       seq);
-  }
+// The same for one warp; __syncwarp shares the visibility.
+__device__ __forceinline__ bool wait_warp(const EPParams& p, const FlagSet& set, uint64_t value, uint64_t seq,
+                                          int lane) {
+  bool failed = wait_lane(p, set, value, seq, lane);
   failed = __any_sync(kFullMask, failed);
   __syncwarp();
   return failed;
 }
 
-// Thread q < world (q != rank) raises flags[rank][b] in rank q's piece (release, system scope:
+// Thread q (rank q in `ranks`) raises flags[rank][b] in rank q's piece (release, system scope:
 // publishes every write this block made before the preceding bar.sync, cumulatively).
-__device__ __forceinline__ void signal_peers(const EPParams& p, size_t flags, uint64_t value) {
+__device__ __forceinline__ void signal_ranks(const EPParams& p, size_t flags, uint64_t value, unsigned ranks) {
   const int q = static_cast<int>(threadIdx.x);
-  if (q < p.world_size && q != p.rank) {
+  if (q < p.world_size && ((ranks >> q) & 1u) != 0u) {
     device::st_release_sys_u64(piece<uint64_t>(p, q, flags) + slot(p, p.rank, blockIdx.x), value);
   }
 }
@@ -196,12 +231,17 @@ __device__ __forceinline__ int warp_list(U* list, bool keep, const U& item, int 
   return __popc(mask);
 }
 
-// A row is split into `parts` column ranges of whole packs when there are fewer rows than warps
-// (decode sizes), so that several warps share one row.
+// A row is split into column ranges of whole packs: over the blocks of a chunk (its column parts,
+// Note [EP GPU protocol]), and within a block when there are fewer rows than warps (decode sizes),
+// so that several warps share one row.
 struct Cols {
   int64_t begin, end;  // elements
+
+  __device__ __forceinline__ int64_t size() const { return end - begin; }
 };
 
+// Part `part` of `parts` of the columns [0, hidden): whole packs; the last non-empty part ends at
+// hidden, trailing parts may be empty.
 template <typename T>
 __device__ __forceinline__ Cols cols_of(int64_t hidden, int part, int parts) {
   constexpr int N = device::Vec<T>::kNumElems;
@@ -209,12 +249,21 @@ __device__ __forceinline__ Cols cols_of(int64_t hidden, int part, int parts) {
   return {min64(part * per, hidden), min64((part + 1) * per, hidden)};
 }
 
-// Parts per row for `items` rows shared by `workers` warps (at least 64 packs a part).
+// Part `part` of `parts` of `range`, whose begin is a whole number of packs: its boundaries are
+// whole packs again, and it ends at range.end.
 template <typename T>
-__device__ __forceinline__ int parts_for(int64_t items, int workers, int64_t hidden) {
+__device__ __forceinline__ Cols sub_cols(Cols range, int part, int parts) {
+  const Cols c = cols_of<T>(range.size(), part, parts);
+  return {range.begin + c.begin, range.begin + c.end};
+}
+
+// Parts per row for `items` rows of `width` columns shared by `workers` warps (at least
+// kMinPacksPerWarp packs a part).
+template <typename T>
+__device__ __forceinline__ int parts_for(int64_t items, int workers, int64_t width) {
   constexpr int N = device::Vec<T>::kNumElems;
   if (items <= 0 || items >= workers) return 1;
-  const int64_t most = max64(1, (hidden + 64 * N - 1) / (64 * N));
+  const int64_t most = max64(1, (width + kMinPacksPerWarp * N - 1) / (kMinPacksPerWarp * N));
   return static_cast<int>(min64(workers / items, most));
 }
 
@@ -317,11 +366,13 @@ __device__ __forceinline__ void sum_rows(T* dst, const T* const* srcs, int num_s
 
 // ---- dispatch ----
 
-// Token t of source s (chunk of this block) into this rank's expert rows: route (s, t, k) to local
-// expert l lands at base(s, l) + j (Note [EP GPU protocol]); recv_pos records it (-1: dropped).
+// Columns `cols` of token t of source s (of chunk i) into this rank's expert rows: route (s, t, k)
+// to local expert l lands at base(s, l) + j (Note [EP GPU protocol]). If `record`, recv_pos
+// records it (-1: dropped); exactly one warp of the grid records each route (the chunk lead's
+// warp with the first columns), so no two blocks write the same word.
 template <typename T>
-__device__ __forceinline__ void expand_token(const EPParams& p, int s, int64_t t, const T* src, T** list, Cols cols,
-                                             int lane) {
+__device__ __forceinline__ void expand_token(const EPParams& p, int s, int64_t t, int i, const T* src, T** list,
+                                             Cols cols, bool record, int lane) {
   const EPConfig& c = p.config;
   const int64_t num_local = c.num_experts / p.world_size;
   T* dst = nullptr;
@@ -332,9 +383,9 @@ __device__ __forceinline__ void expand_token(const EPParams& p, int s, int64_t t
     if (e >= 0 && e / num_local == p.rank) {
       const int64_t l = e - p.rank * num_local;
       int64_t pos = piece<const int32_t>(p, p.rank, p.layout.meta_j)[at];
-      for (int q = 0; q < s; ++q) pos += totals_of(p, p.rank, q, blockIdx.x)[l];
+      for (int q = 0; q < s; ++q) pos += totals_of(p, p.rank, q, i)[l];
       keep = pos < c.capacity;
-      p.recv_pos[at] = keep ? static_cast<int32_t>(pos) : -1;
+      if (record) p.recv_pos[at] = keep ? static_cast<int32_t>(pos) : -1;
       if (keep) dst = static_cast<T*>(p.expert_x) + (l * c.capacity + pos) * c.hidden;
     }
   }
@@ -351,17 +402,21 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
   const bool send = has(mode, EPMode::kSend), recv = has(mode, EPMode::kRecv);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n = p.world_size, me = p.rank, b = blockIdx.x;
+  const BlockRole role = block_role(p);
+  const bool is_lead = role.part == 0;
   const int topk = static_cast<int>(c.topk);
   const int64_t num_experts = c.num_experts, num_local = num_experts / n;
-  const int64_t t_begin = b * p.tokens_per_block;
+  const int64_t t_begin = role.chunk * p.grid.tokens_per_chunk;
+  const Cols cols = cols_of<T>(c.hidden, role.part, p.grid.num_parts);  // this block's columns of every row
+  const T* x = static_cast<const T*>(p.x);
   if (device::ld_volatile_u32(&p.barrier.state->poisoned) != 0) return;
   const uint64_t seq = device::ld_volatile_u64(&piece<EPControl>(p, me, p.layout.control)->seq);
   const uint64_t value = seq + 1;
   trace(EPTracePoint::kDispatchStart, 0);
 
-  if (send) {
+  if (send && is_lead) {
     const int64_t num_tokens = p.num_tokens;
-    const int64_t t_end = min64(num_tokens, t_begin + p.tokens_per_block);
+    const int64_t t_end = min64(num_tokens, t_begin + p.grid.tokens_per_chunk);
     int32_t* before = counts;
     int32_t* totals = counts + num_experts;
     for (int64_t e = threadIdx.x; e < 2 * num_experts; e += kThreads) counts[e] = 0;
@@ -376,10 +431,13 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
     __syncthreads();
     // 2. Meta of this chunk to every rank: token count, the totals of its experts, idx / w / j.
     for (int d = 0; d < n; ++d) {
-      int32_t* dst = totals_of(p, d, me, b);
+      int32_t* dst = totals_of(p, d, me, role.chunk);
       for (int64_t l = threadIdx.x; l < num_local; l += kThreads) dst[l] = totals[d * num_local + l];
     }
-    if (threadIdx.x < n) piece<int32_t>(p, threadIdx.x, p.layout.num_tokens)[slot(p, me, b)] = static_cast<int32_t>(num_tokens);
+    if (threadIdx.x < n) {
+      int32_t* dst = piece<int32_t>(p, threadIdx.x, p.layout.num_tokens);
+      dst[chunk_slot(p, me, role.chunk)] = static_cast<int32_t>(num_tokens);
+    }
     if (warp == 0) {
       for (int64_t first = t_begin * topk; first < t_end * topk; first += 32) {
         const int64_t i = first + lane;
@@ -411,17 +469,18 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
       }
     }
     __syncthreads();
-    signal_peers(p, p.layout.meta_flags, value);
+    // This rank's other parts of the chunk read its own meta too (they wait for this flag).
+    signal_ranks(p, p.layout.meta_flags, value, p.grid.num_parts > 1 ? all_ranks(p) : other_ranks(p));
     trace(EPTracePoint::kDispatchMetaSignalled, 0);
   }
 
-  // 3. Rows: pushing warps store each token of the chunk into its remote owners' land_x, while
-  // (fused kernel) the other warps expand the own chunk from x.
+  // 3. Rows: pushing warps store this block's columns of each token of the chunk into its remote
+  // owners' land_x, while (fused kernel) the other warps expand the own chunk from x.
   const int num_push_warps = send ? (recv ? kPushWarps : kWarps) : 0;
   bool failed = false;
   if (warp < num_push_warps) {
-    const int64_t items = clamp64(p.num_tokens - t_begin, 0, p.tokens_per_block);
-    const int parts = parts_for<T>(items, num_push_warps, c.hidden);
+    const int64_t items = clamp64(p.num_tokens - t_begin, 0, p.grid.tokens_per_chunk);
+    const int parts = parts_for<T>(items, num_push_warps, cols.size());
     for (int64_t w = warp; w < items * parts; w += num_push_warps) {
       const int64_t t = t_begin + w / parts;
       const int32_t e = lane < topk ? sanitize(p.topk_idx[t * topk + lane], num_experts) : -1;
@@ -429,44 +488,54 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
       const bool keep = lane < n && lane != me && ((owners >> lane) & 1u);
       T* dst = keep ? piece<T>(p, lane, p.layout.land_x) + row(p, me, t) : nullptr;
       const int num_dsts = warp_list(lists[warp], keep, dst, lane);
-      copy_row(lists[warp], num_dsts, static_cast<const T*>(p.x) + t * c.hidden, c.hidden,
-               cols_of<T>(c.hidden, static_cast<int>(w % parts), parts), lane);
+      copy_row(lists[warp], num_dsts, x + t * c.hidden, c.hidden, sub_cols<T>(cols, static_cast<int>(w % parts), parts),
+               lane);
       __syncwarp();
     }
     trace(EPTracePoint::kDispatchRowsPushed, 0);
     named_barrier(kPushBarrier, num_push_warps * 32);
-    signal_peers(p, p.layout.data_flags, value);
+    signal_ranks(p, p.layout.data_flags, value, other_ranks(p));
     trace(EPTracePoint::kDispatchDataSignalled, 0);
   } else if (recv) {
-    // Own positions need the totals of the ranks below this one: their meta flags only.
-    failed = wait_warp(p, p.layout.meta_flags, value, EPPhaseId::kDispatchMeta, seq, me, lane);
+    // Own positions need the totals of the ranks below this one (their leads' meta flags) and, in
+    // a part other than the lead, this rank's own meta, which its lead writes.
+    const FlagSet meta{p.layout.meta_flags, role.lead, ranks_below(p) | (is_lead ? 0u : self_rank(p)),
+                       EPPhaseId::kDispatchMeta};
+    failed = wait_warp(p, meta, value, seq, lane);
     if (!failed) {
-      const int64_t items = chunk_tokens(p, me, b);
+      const int64_t items = chunk_tokens(p, me, role.chunk);
       const int workers = kWarps - num_push_warps;
-      const int parts = parts_for<T>(items, workers, c.hidden);
+      const int parts = parts_for<T>(items, workers, cols.size());
       for (int64_t w = warp - num_push_warps; w < items * parts; w += workers) {
         const int64_t t = t_begin + w / parts;
-        expand_token<T>(p, me, t, static_cast<const T*>(p.x) + t * c.hidden, lists[warp],
-                        cols_of<T>(c.hidden, static_cast<int>(w % parts), parts), lane);
+        const int sub = static_cast<int>(w % parts);
+        expand_token<T>(p, me, t, role.chunk, x + t * c.hidden, lists[warp], sub_cols<T>(cols, sub, parts),
+                        is_lead && sub == 0, lane);
       }
     }
     trace(EPTracePoint::kDispatchOwnExpanded, kPushWarps * 32);
   }
   if (!recv) return;
 
-  // 4. Remote chunks, once their rows (and, cumulatively, their meta) have landed.
+  // 4. Remote chunks, once this part's columns of their rows (data flags of block b) and their
+  // leads' meta have landed: for the lead, data[q][b] covers its own meta; another part waits for
+  // meta[q][lead] of every rank, its own included (the totals of this rank are the base of the
+  // sources above it).
   if (__syncthreads_or(failed)) return;
-  if (wait_block(p, p.layout.data_flags, value, EPPhaseId::kDispatchLanded, seq, n)) return;
+  const FlagSet data{p.layout.data_flags, b, other_ranks(p), EPPhaseId::kDispatchLanded};
+  const FlagSet meta{p.layout.meta_flags, role.lead, is_lead ? 0u : all_ranks(p), EPPhaseId::kDispatchMeta};
+  if (wait_block(p, data, meta, value, seq)) return;
   trace(EPTracePoint::kDispatchDataLanded, 0);
-  const int64_t items = chunk_tokens_total(p, b, me);
-  const int parts = parts_for<T>(items, kWarps, c.hidden);
+  const int64_t items = chunk_tokens_total(p, role.chunk, me);
+  const int parts = parts_for<T>(items, kWarps, cols.size());
   for (int64_t w = warp; w < items * parts; w += kWarps) {
-    const auto [s, t] = nth_token(p, b, me, w / parts);
-    expand_token<T>(p, s, t, piece<const T>(p, me, p.layout.land_x) + row(p, s, t), lists[warp],
-                    cols_of<T>(c.hidden, static_cast<int>(w % parts), parts), lane);
+    const auto [s, t] = nth_token(p, role.chunk, me, w / parts);
+    const int sub = static_cast<int>(w % parts);
+    expand_token<T>(p, s, t, role.chunk, piece<const T>(p, me, p.layout.land_x) + row(p, s, t), lists[warp],
+                    sub_cols<T>(cols, sub, parts), is_lead && sub == 0, lane);
   }
   if (b == 0) {
-    // Every owner raises the overflow word of every rank for its own experts.
+    // Chunk 0's lead: every owner raises the overflow word of every rank for its own experts.
     for (int64_t l = threadIdx.x; l < num_local; l += kThreads) {
       int64_t total = 0;
       for (int s = 0; s < n; ++s) total += totals_of(p, me, s, 0)[l];
@@ -494,24 +563,28 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPM
   const bool send = has(mode, EPMode::kSend), recv = has(mode, EPMode::kRecv);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n = p.world_size, me = p.rank, b = blockIdx.x;
+  const BlockRole role = block_role(p);
   const int topk = static_cast<int>(c.topk);
   const int64_t num_local = c.num_experts / n;
-  const int64_t t_begin = b * p.tokens_per_block;
+  const int64_t t_begin = role.chunk * p.grid.tokens_per_chunk;
+  const Cols cols = cols_of<T>(c.hidden, role.part, p.grid.num_parts);  // this block's columns of every row
   if (device::ld_volatile_u32(&p.barrier.state->poisoned) != 0) return;
   EPControl* control = piece<EPControl>(p, me, p.layout.control);
   const uint64_t seq = device::ld_volatile_u64(&control->seq);
   const uint64_t value = seq + 1;
   trace(EPTracePoint::kCombineStart, 0);
+  // Meta and recv_pos of every source were written, or acquired, in the dispatch kernel.
   const int32_t* meta_idx = piece<const int32_t>(p, me, p.layout.meta_idx);
 
   if (send) {
-    // Partials of this rank's routes for every source's tokens of chunk b (the own ones too).
+    // This block's columns of the partials of this rank's routes for every source's tokens of the
+    // chunk (the own ones too).
     const float* meta_w = piece<const float>(p, me, p.layout.meta_w);
     const T* expert_out = static_cast<const T*>(p.expert_out);
-    const int64_t items = chunk_tokens_total(p, b, -1);
-    const int parts = parts_for<T>(items, kWarps, c.hidden);
+    const int64_t items = chunk_tokens_total(p, role.chunk, -1);
+    const int parts = parts_for<T>(items, kWarps, cols.size());
     for (int64_t item = warp; item < items * parts; item += kWarps) {
-      const auto [s, t] = nth_token(p, b, -1, item / parts);
+      const auto [s, t] = nth_token(p, role.chunk, -1, item / parts);
       bool local = false, keep = false;
       const T* y = nullptr;
       float w = 0.0f;
@@ -536,19 +609,22 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPM
       __syncwarp();
       T* dst = piece<T>(p, s, p.layout.land_y) + row(p, me, t);
       weighted_sum_row(dst, srcs[warp], weights[warp], __popc(mask), c.hidden,
-                       cols_of<T>(c.hidden, static_cast<int>(item % parts), parts), lane);
+                       sub_cols<T>(cols, static_cast<int>(item % parts), parts), lane);
       __syncwarp();  // the lists are rewritten by the next token
     }
     __syncthreads();
-    signal_peers(p, p.layout.combine_flags, value);
+    signal_ranks(p, p.layout.combine_flags, value, other_ranks(p));
     trace(EPTracePoint::kCombineSignalled, 0);
   }
   if (!recv) return;
 
-  if (wait_block(p, p.layout.combine_flags, value, EPPhaseId::kCombineLanded, seq, n)) return;
+  // This part's columns of the partials of block b of every peer.
+  const FlagSet partials{p.layout.combine_flags, b, other_ranks(p), EPPhaseId::kCombineLanded};
+  const FlagSet none{p.layout.combine_flags, b, 0u, EPPhaseId::kCombineLanded};
+  if (wait_block(p, partials, none, value, seq)) return;
   trace(EPTracePoint::kCombineLanded, 0);
-  const int64_t items = chunk_tokens(p, me, b);
-  const int parts = parts_for<T>(items, kWarps, c.hidden);
+  const int64_t items = chunk_tokens(p, me, role.chunk);
+  const int parts = parts_for<T>(items, kWarps, cols.size());
   const T* land_y = piece<const T>(p, me, p.layout.land_y);
   for (int64_t w = warp; w < items * parts; w += kWarps) {
     const int64_t t = t_begin + w / parts;
@@ -557,7 +633,7 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPM
     const bool keep = lane < n && ((owners >> lane) & 1u);
     const int num_srcs = warp_list(srcs[warp], keep, keep ? land_y + row(p, lane, t) : nullptr, lane);
     sum_rows(static_cast<T*>(p.out) + t * c.hidden, srcs[warp], num_srcs, c.hidden,
-             cols_of<T>(c.hidden, static_cast<int>(w % parts), parts), lane);
+             sub_cols<T>(cols, static_cast<int>(w % parts), parts), lane);
     __syncwarp();
   }
   // The last block to finish advances seq (every block read it above, before counting itself).
@@ -595,11 +671,14 @@ Status check_params(const EPParams& p, const char* what) {
   if (p.num_tokens < 0 || p.num_tokens > p.config.max_tokens_per_rank) {
     return Status(StatusCode::kInvalidArgument, detail::concat(what, ": num_tokens ", p.num_tokens, " out of range"));
   }
-  if (p.num_blocks < 1 || p.num_blocks > kEPMaxBlocks ||
-      p.tokens_per_block * p.num_blocks < p.config.max_tokens_per_rank) {
+  const EPGrid& g = p.grid;
+  if (g.num_chunks < 1 || g.num_parts < 1 || g.num_parts > kEPMaxParts || g.num_blocks() > kEPMaxBlocks ||
+      g.tokens_per_chunk < 1 || g.tokens_per_chunk * g.num_chunks < p.config.max_tokens_per_rank) {
     return Status(StatusCode::kInvalidArgument,
-                  detail::concat(what, ": grid of ", p.num_blocks, " blocks x ", p.tokens_per_block,
-                                 " tokens does not cover max_tokens_per_rank ", p.config.max_tokens_per_rank));
+                  detail::concat(what, ": grid of ", g.num_chunks, " chunks x ", g.tokens_per_chunk, " tokens x ",
+                                 g.num_parts, " column parts does not cover max_tokens_per_rank ",
+                                 p.config.max_tokens_per_rank, " within ", kEPMaxBlocks, " blocks and ", kEPMaxParts,
+                                 " parts"));
   }
   return Status::ok();
 }
@@ -627,14 +706,25 @@ const char* ep_phase_name(int phase) {
 
 int ep_threads_per_block() { return kThreads; }
 
-int ep_num_blocks(const EPConfig& c, int max_blocks) {
-  const int64_t wanted = (c.max_tokens_per_rank + kMinTokensPerBlock - 1) / kMinTokensPerBlock;
-  return static_cast<int>(std::clamp<int64_t>(wanted, 1, std::clamp(max_blocks, 1, kEPMaxBlocks)));
+EPGrid ep_grid(const EPConfig& c, int max_blocks) {
+  const int most = std::clamp(max_blocks, 1, kEPMaxBlocks);
+  const int64_t max_tokens = std::max<int64_t>(c.max_tokens_per_rank, 1);
+  const int64_t wanted = (max_tokens + kMinTokensPerChunk - 1) / kMinTokensPerChunk;
+  const int64_t chunks = std::min<int64_t>(wanted, most);
+  EPGrid g;
+  g.tokens_per_chunk = (max_tokens + chunks - 1) / chunks;
+  g.num_chunks = static_cast<int>((max_tokens + g.tokens_per_chunk - 1) / g.tokens_per_chunk);  // none empty
+  // Few chunks (decode): spread each chunk's columns over several blocks (SMs), up to about
+  // kTargetBlocks blocks but never more than `most`; many chunks: P = 1.
+  const int wanted_parts = (kTargetBlocks + g.num_chunks - 1) / g.num_chunks;
+  g.num_parts = std::clamp(std::min(wanted_parts, most / g.num_chunks), 1, kEPMaxParts);
+  return g;
 }
 
-EPSymmetricLayout ep_symmetric_layout(const EPConfig& c, int world_size, int num_blocks) {
+EPSymmetricLayout ep_symmetric_layout(const EPConfig& c, int world_size, const EPGrid& grid) {
   constexpr size_t kAlign = 256;
-  const size_t slots = static_cast<size_t>(world_size) * num_blocks;
+  const size_t slots = static_cast<size_t>(world_size) * grid.num_blocks();
+  const size_t chunk_slots = static_cast<size_t>(world_size) * grid.num_chunks;
   const size_t meta = static_cast<size_t>(world_size) * c.max_tokens_per_rank * c.topk;
   const size_t rows = static_cast<size_t>(world_size) * c.max_tokens_per_rank * c.hidden * dtype_size(c.dtype);
   const size_t num_local = static_cast<size_t>(c.num_experts / world_size);
@@ -650,8 +740,8 @@ EPSymmetricLayout ep_symmetric_layout(const EPConfig& c, int world_size, int num
   take(l.data_flags, slots * sizeof(uint64_t));
   take(l.combine_flags, slots * sizeof(uint64_t));
   l.control_end = at;
-  take(l.num_tokens, slots * sizeof(int32_t));
-  take(l.totals, slots * num_local * sizeof(int32_t));
+  take(l.num_tokens, chunk_slots * sizeof(int32_t));
+  take(l.totals, chunk_slots * num_local * sizeof(int32_t));
   take(l.meta_idx, meta * sizeof(int32_t));
   take(l.meta_w, meta * sizeof(float));
   take(l.meta_j, meta * sizeof(int32_t));
@@ -667,7 +757,7 @@ Status launch_ep_dispatch(const EPParams& p, EPMode mode, Stream stream) {
   if (!status.is_ok()) return status;
   const size_t smem = 2 * static_cast<size_t>(p.config.num_experts) * sizeof(int32_t);
   COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, return Status(StatusCode::kInvalidArgument, what), [&] {
-    ep_dispatch_kernel<T><<<p.num_blocks, kThreads, smem, stream>>>(p, mode);
+    ep_dispatch_kernel<T><<<p.grid.num_blocks(), kThreads, smem, stream>>>(p, mode);
   });
   return cuda_status(what);
 }
@@ -677,7 +767,7 @@ Status launch_ep_combine(const EPParams& p, EPMode mode, Stream stream) {
   Status status = check_params(p, what);
   if (!status.is_ok()) return status;
   COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, return Status(StatusCode::kInvalidArgument, what), [&] {
-    ep_combine_kernel<T><<<p.num_blocks, kThreads, 0, stream>>>(p, mode);
+    ep_combine_kernel<T><<<p.grid.num_blocks(), kThreads, 0, stream>>>(p, mode);
   });
   return cuda_status(what);
 }

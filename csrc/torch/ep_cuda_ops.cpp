@@ -81,15 +81,16 @@ EPCudaState* ep_cuda_create(Communicator& comm, const EPConfig& config, at::Devi
   COMMLIB_CHECK(config.num_experts <= kernels::kEPMaxExpertsCuda, InvalidArgument, what, ": num_experts ",
                 config.num_experts, " not supported on CUDA; valid: up to ", kernels::kEPMaxExpertsCuda);
   // Block b of every rank pairs with block b of the peers (Note [EP GPU protocol]), so every rank
-  // launches the same grid, at most one block per SM of the smallest GPU (all blocks resident).
+  // launches the same grid (chunks x column parts), at most one block per SM of the smallest GPU
+  // (all blocks resident).
   int num_sms = 0;
   cuda_ok(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, cuda.device()), what,
           "cudaDeviceGetAttribute");
   std::vector<int32_t> all_sms(n);
   const int32_t my_sms = num_sms;
   comm.all_gather_host(all_sms.data(), &my_sms, sizeof(int32_t));  // collective
-  const int num_blocks = kernels::ep_num_blocks(config, *std::min_element(all_sms.begin(), all_sms.end()));
-  const kernels::EPSymmetricLayout layout = kernels::ep_symmetric_layout(config, n, num_blocks);
+  const kernels::EPGrid grid = kernels::ep_grid(config, *std::min_element(all_sms.begin(), all_sms.end()));
+  const kernels::EPSymmetricLayout layout = kernels::ep_symmetric_layout(config, n, grid);
   state->comm = &comm;
   state->cuda = &cuda;
   state->device = device;
@@ -108,16 +109,15 @@ EPCudaState* ep_cuda_create(Communicator& comm, const EPConfig& config, at::Devi
   t.recv_pos = at::full(meta_shape, -1, opts.dtype(at::kInt));
   t.meta_idx = sym_view(state->sym, layout.meta_idx, meta_shape, at::kInt, device);
   t.meta_w = sym_view(state->sym, layout.meta_w, meta_shape, at::kFloat, device);
-  // Every block of a source writes its token count into its own slot; column 0 is one of them.
-  t.meta_num_tokens = sym_view(state->sym, layout.num_tokens, {n, num_blocks}, at::kInt, device).select(1, 0);
+  // Each chunk's lead block of a source writes its token count into the chunk's slot; column 0 is one of them.
+  t.meta_num_tokens = sym_view(state->sym, layout.num_tokens, {n, grid.num_chunks}, at::kInt, device).select(1, 0);
   t.overflow = sym_view(state->sym, layout.overflow, {kEPOverflowWords}, at::kLong, device);
 
   kernels::EPParams& p = state->params;
   p.config = config;
   p.rank = comm.rank();
   p.world_size = n;
-  p.num_blocks = num_blocks;
-  p.tokens_per_block = (config.max_tokens_per_rank + num_blocks - 1) / num_blocks;
+  p.grid = grid;
   p.sym = state->sym->device_handle();
   p.layout = layout;
   p.barrier = cuda.barrier_handle();

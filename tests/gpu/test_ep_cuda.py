@@ -35,6 +35,19 @@ def _cases(ctx, which):
             (256, 8, 7168, "bfloat16", "random", 512, (512, 300), None),  # DeepSeek-like, many blocks
             (256, 8, 7168, "bfloat16", "one_expert", 64, (64, 64), 40),   # skew past a small capacity
         ],
+        # Decode grids (Note [EP GPU protocol]): few token chunks, each chunk's columns spread over
+        # several blocks (column parts; 132 SMs give 128 blocks at most). Part sizes that do not divide
+        # the row, trailing empty parts, the element path, and the lead's meta read by the other parts.
+        "column_parts": [
+            (8, 2, 4104, "bfloat16", "random", 1, (1,), None),            # 1 chunk x 8 parts; 513 packs
+            (8, 2, 33, "float32", "random", 1, (1,), None),               # element path; parts 5..7 empty
+            (16, 8, 4104, "bfloat16", "one_expert", 3, (3, 1), None),     # 2 chunks x 8, last chunk short
+            (256, 8, 7168, "bfloat16", "random", 8, (8, 0), None),        # DeepSeek-like: 4 chunks x 8
+            (8, 2, 1000, "float16", "duplicates", 2, (2, 1), 1),          # overflow at decode, capacity 1
+            (32, 4, 520, "float32", "masked", 48, (48, 47), None),        # 24 chunks x 5 parts
+            (8, 2, 4096, "bfloat16", "random", 128, (128, 128), None),    # 64 chunks x 2 parts
+            (16, 4, 7168, "bfloat16", "random", 1, (0, 1), None),         # one rank without tokens
+        ],
     }[which]
     return [c for c in cases if c[0] % n == 0]
 
@@ -46,6 +59,11 @@ def _dispatch_combine(ctx, which):
 @pytest.mark.parametrize("world_size", [2])
 def test_dispatch_combine_matches_simulation(ranks, world_size):
     ranks(world_size).run(_dispatch_combine, "basic")
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_decode_column_parts_match_simulation(ranks, world_size):
+    ranks(world_size).run(_dispatch_combine, "column_parts")
 
 
 def _same_as_cpu(ctx):
