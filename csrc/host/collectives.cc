@@ -1,6 +1,7 @@
 // CPU collectives over HostShm (Note [host shm protocol]); reduction per Note [reduction order].
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -71,8 +72,18 @@ void check_same_or_disjoint(const char* what, const void* input, const void* out
 // only its own buffer, and a ring chunk is rewritten only after every peer released it.
 namespace {
 
-constexpr size_t kPipelineChunkBytes = 128 << 10;  // per step; a ring of these stays in L2
+const size_t kPipelineChunkBytes = [] {
+  const char* v = std::getenv("XX_CHUNK");
+  return v ? std::strtoull(v, nullptr, 0) : (128ull << 10);
+}();
+const bool kDemote = std::getenv("XX_DEMOTE") != nullptr;
 constexpr size_t kRingDepth = 4;                     // >= 3: a step's copy waits for gathers 3 steps back
+// Outputs at least this large are written with streaming stores (Note [host streaming stores]):
+// they do not fit the caches this machine's two cores share with the input.
+const size_t kStreamingMinBytes = [] {
+  const char* v = std::getenv("XX_STREAM");
+  return v ? std::strtoull(v, nullptr, 0) : (8ull << 20);
+}();
 
 struct AllReduceArgs {
   const char* what;
@@ -112,6 +123,7 @@ class PipelinedAllReduce {
     slice_elems_ = std::max<size_t>(1, align_down(budget / n, kSliceAlign) / a_.esize);
     chunk_elems_ = slice_elems_ * n;
     num_steps_ = std::max<uint64_t>(1, (a_.count + chunk_elems_ - 1) / chunk_elems_);
+    if (a_.count * a_.esize >= kStreamingMinBytes) out_mode_ = host::StoreMode::kStreaming;
   }
 
   void run() {
@@ -124,6 +136,7 @@ class PipelinedAllReduce {
       if (t >= 1 && t - 1 < num_steps_) reduce(t - 1);
       if (tree_ && t >= 2) gather(t - 2);
     }
+    if (out_mode_ == host::StoreMode::kStreaming) host::store_fence();
     // Every peer is done with the ring: the slots are free for the next collective.
     shm_.wait_peers(Progress::kReleased, first_ + num_steps_, a_.what, "finish");
   }
@@ -155,6 +168,7 @@ class PipelinedAllReduce {
       std::memcpy(ring, in, lo * es);
       std::memcpy(ring + hi * es, in + hi * es, (len - hi) * es);
     }
+    if (kDemote) host::demote(ring, len * es);
     shm_.publish(Progress::kCopied, first_ + t + 1);
   }
 
@@ -165,14 +179,12 @@ class PipelinedAllReduce {
     const uint8_t* own = input_chunk(t) + lo * es;
     uint8_t* out = output_chunk(t) + lo * es;
     for (int r = 0; r < a_.world_size; ++r) srcs_[r] = r == a_.rank ? own : ring_chunk(r, t) + lo * es;
-    host::reduce(out, srcs_.data(), a_.world_size, hi - lo, a_.dtype, a_.op, a_.world_size);
-    if (!tree_) {
-      shm_.publish(Progress::kReleased, first_ + t + 1);
-      return;
-    }
-    // The slice's owner hands the result to the peers' all-gather through its ring chunk.
-    std::memcpy(ring_chunk(a_.rank, t) + lo * es, out, (hi - lo) * es);
-    shm_.publish(Progress::kReduced, first_ + t + 1);
+    // Tree: the slice's owner hands the result to the peers' all-gather through its ring chunk,
+    // written in the same pass as the output.
+    uint8_t* handoff = tree_ ? ring_chunk(a_.rank, t) + lo * es : nullptr;
+    host::reduce(out, srcs_.data(), a_.world_size, hi - lo, a_.dtype, a_.op, a_.world_size, out_mode_, handoff);
+    if (kDemote && handoff) host::demote(handoff, (hi - lo) * es);
+    shm_.publish(tree_ ? Progress::kReduced : Progress::kReleased, first_ + t + 1);
   }
 
   void gather(uint64_t t) {
@@ -182,7 +194,7 @@ class PipelinedAllReduce {
     for (int r = 0; r < a_.world_size; ++r) {
       if (r == a_.rank) continue;
       const size_t lo = slice_lo(len, r), hi = slice_lo(len, r + 1);
-      std::memcpy(out + lo * es, ring_chunk(r, t) + lo * es, (hi - lo) * es);
+      host::copy(out + lo * es, ring_chunk(r, t) + lo * es, (hi - lo) * es, out_mode_);
     }
     shm_.publish(Progress::kReleased, first_ + t + 1);
   }
@@ -195,6 +207,7 @@ class PipelinedAllReduce {
   size_t chunk_elems_ = 0;  // elements per step (the last step may have fewer)
   uint64_t num_steps_ = 0;
   uint64_t first_ = 0;      // global index of step 0 (HostShm::reserve_steps)
+  host::StoreMode out_mode_ = host::StoreMode::kCached;  // how results go to the output
 };
 
 }  // namespace
