@@ -72,18 +72,15 @@ void check_same_or_disjoint(const char* what, const void* input, const void* out
 // only its own buffer, and a ring chunk is rewritten only after every peer released it.
 namespace {
 
-const size_t kPipelineChunkBytes = [] {
-  const char* v = std::getenv("XX_CHUNK");
-  return v ? std::strtoull(v, nullptr, 0) : (128ull << 10);
-}();
-const bool kDemote = std::getenv("XX_DEMOTE") != nullptr;
+size_t xx_env(const char* name, size_t def) {
+  const char* v = std::getenv(name);
+  return v ? std::strtoull(v, nullptr, 0) : def;
+}
+#define kPipelineChunkBytes xx_env("XX_CHUNK", 128 << 10)
 constexpr size_t kRingDepth = 4;                     // >= 3: a step's copy waits for gathers 3 steps back
 // Outputs at least this large are written with streaming stores (Note [host streaming stores]):
 // they do not fit the caches this machine's two cores share with the input.
-const size_t kStreamingMinBytes = [] {
-  const char* v = std::getenv("XX_STREAM");
-  return v ? std::strtoull(v, nullptr, 0) : (8ull << 20);
-}();
+#define kStreamingMinBytes xx_env("XX_STREAM", 8 << 20)
 
 struct AllReduceArgs {
   const char* what;
@@ -168,7 +165,6 @@ class PipelinedAllReduce {
       std::memcpy(ring, in, lo * es);
       std::memcpy(ring + hi * es, in + hi * es, (len - hi) * es);
     }
-    if (kDemote) host::demote(ring, len * es);
     shm_.publish(Progress::kCopied, first_ + t + 1);
   }
 
@@ -183,7 +179,6 @@ class PipelinedAllReduce {
     // written in the same pass as the output.
     uint8_t* handoff = tree_ ? ring_chunk(a_.rank, t) + lo * es : nullptr;
     host::reduce(out, srcs_.data(), a_.world_size, hi - lo, a_.dtype, a_.op, a_.world_size, out_mode_, handoff);
-    if (kDemote && handoff) host::demote(handoff, (hi - lo) * es);
     shm_.publish(tree_ ? Progress::kReduced : Progress::kReleased, first_ + t + 1);
   }
 

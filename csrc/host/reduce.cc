@@ -186,14 +186,6 @@ void copy(void* dst, const void* src, size_t bytes, StoreMode mode) {
   std::memcpy(d + head + body, s + head + body, bytes - head - body);
 }
 
-void demote(const void* p, size_t bytes) {
-#if defined(__x86_64__)
-  // CLDEMOTE is a hint-NOP on cores without it.
-  const auto* c = static_cast<const uint8_t*>(p);
-  for (size_t i = 0; i < bytes; i += 64) asm volatile("cldemote %0" : : "m"(c[i]));
-#endif
-}
-
 void store_fence() {
 #if COMMLIB_HAVE_STREAMING
   _mm_sfence();

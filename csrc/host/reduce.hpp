@@ -36,9 +36,6 @@ void reduce(void* out, const void* const* srcs, int num_srcs, size_t count, Data
 // memcpy (non-overlapping) with the given store mode.
 void copy(void* dst, const void* src, size_t bytes, StoreMode mode);
 
-// Hints that the cache lines of [p, p + bytes) move to the shared cache: another core reads them next.
-void demote(const void* p, size_t bytes);
-
 // Orders this thread's earlier streaming stores before its later stores (Note [host streaming stores]).
 void store_fence();
 
