@@ -6,6 +6,13 @@
 
 #include "commlib/errors.hpp"
 
+#if defined(__x86_64__)
+#include <immintrin.h>  // SSE2 streaming stores: baseline x86-64, so usable in every clone below
+#define COMMLIB_HAVE_STREAMING 1
+#else
+#define COMMLIB_HAVE_STREAMING 0
+#endif
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 // Built for the baseline, x86-64-v3 (AVX2, F16C, FMA) and x86-64-v4 (AVX-512); picked at load by
 // CPU features. Not "arch=haswell": GCC's resolver selects an arch= clone only on that exact CPU
@@ -27,6 +34,15 @@ namespace commlib::host {
 namespace {
 
 constexpr size_t kTile = 64;  // elements per register-resident accumulator tile
+
+// Note [host reduce prefetch]
+// The sources of a large all_reduce come from DRAM (the input) and from the peer core's cache
+// (its shm copy), and a core's hardware prefetcher stops at every 4 KiB page. Prefetching each
+// source a fixed distance ahead keeps more of those slow reads in flight across page boundaries:
+// 1 KiB ahead took the 2-rank 32 MiB in-place all_reduce from 7.8 to 7.3 ms median on the 2-core VM
+// (4 and 16 KiB ahead gained less; bench/results/cpu-all-reduce-2026-11-30-e.md).
+constexpr size_t kPrefetchBytes = 1024;
+constexpr size_t kCacheLine = 64;
 
 COMMLIB_ALWAYS_INLINE float bf16_to_float(uint16_t bits) {
   uint32_t u = static_cast<uint32_t>(bits) << 16;
@@ -71,11 +87,28 @@ COMMLIB_ALWAYS_INLINE float combine(float a, float b) {
 // accumulator is a fixed-size array that the compiler keeps in vector registers, so every source
 // is read once and `out` written once, with no staging buffer. A tile is read fully before it is
 // written, which is what lets `out` alias a source (and keeps the loops free of alias checks).
-template <typename E, ReduceOp kOp, size_t kTile>
-COMMLIB_ALWAYS_INLINE void reduce_tile(typename E::Storage* out, const void* const* srcs, int num_srcs, size_t base, size_t num,
-                        float divisor) {
+constexpr size_t kStreamUnit = 16;  // bytes per streaming store
+
+// Copies `bytes` (a multiple of kStreamUnit) to a kStreamUnit-aligned `dst` with streaming stores.
+COMMLIB_ALWAYS_INLINE void stream_block(void* dst, const void* src, size_t bytes) {
+#if COMMLIB_HAVE_STREAMING
+  auto* d = static_cast<__m128i*>(dst);
+  const auto* s = static_cast<const __m128i*>(src);
+  for (size_t i = 0; i < bytes / kStreamUnit; ++i) _mm_stream_si128(d + i, _mm_loadu_si128(s + i));
+#else
+  std::memcpy(dst, src, bytes);
+#endif
+}
+
+template <typename E, ReduceOp kOp, StoreMode kMode, size_t kTile>
+COMMLIB_ALWAYS_INLINE void reduce_tile(typename E::Storage* out, typename E::Storage* copy, const void* const* srcs,
+                                       int num_srcs, size_t base, size_t num, float divisor) {
   using T = typename E::Storage;
   float acc[kTile];
+  for (int r = 0; r < num_srcs; ++r) {  // Note [host reduce prefetch]; never faults, even past the end
+    const char* ahead = reinterpret_cast<const char*>(static_cast<const T*>(srcs[r]) + base) + kPrefetchBytes;
+    for (size_t b = 0; b < num * sizeof(T); b += kCacheLine) __builtin_prefetch(ahead + b, 0, 3);
+  }
   const T* s0 = static_cast<const T*>(srcs[0]) + base;
   for (size_t i = 0; i < num; ++i) acc[i] = E::load(s0[i]);
   for (int r = 1; r < num_srcs; ++r) {
@@ -85,44 +118,91 @@ COMMLIB_ALWAYS_INLINE void reduce_tile(typename E::Storage* out, const void* con
   if constexpr (kOp == ReduceOp::kAvg) {
     for (size_t i = 0; i < num; ++i) acc[i] = acc[i] / divisor;
   }
-  for (size_t i = 0; i < num; ++i) out[base + i] = E::store(acc[i]);
+  if (copy != nullptr) {
+    for (size_t i = 0; i < num; ++i) copy[base + i] = E::store(acc[i]);
+  }
+  // Streaming stores need whole kStreamUnit pieces: a short last tile is stored as usual.
+  if (kMode == StoreMode::kStreaming && num * sizeof(T) % kStreamUnit == 0) {
+    alignas(64) T result[kTile];
+    for (size_t i = 0; i < num; ++i) result[i] = E::store(acc[i]);
+    stream_block(out + base, result, num * sizeof(T));
+  } else {
+    for (size_t i = 0; i < num; ++i) out[base + i] = E::store(acc[i]);
+  }
 }
 
-template <typename E, ReduceOp kOp>
-COMMLIB_MULTIVERSION void reduce_typed(void* out_v, const void* const* srcs, int num_srcs, size_t count,
+template <typename E, ReduceOp kOp, StoreMode kMode>
+COMMLIB_MULTIVERSION void reduce_typed(void* out_v, void* copy_v, const void* const* srcs, int num_srcs, size_t count,
                                        float divisor) {
   using T = typename E::Storage;
   T* out = static_cast<T*>(out_v);
+  T* copy = static_cast<T*>(copy_v);
   size_t base = 0;
-  for (; base + kTile <= count; base += kTile) reduce_tile<E, kOp, kTile>(out, srcs, num_srcs, base, kTile, divisor);
-  if (base < count) reduce_tile<E, kOp, kTile>(out, srcs, num_srcs, base, count - base, divisor);
+  for (; base + kTile <= count; base += kTile) {
+    reduce_tile<E, kOp, kMode, kTile>(out, copy, srcs, num_srcs, base, kTile, divisor);
+  }
+  if (base < count) reduce_tile<E, kOp, kMode, kTile>(out, copy, srcs, num_srcs, base, count - base, divisor);
+}
+
+template <typename E, StoreMode kMode>
+void reduce_op(void* out, void* copy, const void* const* srcs, int num_srcs, size_t count, ReduceOp op,
+               float divisor) {
+  switch (op) {
+    case ReduceOp::kSum: return reduce_typed<E, ReduceOp::kSum, kMode>(out, copy, srcs, num_srcs, count, divisor);
+    case ReduceOp::kAvg: return reduce_typed<E, ReduceOp::kAvg, kMode>(out, copy, srcs, num_srcs, count, divisor);
+    case ReduceOp::kMin: return reduce_typed<E, ReduceOp::kMin, kMode>(out, copy, srcs, num_srcs, count, divisor);
+    case ReduceOp::kMax: return reduce_typed<E, ReduceOp::kMax, kMode>(out, copy, srcs, num_srcs, count, divisor);
+    case ReduceOp::kProd: return reduce_typed<E, ReduceOp::kProd, kMode>(out, copy, srcs, num_srcs, count, divisor);
+  }
 }
 
 template <typename E>
-void reduce_op(void* out, const void* const* srcs, int num_srcs, size_t count, ReduceOp op, float divisor) {
-  switch (op) {
-    case ReduceOp::kSum: return reduce_typed<E, ReduceOp::kSum>(out, srcs, num_srcs, count, divisor);
-    case ReduceOp::kAvg: return reduce_typed<E, ReduceOp::kAvg>(out, srcs, num_srcs, count, divisor);
-    case ReduceOp::kMin: return reduce_typed<E, ReduceOp::kMin>(out, srcs, num_srcs, count, divisor);
-    case ReduceOp::kMax: return reduce_typed<E, ReduceOp::kMax>(out, srcs, num_srcs, count, divisor);
-    case ReduceOp::kProd: return reduce_typed<E, ReduceOp::kProd>(out, srcs, num_srcs, count, divisor);
+void reduce_mode(void* out, void* copy, const void* const* srcs, int num_srcs, size_t count, ReduceOp op,
+                 float divisor, StoreMode mode) {
+  if (mode == StoreMode::kStreaming) {
+    return reduce_op<E, StoreMode::kStreaming>(out, copy, srcs, num_srcs, count, op, divisor);
   }
+  reduce_op<E, StoreMode::kCached>(out, copy, srcs, num_srcs, count, op, divisor);
 }
+
+bool stream_aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kStreamUnit == 0; }
 
 }  // namespace
 
 void reduce(void* out, const void* const* srcs, int num_srcs, size_t count, DataType dtype, ReduceOp op,
-            int divisor) {
+            int divisor, StoreMode out_mode, void* copy) {
   if (count == 0) return;
   const float d = static_cast<float>(divisor);
+  if (!COMMLIB_HAVE_STREAMING || !stream_aligned(out)) out_mode = StoreMode::kCached;
   switch (dtype) {
-    case DataType::kFloat32: return reduce_op<F32>(out, srcs, num_srcs, count, op, d);
-    case DataType::kFloat16: return reduce_op<F16>(out, srcs, num_srcs, count, op, d);
-    case DataType::kBFloat16: return reduce_op<BF16>(out, srcs, num_srcs, count, op, d);
+    case DataType::kFloat32: return reduce_mode<F32>(out, copy, srcs, num_srcs, count, op, d, out_mode);
+    case DataType::kFloat16: return reduce_mode<F16>(out, copy, srcs, num_srcs, count, op, d, out_mode);
+    case DataType::kBFloat16: return reduce_mode<BF16>(out, copy, srcs, num_srcs, count, op, d, out_mode);
     default:
       throw TypeMismatch(detail::concat("reduce: dtype ", dtype_name(dtype),
                                         " not supported; supported: float32, float16, bfloat16"));
   }
+}
+
+void copy(void* dst, const void* src, size_t bytes, StoreMode mode) {
+  if (mode == StoreMode::kCached || !COMMLIB_HAVE_STREAMING || bytes < 4 * kStreamUnit) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+  auto* d = static_cast<uint8_t*>(dst);
+  const auto* s = static_cast<const uint8_t*>(src);
+  // Ordinary stores up to the first aligned byte of dst and after its last whole unit.
+  const size_t head = (kStreamUnit - reinterpret_cast<uintptr_t>(d) % kStreamUnit) % kStreamUnit;
+  const size_t body = (bytes - head) / kStreamUnit * kStreamUnit;
+  std::memcpy(d, s, head);
+  stream_block(d + head, s + head, body);
+  std::memcpy(d + head + body, s + head + body, bytes - head - body);
+}
+
+void store_fence() {
+#if COMMLIB_HAVE_STREAMING
+  _mm_sfence();
+#endif
 }
 
 float to_float(uint16_t bits, DataType dtype) {

@@ -37,8 +37,11 @@ namespace commlib {
 // than a futex wake-up takes on the VMs measured (tens of µs to ~100): with a shorter one (50 µs),
 // one late rank made its peer sleep, the peer then woke late for the next call, and whole runs
 // of calls took 77-176 µs instead of 5-20 (bench/results/cpu-all-reduce-2026-11-30-d.md). With
-// more ranks than cores there is no spin at all, and sched_yield() is not used: the spinning rank
-// would burn the time slice its peer needs. Lost-wakeup freedom (Dekker): the waiter increments `sleepers` and
+// more ranks than cores there is no spin at all. After the first 20 µs the spin calls sched_yield()
+// between checks: when another process (a compile, another test) keeps one of the two cores busy,
+// both ranks share the other one, and a pure spin held the core its peer needed for the whole
+// 250 µs at every pipeline hand-off (a 32 MiB all_reduce took ~62 ms instead of ~8, a 64 KiB one
+// ~550 µs instead of ~13). With nothing else runnable on the core, sched_yield() returns at once. Lost-wakeup freedom (Dekker): the waiter increments `sleepers` and
 // then re-reads `arrived`; the arriver stores `arrived` and then reads `sleepers`; both seq_cst,
 // so at least one sees the other. FUTEX_WAIT also re-checks the word atomically.
 // The same protocol covers the progress counters: a waiter sleeps on the counter it waits for, and
@@ -78,6 +81,7 @@ void futex_wait(uint32_t* addr, uint32_t expected, std::chrono::microseconds tim
 void futex_wake_all(uint32_t* addr) { ::syscall(SYS_futex, addr, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0); }
 
 constexpr auto kSpinTime = std::chrono::microseconds(250);
+constexpr auto kYieldAfter = std::chrono::microseconds(20);
 constexpr auto kSleepSlice = std::chrono::microseconds(20000);  // liveness and timeout checks between sleeps
 
 }  // namespace
@@ -176,6 +180,8 @@ void HostShm::wait_for(int peer, std::atomic<uint64_t>& arrived, uint64_t seq, c
       continue;
     }
     const auto now = std::chrono::steady_clock::now();
+    // Past the first microseconds the peer may be waiting for this core: let it run.
+    if (now - start >= kYieldAfter) ::sched_yield();
     if (oversubscribed_ || now - start >= kSpinTime) {
       // Sleep until the peer arrives (Note [host shm waiting]).
       theirs.sleepers.fetch_add(1, std::memory_order_seq_cst);

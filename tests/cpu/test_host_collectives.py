@@ -99,6 +99,16 @@ def _out_of_place_case(ctx, dtype_name):
                 assert got is out, where
                 assert torch.equal(_bits(out), _bits(in_place)), f"{where}: out of place differs from in place"
                 assert torch.equal(_bits(x), _bits(inp)), f"{where}: input modified"
+    # >= 8 MiB out of place streams the output (Note [host streaming stores]): an aligned output and
+    # one offset by an element (ordinary stores up to the first 16-byte boundary), an odd count.
+    count = (9 << 20) // esize + 5
+    inp = rank_input(ctx.rank, count, dtype, salt=13)
+    for algo in ("flat", "tree"):
+        in_place = ctx.comm.all_reduce(inp.clone(), op="sum", algo=algo)
+        for offset in (0, 1):
+            out = torch.full((count + offset,), float("nan"), dtype=dtype)[offset:]
+            ctx.comm.all_reduce(inp, op="sum", algo=algo, out=out)
+            assert torch.equal(_bits(out), _bits(in_place)), f"{algo} {dtype_name} offset={offset}: streamed differs"
     # out=tensor itself is the in-place call; a non-contiguous input is read through a copy.
     t = torch.full((6,), float(ctx.rank + 1))
     assert ctx.comm.all_reduce(t, out=t) is t
