@@ -588,8 +588,8 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
     if (meta_warps) send_meta(p, counts, role.chunk, value, warp, lane);
     if (recv) {
       // Own positions need the totals of the ranks below this one (their leads' meta flags) and,
-      // in a part other than the lead, this rank's own meta, which its lead writes (in the lead,
-      // these warps wrote it, ordered by send_meta's last meta barrier).
+      // in a part other than the lead, this rank's own meta, which its lead writes (a fused lead's
+      // meta warps wrote it, ordered by send_meta's last meta barrier; else the send kernel did).
       const FlagSet meta{p.layout.meta_flags, role.lead, ranks_below(p) | (is_lead ? 0u : self_rank(p)),
                          EPPhaseId::kDispatchMeta};
       failed = wait_warp(p, meta, value, seq, lane);
