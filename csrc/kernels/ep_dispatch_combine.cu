@@ -15,26 +15,20 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
-// Warps [0, kPushWarps) of a fused dispatch block, and of a chunk's lead in any send, push rows
-// to peers; the others (the lead's meta warps first count routes and write the meta) expand the
-// own chunk meanwhile.
+// Warps of a fused dispatch block that push rows to peers; the others expand the own chunk meanwhile.
 constexpr int kPushWarps = kWarps / 2;
-constexpr int kMetaThreads = kThreads - kPushWarps * 32;
 constexpr unsigned kFullMask = 0xffffffffu;
-// 16-byte packs in flight per lane in a row copy.
+// 16-byte packs in flight per lane in a row copy, and per lane and route in a weighted sum.
 constexpr int kCopyUnroll = 8;
-// Routes loaded per meta thread before their shared-memory counts are added.
-constexpr int kCountBatch = 8;
+constexpr int kSumUnroll = 4;
 // Smallest chunk of tokens (more chunks than this only add flag traffic).
 constexpr int64_t kMinTokensPerChunk = 2;
 // Blocks the grid aims for when chunks are few (decode): chunks x column parts (Note [EP GPU protocol]).
 constexpr int kTargetBlocks = 128;
 // Smallest column range of one warp when several warps share a row: one 16-byte pack per lane.
 constexpr int64_t kMinPacksPerWarp = 32;
-// Named barriers (0 is __syncthreads): the pushing warps before their data release (in a lead
-// the meta warps arrive on it too), and the lead's meta warps among themselves.
+// Named barrier id of the pushing warps (0 is __syncthreads).
 constexpr int kPushBarrier = 1;
-constexpr int kMetaBarrier = 2;
 
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
@@ -156,13 +150,6 @@ __device__ __forceinline__ void named_barrier(int id, int count) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
 
-// bar.arrive: counts this warp in for other warps' bar.sync on barrier `id` (same `count`) without
-// waiting. PTX: the arrive synchronizes with that bar.sync, so this thread's earlier memory
-// accesses happen-before everything the waiting threads do after it (their releases included).
-__device__ __forceinline__ void named_barrier_arrive(int id, int count) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
-}
-
 // ---- bounded flag waits (Note [flag barrier]'s discipline: bounded, recorded, poison-aware) ----
 
 // Spins until *flag >= value (acquire, system scope: makes the writer's stores before its release
@@ -220,11 +207,10 @@ __device__ __forceinline__ bool wait_warp(const EPParams& p, const FlagSet& set,
   return failed;
 }
 
-// Thread q of the group that just passed a barrier (threadIdx.x by default; rank q in `ranks`)
-// raises flags[rank][b] in rank q's piece (release, system scope: publishes every write ordered
-// before that barrier, cumulatively).
-__device__ __forceinline__ void signal_ranks(const EPParams& p, size_t flags, uint64_t value, unsigned ranks,
-                                             int q = static_cast<int>(threadIdx.x)) {
+// Thread q (rank q in `ranks`) raises flags[rank][b] in rank q's piece (release, system scope:
+// publishes every write this block made before the preceding bar.sync, cumulatively).
+__device__ __forceinline__ void signal_ranks(const EPParams& p, size_t flags, uint64_t value, unsigned ranks) {
+  const int q = static_cast<int>(threadIdx.x);
   if (q < p.world_size && ((ranks >> q) & 1u) != 0u) {
     device::st_release_sys_u64(piece<uint64_t>(p, q, flags) + slot(p, p.rank, blockIdx.x), value);
   }
@@ -317,89 +303,47 @@ __device__ __forceinline__ void copy_row(T* const* dsts, int num_dsts, const T* 
   }
 }
 
-// Packs [first, num_packs) of dst = round(sum over r ascending of fp32(w[r]) * fp32(src[r])),
-// kPacks packs per lane at a time. The packs of up to kBatch sources are all loaded before any of
-// them is added (one memory latency per kBatch sources, not one per source); the additions then
-// run in the same order, so every rounding is the same as one source after the other.
-template <typename T, int kBatch, int kPacks>
-__device__ __forceinline__ void weighted_sum_packs(T* dst, const T* const* srcs, const float* ws, int num_srcs,
-                                                   int64_t first, int64_t num_packs, int lane) {
-  using V = device::Vec<T>;
-  constexpr int N = V::kNumElems;
-  for (int64_t base = first; base < num_packs; base += 32 * kPacks) {
-    device::Acc<N> acc[kPacks];
-#pragma unroll
-    for (int u = 0; u < kPacks; ++u) {
-#pragma unroll
-      for (int i = 0; i < N; ++i) acc[u].v[i] = 0.0f;
-    }
-    for (int r0 = 0; r0 < num_srcs; r0 += kBatch) {
-      const T* src[kBatch];
-#pragma unroll
-      for (int r = 0; r < kBatch; ++r) src[r] = r0 + r < num_srcs ? srcs[r0 + r] : nullptr;
-      V y[kBatch][kPacks];
-#pragma unroll
-      for (int r = 0; r < kBatch; ++r) {
-        if (r0 + r < num_srcs) {
-#pragma unroll
-          for (int u = 0; u < kPacks; ++u) {
-            const int64_t v = base + u * 32 + lane;
-            if (v < num_packs) y[r][u].load_plain(src[r] + v * N);
-          }
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < kBatch; ++r) {
-        if (r0 + r < num_srcs) {
-          const float w = ws != nullptr ? ws[r0 + r] : 1.0f;
-#pragma unroll
-          for (int u = 0; u < kPacks; ++u) {
-#pragma unroll
-            for (int i = 0; i < N; ++i) {
-              acc[u].v[i] = __fadd_rn(acc[u].v[i], __fmul_rn(w, device::to_float<T>(y[r][u].elems[i])));
-            }
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kPacks; ++u) {
-      const int64_t v = base + u * 32 + lane;
-      if (v < num_packs) device::acc_cast<T, N>(acc[u]).store(dst + v * N);
-    }
-  }
-}
-
-// Dependent load rounds of weighted_sum_packs<T, kBatch, kPacks> over `packs` packs (at most a
-// row's) of `num_srcs` sources.
-template <int kBatch, int kPacks>
-__device__ __forceinline__ int load_rounds(int num_srcs, int packs) {
-  return (num_srcs + kBatch - 1) / kBatch * ((packs + 32 * kPacks - 1) / (32 * kPacks));
-}
-
 // dst = round(sum over r ascending of fp32(w[r]) * fp32(src[r])) with separate rounding of every
 // product and sum (Note [EP layout]: no fused multiply-add); no sources gives zeros; ws == nullptr
-// means every weight is 1. srcs and ws are the warp's lists in shared memory.
+// means every weight is 1.
 template <typename T>
 __device__ __forceinline__ void weighted_sum_row(T* dst, const T* const* srcs, const float* ws, int num_srcs,
                                                  int64_t hidden, Cols cols, int lane) {
-  constexpr int N = device::Vec<T>::kNumElems;
+  using V = device::Vec<T>;
+  constexpr int N = V::kNumElems;
   bool vec = aligned16(dst) && (hidden * sizeof(T)) % 16 == 0;
   for (int r = 0; r < num_srcs; ++r) vec = vec && aligned16(srcs[r]);
   if (vec) {
-    // 4 source packs in flight per lane (more made ptxas spill): 4 packs of one route (wide
-    // ranges, as many rounds as routes), 2 of 2 routes, or 1 of 4 routes (decode: a warp's range
-    // is at most one pack per lane), whichever needs the fewest dependent load rounds.
-    const int64_t first = cols.begin / N, num_packs = cols.end / N;
-    const int packs = static_cast<int>(num_packs - first);
-    const int by_route = load_rounds<1, 4>(num_srcs, packs), by_2 = load_rounds<2, 2>(num_srcs, packs),
-              by_4 = load_rounds<4, 1>(num_srcs, packs);
-    if (by_4 < by_route && by_4 < by_2) {
-      weighted_sum_packs<T, 4, 1>(dst, srcs, ws, num_srcs, first, num_packs, lane);
-    } else if (by_2 < by_route) {
-      weighted_sum_packs<T, 2, 2>(dst, srcs, ws, num_srcs, first, num_packs, lane);
-    } else {
-      weighted_sum_packs<T, 1, 4>(dst, srcs, ws, num_srcs, first, num_packs, lane);
+    const int64_t num_packs = cols.end / N;
+    for (int64_t base = cols.begin / N; base < num_packs; base += 32 * kSumUnroll) {
+      device::Acc<N> acc[kSumUnroll];
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) acc[u].v[i] = 0.0f;
+      }
+      for (int r = 0; r < num_srcs; ++r) {
+        const T* src = srcs[r];
+        const float w = ws != nullptr ? ws[r] : 1.0f;
+        V y[kSumUnroll];
+#pragma unroll
+        for (int u = 0; u < kSumUnroll; ++u) {
+          const int64_t v = base + u * 32 + lane;
+          if (v < num_packs) y[u] = V::load(src + v * N);
+        }
+#pragma unroll
+        for (int u = 0; u < kSumUnroll; ++u) {
+#pragma unroll
+          for (int i = 0; i < N; ++i) {
+            acc[u].v[i] = __fadd_rn(acc[u].v[i], __fmul_rn(w, device::to_float<T>(y[u].elems[i])));
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u) {
+        const int64_t v = base + u * 32 + lane;
+        if (v < num_packs) device::acc_cast<T, N>(acc[u]).store(dst + v * N);
+      }
     }
   } else {
     for (int64_t e = cols.begin + lane; e < cols.end; e += 32) {
@@ -450,94 +394,6 @@ __device__ __forceinline__ void expand_token(const EPParams& p, int s, int64_t t
   __syncwarp();  // the list is rewritten by the next token
 }
 
-// kCountBatch of this rank's routes, kMetaThreads apart from `first` (-1: none or invalid): all
-// loads in flight before the first count.
-__device__ __forceinline__ void load_routes(int32_t (&e)[kCountBatch], const EPParams& p, int64_t first,
-                                            int64_t num_routes) {
-#pragma unroll
-  for (int u = 0; u < kCountBatch; ++u) {
-    const int64_t i = first + static_cast<int64_t>(u) * kMetaThreads;
-    e[u] = i < num_routes ? sanitize(p.topk_idx[i], p.config.num_experts) : -1;
-  }
-}
-
-// Steps 1-2 of the dispatch send (Note [EP GPU protocol]), run by a lead's meta warps (warps
-// [kPushWarps, kWarps)) while its push warps already push rows: counts into `counts` (the block's
-// [2][num_experts] shared array), then chunk `chunk`'s meta into every rank. Ends with the arrival
-// on the push warps' barrier (their data release covers the meta) and the meta flags.
-__device__ __forceinline__ void send_meta(const EPParams& p, int32_t* counts, int chunk, uint64_t value, int warp,
-                                          int lane) {
-  const int n = p.world_size, me = p.rank;
-  const int64_t topk = p.config.topk, num_experts = p.config.num_experts, num_local = num_experts / n;
-  const int tid = static_cast<int>(threadIdx.x) - kPushWarps * 32;
-  const int64_t num_tokens = p.num_tokens, num_routes = num_tokens * topk;
-  const int64_t t_begin = chunk * p.grid.tokens_per_chunk;
-  const int64_t chunk_first = t_begin * topk;
-  const int64_t chunk_end = min64(num_tokens, t_begin + p.grid.tokens_per_chunk) * topk;
-  int32_t* before = counts;  // routes to e before the chunk (then running, during the walk)
-  int32_t* totals = counts + num_experts;
-  // The first routes are in flight while the counters are zeroed.
-  int32_t batch[kCountBatch];
-  load_routes(batch, p, tid, num_routes);
-  for (int64_t e = tid; e < 2 * num_experts; e += kMetaThreads) counts[e] = 0;
-  named_barrier(kMetaBarrier, kMetaThreads);  // the zeros, before any meta warp counts
-  // 1. Per-expert counts of all this rank's routes (order-free: shared atomics).
-  for (int64_t first = tid; first < num_routes; first += static_cast<int64_t>(kCountBatch) * kMetaThreads) {
-    if (first != tid) load_routes(batch, p, first, num_routes);
-#pragma unroll
-    for (int u = 0; u < kCountBatch; ++u) {
-      if (batch[u] < 0) continue;
-      atomicAdd(&totals[batch[u]], 1);
-      if (first + static_cast<int64_t>(u) * kMetaThreads < chunk_first) atomicAdd(&before[batch[u]], 1);
-    }
-  }
-  named_barrier(kMetaBarrier, kMetaThreads);  // every count, before the meta warps read them
-  // 2. Meta of this chunk to every rank: token count, the totals of its experts, idx / w / j.
-  for (int d = 0; d < n; ++d) {
-    int32_t* dst = totals_of(p, d, me, chunk);
-    for (int64_t l = tid; l < num_local; l += kMetaThreads) dst[l] = totals[d * num_local + l];
-  }
-  if (tid < n) piece<int32_t>(p, tid, p.layout.num_tokens)[chunk_slot(p, me, chunk)] = static_cast<int32_t>(num_tokens);
-  if (warp == kPushWarps) {
-    for (int64_t first = chunk_first; first < chunk_end; first += 32) {
-      const int64_t i = first + lane;
-      const bool active = i < chunk_end;
-      int32_t e = -1;
-      if (active) {
-        const int64_t raw = p.topk_idx[i];
-        e = sanitize(raw, num_experts);
-        if (raw != -1 && e < 0) {
-          // Counted on this rank (EPBuffer.check raises) and treated as -1.
-          atomicAdd(reinterpret_cast<unsigned long long*>(piece<int64_t>(p, me, p.layout.overflow)) + 2, 1ull);
-        }
-      }
-      const unsigned same = __match_any_sync(kFullMask, e);
-      int32_t j = -1;
-      if (e >= 0) j = before[e] + __popc(same & lanemask_lt());
-      __syncwarp();
-      if (e >= 0 && lane == __ffs(same) - 1) before[e] += __popc(same);
-      __syncwarp();
-      if (active) {
-        const float w = p.topk_weights[i];
-        const size_t at = route(p, me, i);
-        for (int d = 0; d < n; ++d) {
-          piece<int32_t>(p, d, p.layout.meta_idx)[at] = e;
-          piece<float>(p, d, p.layout.meta_w)[at] = w;
-          piece<int32_t>(p, d, p.layout.meta_j)[at] = j;
-        }
-      }
-    }
-  }
-  // This thread's meta writes happen-before the push warps' data release, without waiting for
-  // their rows; then every meta warp's writes before the meta release, raised at once (higher
-  // ranks' own-chunk expansion and this rank's other parts wait for it). In the fused kernel the
-  // same bar.sync orders the own meta before these warps' own-chunk expansion.
-  named_barrier_arrive(kPushBarrier, kThreads);
-  named_barrier(kMetaBarrier, kMetaThreads);
-  signal_ranks(p, p.layout.meta_flags, value, p.grid.num_parts > 1 ? all_ranks(p) : other_ranks(p), tid);
-  trace(EPTracePoint::kDispatchMetaSignalled, kPushWarps * 32);
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EPMode mode) {
   extern __shared__ int32_t counts[];  // [2][num_experts]: before chunk (then running), totals
@@ -558,11 +414,69 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
   const uint64_t value = seq + 1;
   trace(EPTracePoint::kDispatchStart, 0);
 
+  if (send && is_lead) {
+    const int64_t num_tokens = p.num_tokens;
+    const int64_t t_end = min64(num_tokens, t_begin + p.grid.tokens_per_chunk);
+    int32_t* before = counts;
+    int32_t* totals = counts + num_experts;
+    for (int64_t e = threadIdx.x; e < 2 * num_experts; e += kThreads) counts[e] = 0;
+    __syncthreads();
+    // 1. Per-expert counts of all this rank's routes (order-free: shared atomics).
+    for (int64_t i = threadIdx.x; i < num_tokens * topk; i += kThreads) {
+      const int32_t e = sanitize(p.topk_idx[i], num_experts);
+      if (e < 0) continue;
+      atomicAdd(&totals[e], 1);
+      if (i < t_begin * topk) atomicAdd(&before[e], 1);
+    }
+    __syncthreads();
+    // 2. Meta of this chunk to every rank: token count, the totals of its experts, idx / w / j.
+    for (int d = 0; d < n; ++d) {
+      int32_t* dst = totals_of(p, d, me, role.chunk);
+      for (int64_t l = threadIdx.x; l < num_local; l += kThreads) dst[l] = totals[d * num_local + l];
+    }
+    if (threadIdx.x < n) {
+      int32_t* dst = piece<int32_t>(p, threadIdx.x, p.layout.num_tokens);
+      dst[chunk_slot(p, me, role.chunk)] = static_cast<int32_t>(num_tokens);
+    }
+    if (warp == 0) {
+      for (int64_t first = t_begin * topk; first < t_end * topk; first += 32) {
+        const int64_t i = first + lane;
+        const bool active = i < t_end * topk;
+        int32_t e = -1;
+        if (active) {
+          const int64_t raw = p.topk_idx[i];
+          e = sanitize(raw, num_experts);
+          if (raw != -1 && e < 0) {
+            // Counted on this rank (EPBuffer.check raises) and treated as -1.
+            atomicAdd(reinterpret_cast<unsigned long long*>(piece<int64_t>(p, me, p.layout.overflow)) + 2, 1ull);
+          }
+        }
+        const unsigned same = __match_any_sync(kFullMask, e);
+        int32_t j = -1;
+        if (e >= 0) j = before[e] + __popc(same & lanemask_lt());
+        __syncwarp();
+        if (e >= 0 && lane == __ffs(same) - 1) before[e] += __popc(same);
+        __syncwarp();
+        if (active) {
+          const float w = p.topk_weights[i];
+          const size_t at = route(p, me, i);
+          for (int d = 0; d < n; ++d) {
+            piece<int32_t>(p, d, p.layout.meta_idx)[at] = e;
+            piece<float>(p, d, p.layout.meta_w)[at] = w;
+            piece<int32_t>(p, d, p.layout.meta_j)[at] = j;
+          }
+        }
+      }
+    }
+    __syncthreads();
+    // This rank's other parts of the chunk read its own meta too (they wait for this flag).
+    signal_ranks(p, p.layout.meta_flags, value, p.grid.num_parts > 1 ? all_ranks(p) : other_ranks(p));
+    trace(EPTracePoint::kDispatchMetaSignalled, 0);
+  }
+
   // 3. Rows: pushing warps store this block's columns of each token of the chunk into its remote
-  // owners' land_x from the first instruction (rows need only x and topk_idx), while the other
-  // warps do the lead's steps 1-2 (send_meta) and, in the fused kernel, expand the own chunk from x.
-  const bool meta_warps = send && is_lead;  // warps [kPushWarps, kWarps) write the chunk's meta
-  const int num_push_warps = send ? (recv || is_lead ? kPushWarps : kWarps) : 0;
+  // owners' land_x, while (fused kernel) the other warps expand the own chunk from x.
+  const int num_push_warps = send ? (recv ? kPushWarps : kWarps) : 0;
   bool failed = false;
   if (warp < num_push_warps) {
     const int64_t items = clamp64(p.num_tokens - t_begin, 0, p.grid.tokens_per_chunk);
@@ -579,33 +493,27 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
       __syncwarp();
     }
     trace(EPTracePoint::kDispatchRowsPushed, 0);
-    // This group's rows and, in a lead, the meta warps' meta (they bar.arrive on this barrier after
-    // writing it): the data release below covers both.
-    named_barrier(kPushBarrier, meta_warps ? kThreads : num_push_warps * 32);
+    named_barrier(kPushBarrier, num_push_warps * 32);
     signal_ranks(p, p.layout.data_flags, value, other_ranks(p));
     trace(EPTracePoint::kDispatchDataSignalled, 0);
-  } else {
-    if (meta_warps) send_meta(p, counts, role.chunk, value, warp, lane);
-    if (recv) {
-      // Own positions need the totals of the ranks below this one (their leads' meta flags) and,
-      // in a part other than the lead, this rank's own meta, which its lead writes (a fused lead's
-      // meta warps wrote it, ordered by send_meta's last meta barrier; else the send kernel did).
-      const FlagSet meta{p.layout.meta_flags, role.lead, ranks_below(p) | (is_lead ? 0u : self_rank(p)),
-                         EPPhaseId::kDispatchMeta};
-      failed = wait_warp(p, meta, value, seq, lane);
-      if (!failed) {
-        const int64_t items = chunk_tokens(p, me, role.chunk);
-        const int workers = kWarps - num_push_warps;
-        const int parts = parts_for<T>(items, workers, cols.size());
-        for (int64_t w = warp - num_push_warps; w < items * parts; w += workers) {
-          const int64_t t = t_begin + w / parts;
-          const int sub = static_cast<int>(w % parts);
-          expand_token<T>(p, me, t, role.chunk, x + t * c.hidden, lists[warp], sub_cols<T>(cols, sub, parts),
-                          is_lead && sub == 0, lane);
-        }
+  } else if (recv) {
+    // Own positions need the totals of the ranks below this one (their leads' meta flags) and, in
+    // a part other than the lead, this rank's own meta, which its lead writes.
+    const FlagSet meta{p.layout.meta_flags, role.lead, ranks_below(p) | (is_lead ? 0u : self_rank(p)),
+                       EPPhaseId::kDispatchMeta};
+    failed = wait_warp(p, meta, value, seq, lane);
+    if (!failed) {
+      const int64_t items = chunk_tokens(p, me, role.chunk);
+      const int workers = kWarps - num_push_warps;
+      const int parts = parts_for<T>(items, workers, cols.size());
+      for (int64_t w = warp - num_push_warps; w < items * parts; w += workers) {
+        const int64_t t = t_begin + w / parts;
+        const int sub = static_cast<int>(w % parts);
+        expand_token<T>(p, me, t, role.chunk, x + t * c.hidden, lists[warp], sub_cols<T>(cols, sub, parts),
+                        is_lead && sub == 0, lane);
       }
-      trace(EPTracePoint::kDispatchOwnExpanded, kPushWarps * 32);
     }
+    trace(EPTracePoint::kDispatchOwnExpanded, kPushWarps * 32);
   }
   if (!recv) return;
 

@@ -12,32 +12,26 @@
 // chunk's rows, in every phase; its warps split that range further at decode sizes. P > 1 only at
 // small batches (C small), so that one token's row is spread over several SMs; at large batches
 // P = 1 and block b is simply chunk b. Block (i, 0), the chunk's *lead*, also does all of the
-// chunk's routing work (counts, meta) on half of its warps (the meta warps) while the other half
-// push rows; the other parts only move columns.
+// chunk's routing work (counts, meta); the other parts only move columns.
 // Block b only waits for block b, or its lead, of the peers (and, for parts > 0, its own rank's
 // lead), through per-(writer rank, block) flags in the reader's piece: no grid-wide barrier, no
 // memset. Flags carry seq + 1, where seq (EPControl, this rank's piece) counts completed
 // dispatch/combine pairs: every block reads it at kernel start and the last block of the
 // combine's receive part advances it, so flags only grow and nothing is ever reset.
 //
-// dispatch, block b = (i, p) of source rank s. In the lead, steps 1-2 run on the meta warps (the
-// upper half) while the push warps (the lower half) do step 3 from the first instruction: rows
-// need only x and topk_idx, not the meta.
+// dispatch, block b = (i, p) of source rank s:
 //   1. counts (lead only): scans all of s's routes (topk_idx, L2-resident) and counts routes per
 //      expert: totals[e], and before[e] (tokens before chunk i) into shared memory, order-free.
-//   2. meta (lead only): the first meta warp walks chunk i's routes in (t, k) order, 32 at a time;
+//   2. meta (lead only): warp 0 walks chunk i's routes in (t, k) order, 32 at a time;
 //      __match_any_sync gives each route its rank among equal experts in the step, so
 //      j(t, k) = before[e] + earlier routes to e: the route's rank among all of s's routes to e
 //      (deterministic). It writes idx, weight and j of every route of the chunk, s's token count
-//      and the totals of d's experts (slots [s][i]) into every rank d. Each meta warp then
-//      bar.arrives on the push warps' barrier (its meta writes happen-before their data release,
-//      without waiting for the rows), passes a bar.sync among the meta warps and raises flag
-//      meta[s][b] on every peer (release), and on s itself when P > 1 (its other parts read s's
-//      own meta), as soon as the meta is written. No other block writes these words.
+//      and the totals of d's experts (slots [s][i]) into every rank d; then flag meta[s][b] on
+//      every peer (release), and on s itself when P > 1 (its other parts read s's own meta).
+//      No other block writes these words.
 //   3. rows: part p of each token of the chunk is stored once into land_x[s][t] of every *remote*
-//      rank owning one of its experts (16-byte packs, 8 in flight per lane); then, after a bar.sync
-//      of the push warps (in the lead, with the meta warps' arrivals), flag data[s][b] (release;
-//      cumulative: for the lead it covers the meta too, through the arrivals).
+//      rank owning one of its experts (16-byte packs, 8 in flight per lane); then flag data[s][b]
+//      (release; cumulative: for the lead it covers the meta too).
 // dispatch, block b = (i, p) of receiving rank d (from the same kernel, or a second one with mode
 //   kRecv): the route (s, t, k) to local expert l lands at row base(s, l) + j(s, t, k) of
 //   expert_x[l], base(s, l) = sum over s' < s of totals[s'][l]: exactly Note [EP layout]'s
@@ -46,15 +40,14 @@
 //   lead itself, which covers it); d's own meta is ordered for d's lead (same block, or the send
 //   kernel before) and needs meta[d][(i, 0)] for d's other parts. The own chunk (s = d) is
 //   expanded from x directly by the warps that do not push (they wait only for the meta flags of
-//   ranks < d, and d's own when p > 0; in a fused lead they are the meta warps, once the meta is
-//   out); remote chunks from land_x after data[s][b] (this part's columns) and meta[s][(i, 0)].
-//   Each warp loads a row once and stores it to all its expert rows. recv_pos records every position (-1: dropped by capacity), written by the lead only;
+//   ranks < d, and d's own when p > 0); remote chunks from land_x after data[s][b] (this part's
+//   columns) and meta[s][(i, 0)]. Each warp loads a row once and stores it to all its expert
+//   rows. recv_pos records every position (-1: dropped by capacity), written by the lead only;
 //   block 0 (chunk 0's lead) writes expert_counts and raises the overflow word on every rank.
 // combine, block b = (i, p) of owner rank d: for every source s (d included) and token t of
 //   chunk i with a route to d, one warp (or several, splitting part p) sums w * y over those
-//   routes (k ascending, fp32, no FMA; the packs of up to 4 routes are loaded before the first
-//   add), rounds to the dtype and stores part p of the partial into s's land_y[d][t]; then flag
-//   combine[d][b] on every peer. Block b of source s waits for
+//   routes (k ascending, fp32, no FMA), rounds to the dtype and stores part p of the partial into
+//   s's land_y[d][t]; then flag combine[d][b] on every peer. Block b of source s waits for
 //   combine[*][b] and sums part p of the partials of t's owner ranks in rank order into out[t].
 //   Meta and recv_pos were written in the dispatch kernel (any part reads them after the kernel
 //   boundary; remote meta was acquired there by every block through meta/data flags).

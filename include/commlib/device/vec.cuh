@@ -45,13 +45,6 @@ struct alignas(16) Vec {
     *reinterpret_cast<uint4*>(&v) = ld_v4_u32(addr);
     return v;
   }
-  // The same 16-byte load as ordinary C++ code, into this pack, instead of an asm with a memory
-  // clobber: the compiler may schedule several together and keep them in registers (where load's
-  // clobber, or copying a returned pack, made ptxas spill). Ordered like any C++ load: not moved
-  // across barriers, fences or load/store's clobber.
-  __device__ __forceinline__ void load_plain(const void* addr) {
-    *reinterpret_cast<uint4*>(this) = *static_cast<const uint4*>(addr);
-  }
   // Coherent load that bypasses nothing special: used for peer memory written before a barrier.
   __device__ __forceinline__ static Vec load_partial(const T* addr, int n) {
     Vec v;
