@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
+import json
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from common import run_ranks
 
 POINTS = ["dispatch start", "rows pushed", "data signalled", "meta signalled",
           "own chunk expanded (non-push warps)", "peers' data landed", "dispatch end", "combine start",
@@ -58,9 +59,10 @@ def worker(rank, world, port, args, q):
     store.wait([f"ready{r}" for r in range(world)])
     graph.replay()
     torch.cuda.synchronize()
-    trace = _C._ep_trace()
     buf.check()
-    q.put((rank, trace))
+    store.set(f"trace{rank}", json.dumps(_C._ep_trace()))
+    if rank == 0:  # every rank's trace, in rank order
+        q.put([json.loads(store.get(f"trace{r}")) for r in range(world)])
     store.set(f"done{rank}", "1")
     store.wait([f"done{r}" for r in range(world)])
     comm.close()
@@ -73,23 +75,14 @@ def main():
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--world", type=int, default=2, help="ranks (1: the kernels' local costs alone)")
     args = ap.parse_args()
-    world = args.world
-    port = 29700 + os.getpid() % 200
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, port, args, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    traces = dict(q.get(timeout=300) for _ in range(world))
-    for p in procs:
-        p.join()
+    traces = run_ranks(worker, args.world, args)
     if not traces[0]:
         sys.exit("no trace: build with CUDAFLAGS=-DCOMMLIB_EP_TRACE")
     print(f"# EP trace, {args.model}, {args.tokens} tokens/rank, block 0, last of {args.iters} graph-replayed steps")
-    print("| point | " + " | ".join(f"rank {r} µs" for r in range(world)) + " |")
-    print("| --- | " + " | ".join("---:" for _ in range(world)) + " |")
+    print("| point | " + " | ".join(f"rank {r} µs" for r in range(args.world)) + " |")
+    print("| --- | " + " | ".join("---:" for _ in range(args.world)) + " |")
     for i, name in enumerate(POINTS):
-        cells = [f"{(traces[r][i] - traces[r][0]) / 1000:.2f}" for r in range(world)]
+        cells = [f"{(traces[r][i] - traces[r][0]) / 1000:.2f}" for r in range(args.world)]
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 

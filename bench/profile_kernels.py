@@ -4,7 +4,7 @@
                                     [--ep-tokens 1,128,4096] [--fused-tokens 1,1024,4096]
                                     [--fused-sms 0,16] [--allreduce-bytes 1M,4M]
 
-Spawns 2 processes (one per GPU). For each case it runs the op eagerly `iters` times under the
+Spawns 2 processes (one per GPU; bench/common.py's run_ranks). For each case it runs the op eagerly `iters` times under the
 profiler on rank 0 and lists every GPU kernel and memcpy/memset launched: calls per op and mean
 device time, plus the op's wall time per call (host launch included), so launch gaps, extra torch
 kernels and the slowest kernel phase are visible. Cases: EP dispatch + combine (DeepSeek-V3-like:
@@ -22,8 +22,9 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.profiler import ProfilerActivity, profile
+
+from common import run_ranks
 
 
 def parse_bytes(s: str) -> int:
@@ -141,20 +142,8 @@ def main():
     ap.add_argument("--allreduce-bytes", type=lambda s: [parse_bytes(v) for v in s.split(",") if v],
                     default=[1 << 20, 4 << 20])
     args = ap.parse_args()
-    world = 2
-    if torch.cuda.device_count() < world:
-        sys.exit("profile_kernels.py needs 2 GPUs")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    port = 29500 + os.getpid() % 1000
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, port, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = queue.get(timeout=600)
-    for p in procs:
-        p.join()
-    text = render(results, args)
+    text = render(run_ranks(worker, 2, args), args)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
