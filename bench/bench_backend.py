@@ -18,36 +18,15 @@ import os
 import socket
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
-
-def eager_us(fn, iters: int, repeats: int) -> float:
-    samples = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) / iters * 1e6)
-    return statistics.median(samples)
+from common import capture_graph, eager_us
 
 
 def graph_us(fn, ops_per_graph: int, replays: int, repeats: int) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm-up outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(ops_per_graph):
-            fn()
+    graph = capture_graph(fn, ops_per_graph)
     graph.replay()
     torch.cuda.synchronize()
     samples = []

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from common import capture_graph
+
 MODELS = {
     "deepseek": dict(name="DeepSeek-V3-like", hidden=7168, num_experts=256, topk=8),
     "mixtral": dict(name="Mixtral-like", hidden=4096, num_experts=8, topk=2),
@@ -59,21 +61,6 @@ def timed(fn, iters, repeats=7):
     t = torch.tensor([statistics.median(samples)], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's time
     return float(t)
-
-
-def graph_of(step, iters):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    dist.barrier()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(iters):
-            step()
-    return g
 
 
 def nccl_host_path(x, idx, w, num_experts, world):
@@ -119,7 +106,7 @@ def worker(rank, world, port, args, q):
             ref = (x.float() * w.sum(1, keepdim=True)).bfloat16()
             ok = torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
             iters = max(1, min(args.iters, 4096 // max(T, 1) * 8))
-            g = graph_of(step, iters)
+            g = capture_graph(step, iters, before_capture=dist.barrier)
             t_graph = timed(g.replay, iters)
 
             def eager():
@@ -142,7 +129,7 @@ def worker(rank, world, port, args, q):
             def agrs():
                 dist.all_gather_into_tensor(gathered, x)
                 dist.reduce_scatter_tensor(scattered, gathered)
-            gb = graph_of(agrs, iters)
+            gb = capture_graph(agrs, iters, before_capture=dist.barrier)
             t_b = timed(gb.replay, iters)
             del gb
             cross = crossing_rows(idx, E, world, rank) * H * 2

@@ -1,31 +1,59 @@
 """What the GPU benchmark scripts in bench/ share: process start-up, the commlib / NCCL / torch
-symmetric-memory set-up of a rank, CUDA-graph timing. (Scripts run from bench/, so it is on sys.path.)"""
+symmetric-memory set-up of a rank, CUDA-graph capture and timing, eager timing. (Scripts run from bench/, so it is on sys.path.)"""
 import datetime
 import os
 import queue as queue_mod
 import socket
 import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def time_graph(fn, restore, ops: int, replays: int) -> float:
-    """Median µs per op of a CUDA graph holding `ops` calls of fn()."""
+def capture_graph(step, iters: int, warmup=None, before_capture=None) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `iters` calls of step(). warmup() (default: one step()) runs first on a side
+    stream, so first-use set-up (buffers, NCCL / symm-mem init) stays outside the capture;
+    before_capture() (e.g. a barrier) runs between the two."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(2):  # warm-up outside capture (first-use set-up, NCCL/symm-mem init)
-            restore()
-            fn()
+        (warmup or step)()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
+    if before_capture is not None:
+        before_capture()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(ops):
+        for _ in range(iters):
+            step()
+    return graph
+
+
+def eager_us(fn, iters: int, repeats: int = 1) -> float:
+    """Median over `repeats` of the host wall time per call of `iters` back-to-back fn() calls
+    (µs), each sample started after a barrier and ended by a device synchronisation."""
+    samples = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
             fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) / iters * 1e6)
+    return statistics.median(samples)
+
+
+def time_graph(fn, restore, ops: int, replays: int) -> float:
+    """Median µs per op of a CUDA graph holding `ops` calls of fn()."""
+    def warmup():
+        for _ in range(2):
+            restore()
+            fn()
+    graph = capture_graph(fn, ops, warmup=warmup)
     times = []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for i in range(replays + 3):

@@ -17,7 +17,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from common import run_ranks
+from common import capture_graph, run_ranks
 
 POINTS = ["dispatch start", "rows pushed", "data signalled", "meta signalled",
           "own chunk expanded (non-push warps)", "peers' data landed", "dispatch end", "combine start",
@@ -45,16 +45,7 @@ def worker(rank, world, port, args, q):
         r = buf.dispatch(x, idx, w)
         buf.combine(r.expert_x, r.handle, out=out)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(args.iters):
-            step()
+    graph = capture_graph(step, args.iters)
     store.set(f"ready{rank}", "1")
     store.wait([f"ready{r}" for r in range(world)])
     graph.replay()

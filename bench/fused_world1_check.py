@@ -21,6 +21,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import commlib  # noqa: E402
+from common import capture_graph  # noqa: E402
 from commlib.fused import reference_rmsnorm  # noqa: E402
 
 
@@ -61,12 +62,7 @@ def main() -> int:
         row = []
         for sms in (8, 16, 32, 64, 132):
             fn = lambda: comm.fused_allreduce_rmsnorm(x, res, w, eps, residual_mode="sharded", out=out, num_sms=sms)  # noqa: E731
-            fn()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(20):
-                    fn()
+            graph = capture_graph(fn, 20)
             times = []
             for _ in range(10):
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -18,13 +18,12 @@ import datetime
 import os
 import platform
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from common import run_ranks
+from common import eager_us, run_ranks
 
 
 def parse_bytes(s: str) -> int:
@@ -47,13 +46,7 @@ def profiled(fn, iters: int, rank: int):
     """Wall µs per call of fn() and, on rank 0, the kernel table."""
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) * 1e6 / iters
+    wall = eager_us(fn, iters)
     dist.barrier()
     if rank != 0:
         for _ in range(iters):

@@ -40,8 +40,11 @@ namespace commlib {
 // more ranks than cores there is no spin at all. After the first 20 µs the spin calls sched_yield()
 // between checks: when another process (a compile, another test) keeps one of the two cores busy,
 // both ranks share the other one, and a pure spin held the core its peer needed for the whole
-// 250 µs at every pipeline hand-off (a 32 MiB all_reduce took ~62 ms instead of ~8, a 64 KiB one
-// ~550 µs instead of ~13). With nothing else runnable on the core, sched_yield() returns at once. Lost-wakeup freedom (Dekker): the waiter increments `sleepers` and
+// 250 µs at every hand-off: with one other runnable process, 1-128 KiB all_reduces took ~300 µs
+// per call spinning and 45-93 µs yielding, a 32 MiB one ~62 ms spinning and 8-26 ms yielding
+// (bench/results/cpu-all-reduce-2026-11-30-e.md). With nothing else runnable on the core,
+// sched_yield() returns at once.
+// Lost-wakeup freedom (Dekker): the waiter increments `sleepers` and
 // then re-reads `arrived`; the arriver stores `arrived` and then reads `sleepers`; both seq_cst,
 // so at least one sees the other. FUTEX_WAIT also re-checks the word atomically.
 // The same protocol covers the progress counters: a waiter sleeps on the counter it waits for, and
