@@ -43,6 +43,10 @@ const std::vector<Knob>& knobs() {
        "Fused all-reduce + RMSNorm on GPU: when each rank's token slice has at most this many bytes "
        "(and fits the LL buffer) it runs the barrier-free LL kernel "
        "(csrc/kernels/rs_rmsnorm_ag_p2p_ll.cu); 0: never."},
+      {"COMMLIB_EP_PIPELINE", "auto",
+       "GPU EPBuffer dispatch/combine (fused calls): chunk waits for each peer's whole token chunk, "
+       "stream expands and sums token by token behind progress flags (overlapping NVLink and HBM "
+       "work); auto streams when chunks hold at least 8 tokens and one block per chunk."},
       {"COMMLIB_ENABLE_MULTICAST", "0",
        "Opt in to NVLink multicast (NVLS multimem) kernels. Refused whenever "
        "COMMLIB_DISABLE_MULTICAST=1, NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 or "
