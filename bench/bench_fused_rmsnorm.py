@@ -16,11 +16,17 @@ then timed as CUDA-graph replays of `ops` back-to-back calls (median over replay
 An SM sweep (num_sms 2, 4, 8, 16, 32; --sweep-sms) of fused-rep (--sweep-modes) follows at --sweep-tokens. Token
 counts whose slice is at most COMMLIB_FUSED_LL_MAX_BYTES run the LL kernel, the others the
 barrier kernel (docs/fused.md). Prints markdown; --out writes it.
+
+Knob A/B in the same run: --ab-env NAME=V1,V2,... (repeatable) times the fused op (--sweep-modes) at
+--ab-tokens once per value of each knob (the others as in the environment), each value checked bit
+for bit first. The knobs are read when a call is launched, so each value gets its own graph, e.g.
+  --ab-env COMMLIB_FUSED_LL_ROW_CTAS=1,2,4,8,0 --ab-env COMMLIB_FUSED_LL_MAX_BYTES=0,262144
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import socket
 import sys
@@ -42,6 +48,62 @@ def ops_for(tokens: int) -> int:
 
 def rms_norm(t, w):
     return torch.nn.functional.rms_norm(t, (t.shape[-1],), w, EPS)
+
+
+def parse_ab(specs: list[str]) -> list[tuple[str, list[str]]]:
+    """--ab-env NAME=V1,V2 ... -> [(NAME, [V1, V2]), ...]."""
+    knobs = []
+    for spec in specs:
+        name, _, values = spec.partition("=")
+        if not name.startswith("COMMLIB_") or not values:
+            raise SystemExit(f"--ab-env {spec!r}: expected COMMLIB_NAME=V1,V2,...")
+        knobs.append((name, values.split(",")))
+    return knobs
+
+
+def ab_sweep(comm, dev, rank: int, hidden: int, weight, args) -> list[dict]:
+    """Times the fused op at --ab-tokens for every value of every --ab-env knob (bit-checked first)."""
+    from commlib.fused import reference_rmsnorm
+    dtype, points = weight.dtype, []
+    for tokens in args.ab_tokens:
+        gx = torch.Generator(device=dev).manual_seed(4321 + rank * 7 + tokens)
+        gr = torch.Generator(device=dev).manual_seed(199 + tokens)
+        x0 = torch.randn(tokens, hidden, generator=gx, device=dev).to(dtype)
+        res0 = (2 * torch.randn(tokens, hidden, generator=gr, device=dev)).to(dtype)
+        x, res, out = x0.clone(), res0.clone(), torch.empty_like(x0)
+
+        def restore():
+            x.copy_(x0)
+            res.copy_(res0)
+        summed = x0.clone()
+        comm.all_reduce(summed)
+        exact_out, exact_res = reference_rmsnorm(summed.cpu(), res0.cpu(), weight.cpu(), EPS)
+        begin, end = comm.token_slice(tokens)
+        for name, values in parse_ab(args.ab_env):
+            saved = os.environ.get(name)
+            for mode in args.sweep_modes:
+                point = {"tokens": tokens, "mode": mode, "knob": name}
+                for value in values:
+                    os.environ[name] = value
+                    fn = lambda m=mode: comm.fused_allreduce_rmsnorm(x, res, weight, EPS, out=out, residual_mode=m)
+                    restore()
+                    out.fill_(float("nan"))
+                    fn()
+                    torch.cuda.synchronize()
+                    lo, hi = (0, tokens) if mode == "replicated" else (begin, end)
+                    ok = torch.equal(out.cpu(), exact_out) and torch.equal(res[lo:hi].cpu(), exact_res[lo:hi])
+                    t = time_graph(fn, restore, ops_for(tokens), args.replays)
+                    point[value] = f"{t:.1f}" if ok else f"{t:.1f} WRONG"
+                points.append(point)
+            if saved is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = saved
+        if rank == 0:
+            print(f"A/B {tokens} tokens: " + "; ".join(f"{p['knob']} {p['mode']} " + ", ".join(
+                f"{v}={p[v]}" for v in p if v not in ("tokens", "mode", "knob")) for p in points
+                if p["tokens"] == tokens), flush=True)
+    return points
 
 
 def worker(rank: int, world: int, port: int, args, queue):
@@ -135,13 +197,14 @@ def worker(rank: int, world: int, port: int, args, queue):
                                                       if isinstance(v, float)) + (f" [{row['notes']}]" if notes else ""),
                   flush=True)
         torch.cuda.empty_cache()
+    ab = ab_sweep(comm, dev, rank, hidden, weight, args) if args.ab_env else []
     if rank == 0:
-        queue.put((rows, sweep))
+        queue.put((rows, sweep, ab))
     comm.close()
     dist.destroy_process_group()
 
 
-def render(rows, sweep, world: int, hidden: int, command: str, sms_list: list[int]) -> str:
+def render(rows, sweep, world: int, hidden: int, command: str, sms_list: list[int], ab=()) -> str:
     def cell(r, k):
         return f"{r[k]:.1f}" if k in r else "n/a"
 
@@ -178,6 +241,18 @@ def render(rows, sweep, world: int, hidden: int, command: str, sms_list: list[in
             small = [p[s] for s in sms_list if s <= 16]
             ratio = f"{best / min(small) * 100:.0f}%" if small else "n/a"
             lines.append(f"| {p['tokens']} | {p['mode']} | " + " | ".join(f"{p[s]:.1f}" for s in sms_list) + f" | {ratio} |")
+    knobs = []
+    for p in ab:
+        if p["knob"] not in knobs:
+            knobs.append(p["knob"])
+    for knob in knobs:
+        points = [p for p in ab if p["knob"] == knob]
+        values = [v for v in points[0] if v not in ("tokens", "mode", "knob")]
+        lines += ["", f"## A/B {knob} (µs per op; WRONG: not bitwise equal)", "",
+                  "| tokens | mode | " + " | ".join(values) + " |",
+                  "| --- | --- | " + " | ".join("---" for _ in values) + " |"]
+        for p in points:
+            lines.append(f"| {p['tokens']} | {p['mode']} | " + " | ".join(p[v] for v in values) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -191,10 +266,16 @@ def main():
     parser.add_argument("--sweep-sms", type=int, nargs="*", default=SM_SWEEP, help="num_sms values of the sweep")
     parser.add_argument("--sweep-modes", nargs="*", default=["replicated"], choices=["replicated", "sharded"],
                         help="residual modes of the sweep")
+    parser.add_argument("--ab-env", action="append", default=[], metavar="COMMLIB_NAME=V1,V2",
+                        help="knob A/B: time the fused op at --ab-tokens once per value (repeatable)")
+    parser.add_argument("--ab-tokens", type=int, nargs="*", default=[1, 8, 32, 64, 128],
+                        help="token counts of the --ab-env sweep")
     parser.add_argument("--out", type=Path, help="also write the markdown table here")
     args = parser.parse_args()
-    rows, sweep = run_ranks(worker, args.world_size, args)
-    publish(render(rows, sweep, args.world_size, args.hidden, "python " + " ".join(sys.argv), args.sweep_sms), args.out)
+    parse_ab(args.ab_env)  # fail early on a malformed spec
+    rows, sweep, ab = run_ranks(worker, args.world_size, args)
+    publish(render(rows, sweep, args.world_size, args.hidden, "python " + " ".join(sys.argv), args.sweep_sms, ab),
+            args.out)
 
 
 if __name__ == "__main__":

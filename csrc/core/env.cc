@@ -47,6 +47,10 @@ const std::vector<Knob>& knobs() {
        "GPU EPBuffer dispatch/combine (fused calls): chunk waits for each peer's whole token chunk, "
        "stream expands and sums token by token behind progress flags (overlapping NVLink and HBM "
        "work); auto streams when chunks hold at least 8 tokens and one block per chunk."},
+      {"COMMLIB_FUSED_LL_ROW_CTAS", "0",
+       "Fused all-reduce + RMSNorm, LL kernel: CTAs (a thread-block cluster) that share one row, "
+       "1, 2, 4 or 8; 0 chooses by size (as many as the CTA budget allows for the slice's rows, at "
+       "most 8). 1 is one CTA per row."},
       {"COMMLIB_ENABLE_MULTICAST", "0",
        "Opt in to NVLink multicast (NVLS multimem) kernels. Refused whenever "
        "COMMLIB_DISABLE_MULTICAST=1, NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 or "

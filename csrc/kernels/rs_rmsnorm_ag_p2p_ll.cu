@@ -4,19 +4,45 @@
 // communicator's LL buffer (Note [fused LL layout]), so each consumer waits only for the bytes it
 // needs, and one kernel call does the whole op:
 //   1. push: every thread stores packs of the x rows each peer d owns into d's region X (slot of
-//      this rank) as LL lines.
-//   2. own rows: block b takes rows b, b + grid, ... of this rank's slice; it loads its own x, the
-//      residual and the weight first, then waits for each peer's lines in rank order and reduces,
-//      adds the residual, sums the squares over the block (Note [fused rmsnorm arithmetic]),
-//      normalises, stores locally and pushes the normalised row (and, replicated, the residual
-//      row) into every peer's region O (R) as LL lines.
-//   3. gather: every thread waits for packs of the other owners' rows in its own regions O (R)
-//      and stores them to out (residual).
-// Every block pushes before it waits, so waits only depend on other ranks. Waits are bounded
-// (COMMLIB timeout); a timeout records rank, peer and phase and the kernel returns. Single call:
-// the launcher only picks this kernel when every rank's slice fits one region
-// (fused_rmsnorm_use_ll). Call parity and flag = call + 1 come from the shared call counter, so the
-// kernel is graph-replay safe like every other.
+//      this rank) as LL lines, several packs loaded before their stores.
+//   2. own rows: a row belongs to a cluster of C CTAs (Note [fused LL row split]); cluster m takes
+//      rows m, m + clusters, ... of this rank's slice. Each CTA loads its packs of x, the residual
+//      and the weight, waits for the peers' lines of those packs (all polled at once), reduces in
+//      rank order, adds the residual, sums the squares (Note [fused rmsnorm arithmetic]: threads,
+//      then warps, then the cluster's CTAs), normalises and pushes its packs of the normalised row
+//      (and, replicated, of the residual row) into every peer's region O (R) as LL lines.
+//   3. gather: every thread waits for several packs of the other owners' rows at once in its own
+//      regions O (R) and stores them to out (residual).
+// Every CTA pushes before it waits, so waits only depend on other ranks (and, for the cluster
+// barrier, on CTAs that are co-scheduled with it). Waits are bounded (COMMLIB timeout); a timeout
+// records rank, peer and phase, and nothing is pushed from a row a wait failed on. Single call: the
+// launcher only picks this kernel when every rank's slice fits one region (fused_rmsnorm_use_ll).
+// Call parity and flag = call + 1 come from the shared call counter, so the kernel is graph-replay
+// safe like every other.
+//
+// Note [fused LL row split]
+// One CTA per row pushes the whole normalised row from one SM (~45 GB/s per SM: ~0.7 us for the
+// 32 KiB of lines of a hidden-8192 row), and its block-wide reduction is a chain of barriers. So a
+// row is split over a cluster of C CTAs (C = 1, 2, 4 or 8; COMMLIB_FUSED_LL_ROW_CTAS, 0: as many
+// as the CTA budget allows for the slice's rows). The bits of the sum of squares must stay those of
+// the documented zero-padded pairwise tree, whose node at the level with N nodes covers the packs
+// k = m (mod N). With t threads per CTA (W = t / 32 warps), thread `lane` of warp `w` of CTA c owns
+// node m = lane * (W * C) + w * C + c of the level N = t * C, i.e. packs k = m + j * N, j < V:
+//   - its V packs are summed pairwise in registers (levels above N),
+//   - the xor butterfly across the lanes of a warp adds nodes N / 2 apart, then N / 4, ... down to
+//     W * C apart (lane bits are the node's high bits): every lane holds node w * C + c,
+//   - the W warp roots (shared memory, one block barrier) are added as a tree (w, w + W / 2), ...:
+//     node c of the level C,
+//   - the C CTA roots (distributed shared memory, one cluster barrier) are added as a tree: the
+//     root. Every thread of the cluster evaluates the last two stages itself, in the same order.
+// Missing leaves (k >= hidden / 8, or a power of two beyond P) are exact zeros: a larger
+// zero-padded tree has the same root. C and t change only who adds, never what is added.
+// Each CTA reads and writes only its own packs of the residual, so no CTA can see another's new
+// residual. The warp roots and CTA roots are double-buffered by row parity: a CTA overwrites the
+// buffer of row n + 2 only after the barrier of row n + 1, which every reader of row n passed after
+// reading it. A final cluster barrier keeps every CTA's shared memory alive until the cluster's
+// last read. Failures travel with the roots (a failed flag per CTA), so the whole cluster skips
+// the pushes of a row any of its CTAs could not reduce, and every CTA still meets every barrier.
 #include <algorithm>
 
 #include "commlib/device/barrier.cuh"
@@ -28,10 +54,19 @@ namespace commlib::kernels {
 namespace {
 using namespace fused_detail;
 
-constexpr int kLLMaxThreads = 512;  // one row per block: up to 4 packs per thread, 128 registers
+constexpr int kLLMaxThreads = 512;   // up to 4 packs per thread (hidden 16384 on one CTA)
+constexpr int kLLMaxWarps = kLLMaxThreads / 32;
 constexpr int kLLMinBlocks = 4;      // default floor: spreads the push and gather stores over SMs
+constexpr int kLLMaxRowCtas = 8;     // the portable cluster size
+constexpr int kLLPushUnroll = 4;     // packs loaded before their stores, per thread, in phase 1
+constexpr int kLLGatherPacks = 4;    // packs polled at once per thread in phase 3
 
 enum LLRegion : int { kLLRegionX = 0, kLLRegionO = 1, kLLRegionR = 2 };
+
+struct LLGeometry {
+  size_t region_bytes;  // fused_ll_region_bytes
+  int row_ctas;         // C of Note [fused LL row split]; the launch's cluster size when > 1
+};
 
 // Stores a raw pack as the two LL lines at dst: {word 0, flag, word 1, flag}, {word 2, flag, ...}.
 __device__ __forceinline__ void ll_store(uint4* dst, const uint4& raw, uint32_t flag) {
@@ -39,37 +74,89 @@ __device__ __forceinline__ void ll_store(uint4* dst, const uint4& raw, uint32_t 
   device::st_volatile_v4_u32(dst + 1, uint4{raw.z, flag, raw.w, flag});
 }
 
-// Waits until both lines at src carry `flag` and returns their payload (a raw pack). On timeout it
-// records (rank, peer, phase) in the error word, sets `failed` and returns garbage; a thread that
-// has failed does not wait again.
-__device__ __forceinline__ uint4 ll_wait(const uint4* src, uint32_t flag, const BarrierDevice& bar, int peer,
-                                           FusedRmsNormPhase phase, uint64_t call, int& failed) {
-  uint4 lo = device::ld_volatile_v4_u32(src), hi = device::ld_volatile_v4_u32(src + 1);
-  auto ready = [&] { return lo.y == flag && lo.w == flag && hi.y == flag && hi.w == flag; };
-  if (!ready() && !failed) {
-    const uint64_t start = device::globaltimer_ns();
-    while (!ready()) {
-      lo = device::ld_volatile_v4_u32(src);
-      hi = device::ld_volatile_v4_u32(src + 1);
-      const uint64_t elapsed = device::globaltimer_ns() - start;
-      if (elapsed > bar.timeout_ns) {
-        device::record_timeout(bar, peer, static_cast<int>(phase), elapsed, call);
-        failed = 1;
-        break;
-      }
+__device__ __forceinline__ bool ll_ready(const uint4& lo, const uint4& hi, uint32_t flag) {
+  return lo.y == flag && lo.w == flag && hi.y == flag && hi.w == flag;
+}
+
+// The payload (a raw pack) of the two lines lo, hi.
+__device__ __forceinline__ uint4 ll_payload(const uint4& lo, const uint4& hi) { return uint4{lo.x, lo.z, hi.x, hi.z}; }
+
+// Waits until the two lines at src[u] carry `flag`, for every u with src[u] != nullptr, polling
+// all of them at once (one round trip when they have all landed, not one per pack), and leaves
+// them in lo[u], hi[u] (ll_payload). Entries without a source read as zeros. On timeout it records
+// (rank, the peer of a missing entry, phase) in the error word and sets `failed`; a thread that has
+// failed does not wait again (its lines are then garbage, never pushed).
+template <int kN>
+__device__ __forceinline__ void ll_wait_all(const uint4* const (&src)[kN], const int (&peer)[kN], uint4 (&lo)[kN],
+                                            uint4 (&hi)[kN], uint32_t flag, const BarrierDevice& bar,
+                                            FusedRmsNormPhase phase, uint64_t call, int& failed) {
+  uint32_t pending = 0;
+#pragma unroll
+  for (int u = 0; u < kN; ++u) {
+    lo[u] = hi[u] = uint4{0u, 0u, 0u, 0u};
+    if (src[u] != nullptr && !failed) {
+      lo[u] = device::ld_volatile_v4_u32(src[u]);
+      hi[u] = device::ld_volatile_v4_u32(src[u] + 1);
     }
   }
-  return uint4{lo.x, lo.z, hi.x, hi.z};
+#pragma unroll
+  for (int u = 0; u < kN; ++u) {
+    if (src[u] != nullptr && !failed && !ll_ready(lo[u], hi[u], flag)) pending |= 1u << u;
+  }
+  if (pending == 0) return;
+  const uint64_t start = device::globaltimer_ns();
+  while (true) {
+#pragma unroll
+    for (int u = 0; u < kN; ++u) {
+      if ((pending >> u) & 1u) {
+        lo[u] = device::ld_volatile_v4_u32(src[u]);
+        hi[u] = device::ld_volatile_v4_u32(src[u] + 1);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kN; ++u) {
+      if (((pending >> u) & 1u) && ll_ready(lo[u], hi[u], flag)) pending &= ~(1u << u);
+    }
+    if (pending == 0) return;
+    const uint64_t elapsed = device::globaltimer_ns() - start;
+    if (elapsed > bar.timeout_ns) {
+      int who = -1;
+#pragma unroll
+      for (int u = 0; u < kN; ++u) {
+        if (who < 0 && ((pending >> u) & 1u)) who = peer[u];
+      }
+      device::record_timeout(bar, who, static_cast<int>(phase), elapsed, call);
+      failed = 1;
+      return;
+    }
+  }
+}
+
+// Root of the pairwise tree over v (pairs (i, i + kN / 2) first): levels of Note [fused rmsnorm
+// arithmetic]. v is overwritten.
+// Recursion on the level (a loop over h /= 2 is not always unrolled, which puts v in local memory).
+template <int kN>
+__device__ __forceinline__ float pairwise_root(float (&v)[kN]) {
+  static_assert(kN >= 1 && (kN & (kN - 1)) == 0, "a power of two");
+  if constexpr (kN == 1) {
+    return v[0];
+  } else {
+#pragma unroll
+    for (int i = 0; i < kN / 2; ++i) v[i] = __fadd_rn(v[i], v[i + kN / 2]);
+    return pairwise_root<kN / 2>(reinterpret_cast<float(&)[kN / 2]>(v));
+  }
 }
 
 template <typename T, int kWorldSize, int kVecs>
 __global__ void __launch_bounds__(kLLMaxThreads)
-    rs_rmsnorm_ag_p2p_ll_kernel(RsRmsNormAgP2pParams p, size_t region_bytes) {
+    rs_rmsnorm_ag_p2p_ll_kernel(RsRmsNormAgP2pParams p, LLGeometry geo) {
   constexpr int kCap = kWorldSize > 0 ? kWorldSize : kMaxDeviceRanks;
-  __shared__ float scratch[kLLMaxThreads];
-  __shared__ float totals[kLLMaxThreads / 32];
+  __shared__ float warp_roots[2][kLLMaxWarps];  // by row parity (Note [fused LL row split])
+  __shared__ float cta_root[2];
+  __shared__ uint32_t cta_failed[2];
   const device::CallInfo call = device::call_begin(p.barrier);
-  if (!call.ok) return;
+  // A poisoned communicator: no pushes and no waits, but every cluster barrier is still met.
+  int failed = call.ok ? 0 : 1;
   const FusedRmsNormArgs& a = p.args;
   const int world = kWorldSize > 0 ? kWorldSize : p.barrier.world_size;
   const int rank = p.barrier.rank;
@@ -79,114 +166,238 @@ __global__ void __launch_bounds__(kLLMaxThreads)
   const bool replicated = a.mode == ResidualMode::kReplicated;
   const char* x = static_cast<const char*>(a.x);
   const size_t row_bytes = static_cast<size_t>(a.hidden) * sizeof(T);
-  // First line of (row i, pack k) of rank s's slot, region `which`, in rank `owner`'s LL buffer.
-  auto line = [&](int owner, int which, int s, int64_t i, int k) {
-    char* region = p.lines.peer<char>(owner) + half + (peer_slot(s, owner, world) * 3 + which) * region_bytes;
-    return reinterpret_cast<uint4*>(region) + 2 * (i * num_packs + k);
+  // Lines of rank s's slot, region `which`, in rank `owner`'s LL buffer: row i, pack k at 2 (i P + k).
+  auto region = [&](int owner, int which, int s) {
+    return reinterpret_cast<uint4*>(p.lines.peer<char>(owner) + half +
+                                    (peer_slot(s, owner, world) * 3 + which) * geo.region_bytes);
   };
   const int64_t num_threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  int failed = 0;
 
-  // 1. Push the x rows every peer owns.
-  for (int step = 1; step < world; ++step) {
-    const int d = (rank + step) % world;
-    const TokenSlice rows = token_slice(a.num_tokens, world, d);
-    const int64_t total = rows.size() * num_packs;
-    for (int64_t idx = first; idx < total; idx += num_threads) {
-      const int64_t i = idx / num_packs;
-      const int k = static_cast<int>(idx % num_packs);
-      ll_store(line(d, kLLRegionX, rank, i, k), device::ld_v4_u32(x + (rows.begin + i) * row_bytes + k * 16), flag);
-    }
-  }
-
-  // 2. This rank's rows, one per block at a time. Packs stay raw (Note [raw packs]).
-  const TokenSlice mine = token_slice(a.num_tokens, world, rank);
-  const char* weight = static_cast<const char*>(a.weight);
-  for (int64_t i = blockIdx.x; i < mine.size(); i += gridDim.x) {  // block-uniform
-    const int64_t token = mine.begin + i;
-    char* res_row = reinterpret_cast<char*>(residual_row<T>(a, mine.begin, token));
-    uint4 own[kVecs], old[kVecs], w[kVecs], r[kVecs];
-    float acc[kVecs][kGroup];
-    float q[kVecs];
-    // Local loads first: their latency overlaps the wait for the peers' lines.
+  // 1. Push the x rows every peer owns (rows are contiguous in x and in the region: flat packs).
+  if (!failed) {
+    for (int step = 1; step < world; ++step) {
+      const int d = (rank + step) % world;
+      const TokenSlice rows = token_slice(a.num_tokens, world, d);
+      const int64_t total = rows.size() * num_packs;
+      const char* src = x + rows.begin * row_bytes;
+      uint4* dst = region(d, kLLRegionX, rank);
+      for (int64_t base = first; base < total; base += kLLPushUnroll * num_threads) {
+        uint4 v[kLLPushUnroll] = {};
 #pragma unroll
-    for (int j = 0; j < kVecs; ++j) {
-      const int k = static_cast<int>(threadIdx.x) + j * static_cast<int>(blockDim.x);
-      if (k >= num_packs) continue;
-      own[j] = device::ld_v4_u32(x + token * row_bytes + k * 16);
-      old[j] = device::ld_v4_u32(res_row + k * 16);
-      w[j] = device::ld_v4_u32(weight + k * 16);
-    }
+        for (int u = 0; u < kLLPushUnroll; ++u) {
+          const int64_t idx = base + u * num_threads;
+          if (idx < total) v[u] = device::ld_v4_u32(src + idx * 16);
+        }
 #pragma unroll
-    for (int j = 0; j < kVecs; ++j) {
-      const int k = static_cast<int>(threadIdx.x) + j * static_cast<int>(blockDim.x);
-      if (k >= num_packs) continue;
-#pragma unroll
-      for (int s = 0; s < kCap; ++s) {  // rank order (Note [reduction order])
-        if (kWorldSize == 0 && s >= world) continue;
-        const uint4 xs = s == rank ? own[j]
-                                   : ll_wait(line(rank, kLLRegionX, s, i, k), flag, p.barrier, s,
-                                             FusedRmsNormPhase::kLLInputs, call.call, failed);
-#pragma unroll
-        for (int e = 0; e < kGroup; ++e) acc[j][e] = s == 0 ? raw_elem<T>(xs, e) : __fadd_rn(acc[j][e], raw_elem<T>(xs, e));
-      }
-    }
-    // Nothing is pushed from garbage: a block with a failed wait stops here.
-    if (__syncthreads_or(failed)) return;
-#pragma unroll
-    for (int j = 0; j < kVecs; ++j) {
-      const int k = static_cast<int>(threadIdx.x) + j * static_cast<int>(blockDim.x);
-      q[j] = 0.0f;
-      if (k >= num_packs) continue;
-      float rf[kGroup];
-      r[j] = new_residual<T>(old[j], acc[j], rf);
-      q[j] = sum_squares(rf);
-      device::st_v4_u32(res_row + k * 16, r[j]);
-      if (replicated) {
-        for (int step = 1; step < world; ++step) {
-          const int d = (rank + step) % world;
-          ll_store(line(d, kLLRegionR, rank, i, k), r[j], flag);
+        for (int u = 0; u < kLLPushUnroll; ++u) {
+          const int64_t idx = base + u * num_threads;
+          if (idx < total) ll_store(dst + 2 * idx, v[u], flag);
         }
       }
     }
-    const float rstd = row_rstd(group_sum_squares<kVecs>(q, scratch, totals, static_cast<int>(blockDim.x)), a.hidden,
-                                a.eps);
+  }
+
+  // 2. This rank's rows, one per cluster at a time (Note [fused LL row split]). Packs stay raw
+  //    (Note [raw packs]).
+  const int row_ctas = geo.row_ctas;
+  const int c = row_ctas > 1 ? static_cast<int>(device::cluster_ctarank()) : 0;
+  const int64_t cluster = blockIdx.x / row_ctas;
+  const int64_t num_clusters = gridDim.x / row_ctas;
+  const int warps = static_cast<int>(blockDim.x) / 32;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const int node = lane * warps * row_ctas + warp * row_ctas + c;
+  const int nodes = static_cast<int>(blockDim.x) * row_ctas;  // N: packs k = node + j * N
+  const TokenSlice mine = token_slice(a.num_tokens, world, rank);
+  const char* weight = static_cast<const char*>(a.weight);
+  int parity = 0;
+  for (int64_t i = cluster; i < mine.size(); i += num_clusters, parity ^= 1) {  // cluster-uniform
+    const int64_t token = mine.begin + i;
+    char* res_row = reinterpret_cast<char*>(residual_row<T>(a, mine.begin, token));
+    const int64_t line0 = 2 * i * num_packs;  // row i's first line in a region
+    uint4 own[kVecs], res[kVecs], w[kVecs];
+    float acc[kVecs][kGroup];
+    float q[kVecs];
+    // Local loads first: their latency overlaps the wait for the peers' lines. The weight is
+    // loaded after the wait, when fewer registers are live (its latency overlaps the reduction),
+    // and so are x and the residual with 4 packs per thread (registers again).
+    constexpr bool kPreload = kVecs <= 2;
+    auto load_local = [&](uint4(&dst)[kVecs], const char* row) {
+#pragma unroll
+      for (int j = 0; j < kVecs; ++j) {
+        const int k = node + j * nodes;
+        dst[j] = uint4{0u, 0u, 0u, 0u};
+        if (k < num_packs) dst[j] = device::ld_v4_u32(row + k * 16);
+      }
+    };
+    if constexpr (kPreload) {
+      load_local(own, x + token * row_bytes);
+      load_local(res, res_row);
+    }
+    if constexpr (kVecs == 1) {
+      // One pack: every source's lines polled at once; slot s holds rank s (own x at s == rank).
+      const int k = node;
+      const uint4* src[kCap];
+      int peer[kCap];
+#pragma unroll
+      for (int s = 0; s < kCap; ++s) {
+        peer[s] = s;
+        const bool wanted = k < num_packs && s != rank && (kWorldSize > 0 || s < world);
+        src[s] = wanted ? region(rank, kLLRegionX, s) + line0 + 2 * k : nullptr;
+      }
+      uint4 lo[kCap], hi[kCap];
+      ll_wait_all<kCap>(src, peer, lo, hi, flag, p.barrier, FusedRmsNormPhase::kLLInputs, call.call, failed);
+#pragma unroll
+      for (int s = 0; s < kCap; ++s) {  // rank order (Note [reduction order])
+        if (kWorldSize == 0 && s >= world) continue;
+        const uint4 xs = s == rank ? own[0] : ll_payload(lo[s], hi[s]);
+#pragma unroll
+        for (int e = 0; e < kGroup; ++e) acc[0][e] = s == 0 ? raw_elem<T>(xs, e) : __fadd_rn(acc[0][e], raw_elem<T>(xs, e));
+      }
+    } else {
+      // Several packs: per source in rank order, that source's lines of all packs polled at once.
+#pragma unroll 1
+      for (int s = 0; s < world; ++s) {
+        uint4 lo[kVecs], hi[kVecs];
+        if (s == rank && !kPreload) load_local(own, x + token * row_bytes);
+        if (s != rank) {
+          const uint4* src[kVecs];
+          int peer[kVecs];
+#pragma unroll
+          for (int j = 0; j < kVecs; ++j) {
+            const int k = node + j * nodes;
+            peer[j] = s;
+            src[j] = k < num_packs ? region(rank, kLLRegionX, s) + line0 + 2 * k : nullptr;
+          }
+          ll_wait_all<kVecs>(src, peer, lo, hi, flag, p.barrier, FusedRmsNormPhase::kLLInputs, call.call, failed);
+        }
+#pragma unroll
+        for (int j = 0; j < kVecs; ++j) {
+          const uint4 xs = s == rank ? own[j] : ll_payload(lo[j], hi[j]);
+#pragma unroll
+          for (int e = 0; e < kGroup; ++e) acc[j][e] = s == 0 ? raw_elem<T>(xs, e) : __fadd_rn(acc[j][e], raw_elem<T>(xs, e));
+        }
+      }
+    }
+    if constexpr (!kPreload) load_local(res, res_row);
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      q[j] = 0.0f;
+      if (node + j * nodes >= num_packs) continue;
+      float rf[kGroup];
+      res[j] = new_residual<T>(res[j], acc[j], rf);  // old residual in, new residual out
+      q[j] = sum_squares(rf);
+    }
+    load_local(w, weight);
+    // The row's sum of squares (Note [fused LL row split]): registers, the warp's lanes, the warps.
+    float node_sum = pairwise_root(q);
+#pragma unroll
+    for (int h = 16; h >= 1; h /= 2) node_sum = __fadd_rn(node_sum, __shfl_xor_sync(0xffffffffu, node_sum, h));
+    if (lane == 0) warp_roots[parity][warp] = node_sum;
+    // Makes the warp roots visible to the block; and whether any thread's wait failed.
+    uint32_t row_failed = __syncthreads_or(failed) != 0 ? 1u : 0u;
+    float roots[kLLMaxWarps];
+#pragma unroll
+    for (int v = 0; v < kLLMaxWarps; ++v) roots[v] = v < warps ? warp_roots[parity][v] : 0.0f;
+    float sumsq = pairwise_root(roots);
+    if (row_ctas > 1) {
+      if (threadIdx.x == 0) {
+        cta_root[parity] = sumsq;
+        cta_failed[parity] = row_failed;
+      }
+      // Publishes this CTA's root and failure to the cluster; acquires the other CTAs'.
+      device::barrier_cluster_arrive_release();
+      device::barrier_cluster_wait_acquire();
+      const uint32_t root_at = static_cast<uint32_t>(__cvta_generic_to_shared(&cta_root[parity]));
+      const uint32_t failed_at = static_cast<uint32_t>(__cvta_generic_to_shared(&cta_failed[parity]));
+      float parts[kLLMaxRowCtas];
+#pragma unroll
+      for (int cc = 0; cc < kLLMaxRowCtas; ++cc) {
+        parts[cc] = 0.0f;
+        if (cc < row_ctas) {
+          parts[cc] = device::ld_shared_cluster_f32(device::mapa_shared_cluster_u32(root_at, cc));
+          row_failed |= device::ld_shared_cluster_u32(device::mapa_shared_cluster_u32(failed_at, cc));
+        }
+      }
+      sumsq = pairwise_root(parts);
+    }
+    // Nothing is pushed from garbage: the whole cluster skips a row any of its waits failed on
+    // (row_failed is the same on every thread of the cluster), and waits no more.
+    if (row_failed) {
+      failed = 1;
+      continue;
+    }
+    const float rstd = row_rstd(sumsq, a.hidden, a.eps);
     char* out_row = static_cast<char*>(a.out) + token * row_bytes;
 #pragma unroll
     for (int j = 0; j < kVecs; ++j) {
-      const int k = static_cast<int>(threadIdx.x) + j * static_cast<int>(blockDim.x);
+      const int k = node + j * nodes;
       if (k >= num_packs) continue;
-      const uint4 y = normalised<T>(r[j], rstd, w[j]);
-      device::st_v4_u32(out_row + k * 16, y);
+      const uint4 y = normalised<T>(res[j], rstd, w[j]);
+      // The peers' lines first: they are on the critical path, the local stores are not.
       for (int step = 1; step < world; ++step) {
         const int d = (rank + step) % world;
-        ll_store(line(d, kLLRegionO, rank, i, k), y, flag);
+        ll_store(region(d, kLLRegionO, rank) + line0 + 2 * k, y, flag);
+        if (replicated) ll_store(region(d, kLLRegionR, rank) + line0 + 2 * k, res[j], flag);
       }
+      device::st_v4_u32(out_row + k * 16, y);
+      device::st_v4_u32(res_row + k * 16, res[j]);
     }
   }
+  if (row_ctas > 1) {
+    // No CTA leaves (its shared memory with it) while another CTA of the cluster may still read
+    // its roots of the last row.
+    device::barrier_cluster_arrive_release();
+    device::barrier_cluster_wait_acquire();
+  }
 
-  // 3. Gather the other owners' rows from this rank's own regions O (and R).
+  // 3. Gather the other owners' rows from this rank's own regions O (and R), several packs at once.
   char* out = static_cast<char*>(a.out);
   char* residual = static_cast<char*>(a.residual);  // full layout whenever replicated
   for (int step = 1; step < world && !failed; ++step) {
     const int d = (rank + step) % world;
     const TokenSlice rows = token_slice(a.num_tokens, world, d);
     const int64_t total = rows.size() * num_packs;
-    for (int64_t idx = first; idx < total && !failed; idx += num_threads) {
-      const int64_t i = idx / num_packs;
-      const int k = static_cast<int>(idx % num_packs);
-      const size_t offset = (rows.begin + i) * row_bytes + k * 16;
-      device::st_v4_u32(out + offset, ll_wait(line(rank, kLLRegionO, d, i, k), flag, p.barrier, d,
-                                              FusedRmsNormPhase::kLLRows, call.call, failed));
-      if (replicated) {
-        device::st_v4_u32(residual + offset, ll_wait(line(rank, kLLRegionR, d, i, k), flag, p.barrier, d,
-                                                     FusedRmsNormPhase::kLLRows, call.call, failed));
+    const uint4* o_lines = region(rank, kLLRegionO, d);
+    const uint4* r_lines = region(rank, kLLRegionR, d);
+    const size_t base_offset = rows.begin * row_bytes;
+    for (int64_t base = first; base < total && !failed; base += kLLGatherPacks * num_threads) {
+      constexpr int kN = 2 * kLLGatherPacks;  // [u]: pack u of out; [kLLGatherPacks + u]: of the residual
+      const uint4* src[kN];
+      int peer[kN];
+#pragma unroll
+      for (int u = 0; u < kLLGatherPacks; ++u) {
+        const int64_t idx = base + u * num_threads;
+        const bool in = idx < total;
+        src[u] = in ? o_lines + 2 * idx : nullptr;
+        src[kLLGatherPacks + u] = in && replicated ? r_lines + 2 * idx : nullptr;
+        peer[u] = peer[kLLGatherPacks + u] = d;
+      }
+      uint4 lo[kN], hi[kN];
+      ll_wait_all<kN>(src, peer, lo, hi, flag, p.barrier, FusedRmsNormPhase::kLLRows, call.call, failed);
+      if (failed) break;
+#pragma unroll
+      for (int u = 0; u < kLLGatherPacks; ++u) {
+        const int64_t idx = base + u * num_threads;
+        if (idx >= total) continue;
+        device::st_v4_u32(out + base_offset + idx * 16, ll_payload(lo[u], hi[u]));
+        if (replicated) {
+          device::st_v4_u32(residual + base_offset + idx * 16,
+                            ll_payload(lo[kLLGatherPacks + u], hi[kLLGatherPacks + u]));
+        }
       }
     }
   }
   if (__syncthreads_or(failed)) return;
   device::call_end(p.barrier);
+}
+
+// Largest power of two <= v (v >= 1).
+int64_t floor_pow2(int64_t v) {
+  int64_t p = 1;
+  while (2 * p <= v) p *= 2;
+  return p;
 }
 
 }  // namespace
@@ -199,6 +410,31 @@ bool fused_rmsnorm_use_ll(const RsRmsNormAgP2pParams& params) {
   const int64_t limit = env::get_int("COMMLIB_FUSED_LL_MAX_BYTES");
   // Lines carry 8 payload bytes in 16.
   return slice_bytes <= limit && 2 * static_cast<size_t>(slice_bytes) <= fused_ll_region_bytes(params.lines.bytes, world);
+}
+
+FusedLLGrid fused_ll_grid(int64_t rows_per_rank, int64_t hidden, int num_blocks) {
+  // C: COMMLIB_FUSED_LL_ROW_CTAS (rounded down to a power of two, at most kLLMaxRowCtas), or when 0
+  // the most that give every row of the slice its own cluster within the CTA budget. At least 32
+  // packs per CTA (a smaller share would leave most of a warp holding zeros).
+  const int64_t padded = next_pow2(std::max<int64_t>(1, hidden / kGroup));
+  const int64_t knob = env::get_int("COMMLIB_FUSED_LL_ROW_CTAS");
+  const int64_t max_ctas = knob > 0 ? floor_pow2(std::min<int64_t>(knob, kLLMaxRowCtas)) : kLLMaxRowCtas;
+  const int64_t rows = std::max<int64_t>(rows_per_rank, 1);
+  // The budget: num_sms / COMMLIB_FUSED_NUM_SMS exactly, else by size (C CTAs per row, at least
+  // kLLMinBlocks, at most kFusedDefaultMaxBlocks). With C = 1 this is the former one CTA per row.
+  const int budget = fused_rmsnorm_num_blocks(num_blocks, 0, std::max<int64_t>(rows * max_ctas, kLLMinBlocks));
+  int64_t ctas = 1;
+  while (2 * ctas <= max_ctas && 2 * ctas * 32 <= padded && 2 * ctas <= budget &&
+         (knob > 0 || rows * 2 * ctas <= budget)) {
+    ctas *= 2;
+  }
+  FusedLLGrid grid;
+  grid.row_ctas = static_cast<int>(ctas);
+  grid.blocks = static_cast<int>(budget / ctas * ctas);
+  const int64_t per_cta = padded / ctas;
+  grid.threads = static_cast<int>(std::clamp<int64_t>(per_cta, 32, kLLMaxThreads));
+  grid.packs_per_thread = static_cast<int>(std::max<int64_t>(1, per_cta / grid.threads));
+  return grid;
 }
 
 Status launch_rs_rmsnorm_ag_p2p_ll(const RsRmsNormAgP2pParams& params, Stream stream) {
@@ -216,24 +452,34 @@ Status launch_rs_rmsnorm_ag_p2p_ll(const RsRmsNormAgP2pParams& params, Stream st
                                  " bytes of LL region; the LL buffer has ", region_bytes, " per region (world ", world,
                                  ")"));
   }
-  // One row per block: threads = the row's packs rounded up to a power of two (32..512); hidden
-  // 8192 has 1024 packs, two per thread, hidden 16384 four.
-  const int64_t padded = next_pow2(a.hidden / kGroup);
-  const int threads = static_cast<int>(std::clamp<int64_t>(padded, 32, kLLMaxThreads));
-  const int64_t vecs = std::max<int64_t>(1, padded / threads);
-  // The tuned count (measured on the barrier kernel at a large batch) does not apply here: tuned_max_blocks 0.
-  const int blocks = fused_rmsnorm_num_blocks(params.num_blocks, 0, std::max<int64_t>(per_rank, kLLMinBlocks));
+  // The tuned count (measured on the barrier kernel at a large batch) does not apply here.
+  const FusedLLGrid grid = fused_ll_grid(per_rank, a.hidden, params.num_blocks);
+  const LLGeometry geo{region_bytes, grid.row_ctas};
   auto go = [&](auto kernel) {
-    kernel<<<blocks, threads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(params, region_bytes);
-    const cudaError_t err = cudaGetLastError();
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(static_cast<unsigned>(grid.blocks));
+    config.blockDim = dim3(static_cast<unsigned>(grid.threads));
+    config.dynamicSmemBytes = 0;
+    config.stream = reinterpret_cast<cudaStream_t>(stream);
+    cudaLaunchAttribute cluster{};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = static_cast<unsigned>(grid.row_ctas);
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster;
+    config.numAttrs = grid.row_ctas > 1 ? 1 : 0;
+    cudaError_t err = cudaLaunchKernelEx(&config, kernel, params, geo);
+    if (err == cudaSuccess) err = cudaGetLastError();
     if (err != cudaSuccess) {
-      return Status(StatusCode::kCudaError, detail::concat(what, ": kernel launch failed: ", cudaGetErrorString(err)));
+      return Status(StatusCode::kCudaError, detail::concat(what, ": kernel launch failed (", grid.blocks, " CTAs of ",
+                                                           grid.threads, " threads, clusters of ", grid.row_ctas,
+                                                           "): ", cudaGetErrorString(err)));
     }
     return Status::ok();
   };
   const auto launch = [&]<typename T>() {
     return COMMLIB_DISPATCH_WORLD_SIZE(world, kWorldSize, [&] {
-      switch (vecs) {
+      switch (grid.packs_per_thread) {
         case 1: return go(rs_rmsnorm_ag_p2p_ll_kernel<T, kWorldSize, 1>);
         case 2: return go(rs_rmsnorm_ag_p2p_ll_kernel<T, kWorldSize, 2>);
         default: return go(rs_rmsnorm_ag_p2p_ll_kernel<T, kWorldSize, 4>);

@@ -87,6 +87,18 @@ inline size_t fused_ll_region_bytes(size_t lines_bytes, int world_size) {
 // rows) fits one LL region as lines (twice its bytes) and is at most COMMLIB_FUSED_LL_MAX_BYTES.
 bool fused_rmsnorm_use_ll(const RsRmsNormAgP2pParams& params);
 
+// The LL kernel's launch shape for a slice of `rows_per_rank` rows (Note [fused LL row split] in
+// rs_rmsnorm_ag_p2p_ll.cu): `row_ctas` CTAs per row (a thread-block cluster when > 1; from
+// COMMLIB_FUSED_LL_ROW_CTAS, 0: by size), `blocks` CTAs in all (a multiple of row_ctas, within the
+// budget of fused_rmsnorm_num_blocks), `threads` per CTA and packs per thread. The same on every rank.
+struct FusedLLGrid {
+  int row_ctas = 1;
+  int blocks = 1;
+  int threads = 32;
+  int packs_per_thread = 1;
+};
+FusedLLGrid fused_ll_grid(int64_t rows_per_rank, int64_t hidden, int num_blocks);
+
 Status launch_rs_rmsnorm_ag_p2p(const RsRmsNormAgP2pParams& params, Stream stream);
 Status launch_rs_rmsnorm_ag_p2p_ll(const RsRmsNormAgP2pParams& params, Stream stream);
 Status launch_rs_rmsnorm_ag_multimem(const RsRmsNormAgMultimemParams& params, Stream stream);

@@ -108,6 +108,16 @@ def test_fused_gpu_ll_kernel_large_slices(ranks):
                                                                     (None, 1, 7))
 
 
+@pytest.mark.parametrize("row_ctas", ["1", "2", "4", "8"])
+def test_fused_gpu_ll_row_split(ranks, row_ctas):
+    # COMMLIB_FUSED_LL_ROW_CTAS: each row of the LL kernel split over 1..8 CTAs of a cluster (Note
+    # [fused LL row split]); hidden 8 (one pack: the split is capped at one CTA), 1032 (zero-padded
+    # tree), 8192 and 16384 (4 packs per thread at one CTA per row); num_sms 1 and 3 cap the split,
+    # 16 loops clusters over rows. Same bits as the unfused reference for every split.
+    ranks(2, env={"COMMLIB_FUSED_LL_ROW_CTAS": row_ctas, "COMMLIB_FUSED_LL_MAX_BYTES": str(1 << 30)}).run(
+        _gpu_case, "bfloat16", [1, 2, 7, 16], [8, 1032, 8192, 16384], (None, 1, 3, 16))
+
+
 def _mixed_sequence(ctx):
     # LL and barrier fused calls interleaved with LL/flat all-reduces on one communicator: they share
     # the call counter, the LL buffer halves and the workspace halves (Note [fused LL layout]).

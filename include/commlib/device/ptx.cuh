@@ -93,3 +93,48 @@ __device__ __forceinline__ void st_volatile_v4_u32(void* addr, uint4 v) {
 }
 
 }  // namespace commlib::device
+
+namespace commlib::device {
+
+// Thread block clusters (sm_90+): the CTA's rank in its cluster, the cluster barrier and loads
+// from another CTA's shared memory (distributed shared memory).
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+// barrier.cluster.arrive.release: publishes this thread's earlier shared-memory writes to the
+// threads of the cluster that complete the matching wait. Every thread of every CTA of the
+// cluster must arrive (.aligned: the whole warp executes it together).
+__device__ __forceinline__ void barrier_cluster_arrive_release() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+
+// barrier.cluster.wait.acquire: waits for every thread of the cluster to arrive; acquires what
+// they published.
+__device__ __forceinline__ void barrier_cluster_wait_acquire() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// The shared::cluster address of the shared-memory variable at (this CTA's) shared address
+// `addr` in the CTA of cluster rank `rank`.
+__device__ __forceinline__ uint32_t mapa_shared_cluster_u32(uint32_t addr, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+
+__device__ __forceinline__ float ld_shared_cluster_f32(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint32_t ld_shared_cluster_u32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+
+}  // namespace commlib::device
