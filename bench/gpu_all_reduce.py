@@ -43,8 +43,10 @@ COLUMNS = ["nccl", "flat", "flat-ll", "tree", "tree-sym", "auto", "symm-1shot", 
 LL_MAX_BENCH_BYTES = 1 << 20  # the LL variant is only measured up to here
 SWEEP_SIZES = [256 << 10, 1 << 20, 4 << 20, 16 << 20]
 # THREADS:MIN_PACKS:MAX_BLOCKS[:RELAXED_START]; 0 = built-in (512 threads, 512 packs, 128 blocks).
+# Both directions: more, smaller CTAs (1 pack per thread per phase at 1 MiB), and fewer CTAs with
+# more packs per thread, as torch's two-shot does (at most 24 CTAs).
 DEFAULT_SWEEP = ("0:0:0,0:0:0:0,256:256:128,256:256:132,256:128:132,256:256:256,128:128:132,"
-                 "128:128:256,512:256:132,512:1024:128")
+                 "128:128:256,512:256:132,512:0:64,512:0:32,512:0:24")
 TREE_KNOBS = ("COMMLIB_TREE_THREADS", "COMMLIB_TREE_MIN_PACKS", "COMMLIB_TREE_MAX_BLOCKS",
               "COMMLIB_TREE_RELAXED_START")
 
