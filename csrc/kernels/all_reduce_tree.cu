@@ -69,13 +69,15 @@ constexpr size_t kTreeMinPacksPerBlock = 512;
 // Default grid cap: about one block per SM of an H100/H200 (132 SMs).
 constexpr int kTreeMaxBlocks = 128;
 static_assert(kTreeThreads <= kTreeMaxThreads);
-// Packs per thread in flight in copies (one load each before the first store).
-constexpr int kCopyUnroll = 4;
+// Packs per thread in flight in copies (one load each before the first store): 8 covers a 16 MiB
+// message's slice on 2 ranks at the default 128 x 512 grid in one batch (and, with nvcc 13.0,
+// happens to leave the generic-world bf16/fp16 copy-in kernels without the spills 4 had).
+constexpr int kCopyUnroll = 8;
 
-// Packs per thread reduced per iteration (all ranks' values loaded before the first add): eight
-// packs of loads in flight for world 2 and 4 (fewer threads per block leave each thread more packs),
-// one pack per rank beyond, within the 128 registers of a 512-thread block without spilling.
-constexpr int reduce_unroll(int world_size) { return world_size == 2 ? 4 : world_size == 4 ? 2 : 1; }
+// Packs per thread reduced per iteration (all ranks' values loaded before the first add): as many
+// as fit the 128 registers that 512-thread blocks allow without spilling in the world-2/4/8 kernels
+// (4 at world 2, 2 at world 4 spill 8-100 bytes in the copy-in kernels: ptxas, nvcc 13.0).
+constexpr int reduce_unroll(int world_size) { return world_size == 2 ? 2 : 1; }
 
 // Note [tree slots]
 // Each workspace half holds slots of `slot_packs` packs (the slice of a full chunk; the same in
