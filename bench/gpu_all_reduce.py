@@ -2,6 +2,12 @@
 """GPU all-reduce benchmark: commlib flat / tree / auto vs NCCL vs torch symmetric memory.
 
 Spawns its own processes (no torchrun):   python bench/gpu_all_reduce.py [--out FILE]
+Tree geometry sweep (one run, one communicator per geometry; docs/gpu-allreduce.md, Knobs):
+    python bench/gpu_all_reduce.py --tree-sweep [SPECS] [--out FILE]
+  SPECS: comma-separated THREADS:MIN_PACKS:MAX_BLOCKS[:RELAXED_START] (COMMLIB_TREE_THREADS,
+  COMMLIB_TREE_MIN_PACKS, COMMLIB_TREE_MAX_BLOCKS, COMMLIB_TREE_RELAXED_START; 0 = built-in, the
+  last defaults to 1); without SPECS, DEFAULT_SWEEP. Times tree and tree-sym at 256 KiB, 1, 4 and
+  16 MiB per geometry, next to NCCL and torch's two-shot, each result checked bitwise against flat.
 
 Per size (bf16, 1 KiB .. 256 MiB): every implementation runs on the same random inputs; results
 are first checked against NCCL (bf16 tolerance; commlib flat/tree/auto must also agree bitwise
@@ -35,6 +41,14 @@ from common import init_rank, publish, run_ranks, time_graph
 SIZES = [1 << k for k in range(10, 29, 2)]  # 1 KiB .. 256 MiB
 COLUMNS = ["nccl", "flat", "flat-ll", "tree", "tree-sym", "auto", "symm-1shot", "symm-2shot"]
 LL_MAX_BENCH_BYTES = 1 << 20  # the LL variant is only measured up to here
+SWEEP_SIZES = [256 << 10, 1 << 20, 4 << 20, 16 << 20]
+# THREADS:MIN_PACKS:MAX_BLOCKS[:RELAXED_START]; 0 = built-in (512 threads, 512 packs, 128 blocks).
+# Both directions: more, smaller CTAs (1 pack per thread per phase at 1 MiB), and fewer CTAs with
+# more packs per thread, as torch's two-shot does (at most 24 CTAs).
+DEFAULT_SWEEP = ("0:0:0,0:0:0:0,256:256:128,256:256:132,256:128:132,256:256:256,128:128:132,"
+                 "128:128:256,512:256:132,512:0:64,512:0:32,512:0:24")
+TREE_KNOBS = ("COMMLIB_TREE_THREADS", "COMMLIB_TREE_MIN_PACKS", "COMMLIB_TREE_MAX_BLOCKS",
+              "COMMLIB_TREE_RELAXED_START")
 
 
 def with_env(name: str, value: str, fn):
@@ -136,6 +150,138 @@ def worker(rank: int, world: int, port: int, args, queue):
     dist.destroy_process_group()
 
 
+def parse_sweep(specs: str) -> list[tuple[int, int, int, int]]:
+    """'T:P:B[:R],...' -> [(threads, min_packs, max_blocks, relaxed_start)]; 0 = built-in."""
+    out = []
+    for spec in specs.split(","):
+        parts = [int(x) for x in spec.strip().split(":")]
+        if len(parts) not in (3, 4):
+            raise SystemExit(f"--tree-sweep: '{spec}' is not THREADS:MIN_PACKS:MAX_BLOCKS[:RELAXED_START]")
+        out.append(tuple(parts + [1] * (4 - len(parts))))
+    return out
+
+
+def tree_grid(nbytes: int, world: int, geo: tuple[int, int, int, int]) -> str:
+    """blocks x threads the launcher picks for one bf16 chunk (Note [tree geometry])."""
+    threads, min_packs, max_blocks, _ = geo
+    threads, min_packs, max_blocks = threads or 512, min_packs or 512, max_blocks or 128
+    slice_packs = -(-(nbytes // 16) // world)
+    blocks = min(max(-(-slice_packs // min_packs), 1), max_blocks)
+    per_block = -(-(-(-slice_packs // blocks)) // 32) * 32
+    return f"{blocks}x{min(max(-(-per_block // 32) * 32, 32), threads)}"
+
+
+def sweep_worker(rank: int, world: int, port: int, args, queue):
+    """Times tree / tree-sym for every geometry of args.tree_sweep; one communicator per geometry
+    (the COMMLIB_TREE_* knobs are read once, when a communicator first uses the GPU)."""
+    dev, base, symm = init_rank(rank, world, port, "bench")
+    import commlib
+    group_name = dist.group.WORLD.group_name
+    sizes = [s for s in SWEEP_SIZES if s <= args.max_bytes]
+    geos = parse_sweep(args.tree_sweep)
+    inputs, flat_ref, rows = {}, {}, []
+
+    baseline = {"geometry": "baseline", "notes": ""}
+    for nbytes in sizes:
+        count = nbytes // 2
+        g = torch.Generator(device=dev).manual_seed(4321 + rank)
+        pristine = (torch.rand(count, generator=g, device=dev) * 2 - 1).to(torch.bfloat16)
+        inputs[nbytes] = pristine
+        ref = pristine.clone()
+        base.all_reduce(ref, algo="flat")
+        flat_ref[nbytes] = ref
+        buf = pristine.clone()
+        baseline[f"nccl {nbytes}"] = time_graph(lambda b=buf: dist.all_reduce(b), lambda b=buf: b.copy_(pristine),
+                                                ops_for(nbytes), args.replays)
+        if symm is not None:
+            try:
+                t2 = symm.empty(count, dtype=torch.bfloat16, device=dev)
+                symm.rendezvous(t2, group_name)
+                baseline[f"symm-2shot {nbytes}"] = time_graph(
+                    lambda b=t2: torch.ops.symm_mem.two_shot_all_reduce_(b, "sum", group_name),
+                    lambda b=t2: b.copy_(pristine), ops_for(nbytes), args.replays)
+            except Exception as e:  # noqa: BLE001
+                baseline["notes"] = f"torch symm_mem unavailable: {type(e).__name__}: {e}"[:200]
+    rows.append(baseline)
+
+    for i, geo in enumerate(geos):
+        saved = {k: os.environ.get(k) for k in TREE_KNOBS}
+        os.environ.update({k: str(v) for k, v in zip(TREE_KNOBS, geo)})
+        try:
+            comm = commlib.Communicator.from_group(name=f"tree-sweep-{i}")
+            row = {"geometry": ":".join(map(str, geo)), "notes": ""}
+            notes = []
+            for nbytes in sizes:
+                count, pristine = nbytes // 2, inputs[nbytes]
+                bufs = {"tree": torch.empty(count, dtype=torch.bfloat16, device=dev),
+                        "tree-sym": comm.symmetric_empty((count,), torch.bfloat16, dev)}
+                for name, buf in bufs.items():
+                    fn = lambda b=buf: comm.all_reduce(b, algo="tree")  # noqa: E731
+                    buf.copy_(pristine)
+                    fn()
+                    torch.cuda.synchronize()
+                    if not torch.equal(buf, flat_ref[nbytes]):
+                        notes.append(f"{name} {fmt_bytes(nbytes)} != flat bitwise")
+                    row[f"{name} {nbytes}"] = time_graph(fn, lambda b=buf: b.copy_(pristine), ops_for(nbytes),
+                                                         args.replays)
+                row[f"grid {nbytes}"] = tree_grid(nbytes, world, geo)
+                del bufs
+            row["notes"] = "; ".join(notes)
+            comm.close()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        rows.append(row)
+        if rank == 0:
+            print(f"{row['geometry']:>16}: " + ", ".join(
+                f"{fmt_bytes(n)} tree {row[f'tree {n}']:.1f} sym {row[f'tree-sym {n}']:.1f}" for n in sizes)
+                + (f"  [{row['notes']}]" if row["notes"] else ""), flush=True)
+        torch.cuda.empty_cache()
+    if rank == 0:
+        queue.put((sizes, rows))
+    base.close()
+    dist.destroy_process_group()
+
+
+def render_sweep(sizes, rows, world: int, command: str) -> str:
+    base = rows[0]
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "?"
+    head = " | ".join(f"{fmt_bytes(n)} tree | {fmt_bytes(n)} tree-sym | grid" for n in sizes)
+    lines = [
+        f"# Tree all-reduce geometry sweep, bf16, {world} ranks, CUDA-graph replay (µs per op, median)",
+        "",
+        f"- command: `{command}`",
+        f"- machine: {socket.gethostname()}, {world}x {gpu}, torch {torch.__version__}",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
+        "- geometry: COMMLIB_TREE_THREADS:MIN_PACKS:MAX_BLOCKS:RELAXED_START (0 = built-in); grid: "
+        "blocks x threads of the copy-in kernel; (x.xx) = torch two-shot time / this time",
+        "",
+        "| " + " | ".join(f"{fmt_bytes(n)}" for n in sizes) + " | (baseline) |",
+        "| " + " | ".join("---" for _ in sizes) + " | --- |",
+        "| " + " | ".join(f"{base.get(f'nccl {n}', float('nan')):.1f}" for n in sizes) + " | NCCL |",
+        "| " + " | ".join(f"{base.get(f'symm-2shot {n}', float('nan')):.1f}" for n in sizes) + " | torch two-shot |",
+        "",
+        f"| geometry | {head} | notes |",
+        "| --- | " + " | ".join("--- | --- | ---" for _ in sizes) + " | --- |",
+    ]
+
+    def cell(row, key, n):
+        t = row[f"{key} {n}"]
+        two = base.get(f"symm-2shot {n}")
+        return f"{t:.1f} ({two / t:.2f})" if two else f"{t:.1f}"
+
+    for r in rows[1:]:
+        lines.append(f"| {r['geometry']} | " + " | ".join(
+            f"{cell(r, 'tree', n)} | {cell(r, 'tree-sym', n)} | {r[f'grid {n}']}" for n in sizes)
+            + f" | {r['notes']} |")
+    if base["notes"]:
+        lines.append(f"\n{base['notes']}")
+    return "\n".join(lines) + "\n"
+
+
 def render(rows, world: int, command: str) -> str:
     def cell(row, key):
         return f"{row[key]:.1f}" if key in row else "n/a"
@@ -174,9 +320,17 @@ def main():
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--max-bytes", type=int, default=256 << 20)
     parser.add_argument("--out", type=Path, help="also write the markdown table here")
+    parser.add_argument("--tree-sweep", nargs="?", const=DEFAULT_SWEEP, default=None, metavar="SPECS",
+                        help="time tree / tree-sym per launch geometry instead of the full table "
+                             "(THREADS:MIN_PACKS:MAX_BLOCKS[:RELAXED_START],...; default: DEFAULT_SWEEP)")
     args = parser.parse_args()
-    rows = run_ranks(worker, args.world_size, args)
     command = "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    if args.tree_sweep is not None:
+        parse_sweep(args.tree_sweep)  # fail before starting the ranks
+        sizes, rows = run_ranks(sweep_worker, args.world_size, args)
+        publish(render_sweep(sizes, rows, args.world_size, command), args.out)
+        return
+    rows = run_ranks(worker, args.world_size, args)
     publish(render(rows, args.world_size, command), args.out)
 
 

@@ -67,6 +67,29 @@ const char* phase_name(int phase) {
                                                                            : kernels::all_reduce_phase_name(phase);
 }
 
+// COMMLIB_TREE_* (Note [tree geometry] in csrc/kernels/all_reduce_tree.cu), checked once here.
+kernels::TreeLaunchConfig read_tree_config() {
+  kernels::TreeLaunchConfig cfg;
+  const int64_t max_blocks = env::get_int("COMMLIB_TREE_MAX_BLOCKS");
+  COMMLIB_CHECK(max_blocks >= 0 && max_blocks <= kMaxBarrierBlocks, InvalidArgument, "COMMLIB_TREE_MAX_BLOCKS=",
+                max_blocks, " out of range; valid: 0..", kMaxBarrierBlocks);
+  const int64_t threads = env::get_int("COMMLIB_TREE_THREADS");
+  COMMLIB_CHECK(threads >= 0 && threads <= kernels::kTreeMaxThreads && threads % 32 == 0, InvalidArgument,
+                "COMMLIB_TREE_THREADS=", threads, " invalid; valid: 0 or a multiple of 32 in 32..",
+                kernels::kTreeMaxThreads);
+  const int64_t min_packs = env::get_int("COMMLIB_TREE_MIN_PACKS");
+  COMMLIB_CHECK(min_packs >= 0 && min_packs <= kernels::kTreeMaxMinPacksPerBlock, InvalidArgument,
+                "COMMLIB_TREE_MIN_PACKS=", min_packs, " out of range; valid: 0..", kernels::kTreeMaxMinPacksPerBlock);
+  const int64_t relaxed = env::get_int("COMMLIB_TREE_RELAXED_START");
+  COMMLIB_CHECK(relaxed == 0 || relaxed == 1, InvalidArgument, "COMMLIB_TREE_RELAXED_START=", relaxed,
+                " invalid; valid: 0, 1");
+  cfg.max_blocks = static_cast<int>(max_blocks);
+  cfg.threads = static_cast<int>(threads);
+  cfg.min_packs_per_block = min_packs;
+  cfg.start_arrival = relaxed == 1 ? kernels::TreeStartArrival::kRelaxed : kernels::TreeStartArrival::kRelease;
+  return cfg;
+}
+
 }  // namespace
 
 CudaComm::CudaComm(Communicator& comm, int device)
@@ -76,6 +99,7 @@ CudaComm::CudaComm(Communicator& comm, int device)
       selector_(comm.world_size()),
       max_blocks_(env::get_int("COMMLIB_ALLREDUCE_MAX_BLOCKS")),
       ll_max_bytes_(env::get_int("COMMLIB_FLAT_LL_MAX_BYTES")),
+      tree_config_(read_tree_config()),
       fused_tuned_blocks_(tuned_fused_num_sms(comm.world_size())) {
   const char* what = "cuda communicator";
   COMMLIB_CHECK(max_blocks_ >= 0 && max_blocks_ <= kMaxBarrierBlocks, InvalidArgument, "COMMLIB_ALLREDUCE_MAX_BLOCKS=",
@@ -228,6 +252,7 @@ void CudaComm::all_reduce(const void* input, void* output, size_t count, DataTyp
   } else {
     auto p = all_reduce_params<kernels::AllReduceTreeParams>(input, output, count, dtype, op, barrier, max_blocks);
     p.workspace = workspace_->device_handle();
+    p.config = tree_config_;
     size_t offset = 0;
     std::shared_ptr<SymmetricBuffer> sym;
     if (input == output && (reinterpret_cast<uintptr_t>(output) & 15u) == 0 &&

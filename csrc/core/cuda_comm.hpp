@@ -24,6 +24,7 @@
 #include "commlib/symmetric_buffer.hpp"
 #include "commlib/types.hpp"
 #include "core/algorithm_selector.hpp"
+#include "kernels/all_reduce_params.hpp"
 
 namespace commlib {
 
@@ -90,10 +91,11 @@ class CudaComm {
   cudaStream_t last_stream_ = nullptr;
   bool has_last_ = false;
   bool capturing_ = false;
-  // Read once, at creation (COMMLIB_ALLREDUCE_ALGO, the limits, the tune file, the LL and grid knobs).
+  // Read once, at creation (COMMLIB_ALLREDUCE_ALGO, the limits, the tune file, the LL, grid and tree knobs).
   AllReduceSelector selector_;
   int64_t max_blocks_;
   int64_t ll_max_bytes_;
+  kernels::TreeLaunchConfig tree_config_;  // COMMLIB_TREE_* (Note [tree geometry])
   int fused_tuned_blocks_;  // whether the call between begin_op and end_op is being captured
 };
 

@@ -31,6 +31,17 @@ const std::vector<Knob>& knobs() {
       {"COMMLIB_ALLREDUCE_MAX_BLOCKS", "0",
        "GPU all_reduce: largest grid (CTAs) of the flat, LL and tree kernels, 1..256; 0: built-in "
        "(flat 48, LL 64, tree 128). For tuning on a new machine."},
+      {"COMMLIB_TREE_MAX_BLOCKS", "0",
+       "GPU all_reduce, tree: grid cap (CTAs), 1..256; 0: COMMLIB_ALLREDUCE_MAX_BLOCKS when set, "
+       "else 128. Same value on every rank. For tuning (docs/gpu-allreduce.md, Note [tree geometry])."},
+      {"COMMLIB_TREE_THREADS", "0",
+       "GPU all_reduce, tree: threads per CTA cap, a multiple of 32 in 32..512; 0: 512. For tuning."},
+      {"COMMLIB_TREE_MIN_PACKS", "0",
+       "GPU all_reduce, tree: fewest 16-byte packs of each rank's slice per CTA (fewer: fewer CTAs), "
+       "1..16777216; 0: 512. For tuning."},
+      {"COMMLIB_TREE_RELAXED_START", "1",
+       "GPU all_reduce, zero-copy tree: 1: the first barrier arrives with a relaxed store (it "
+       "publishes no write of the kernel); 0: with a release like every other barrier."},
       {"COMMLIB_GPU_WORKSPACE_BYTES", "67108864",
        "Bytes of each rank's symmetric GPU workspace used for copy-in of non-symmetric tensors."},
       {"COMMLIB_TUNE_FILE", "",

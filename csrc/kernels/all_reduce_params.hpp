@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "commlib/errors.hpp"
 #include "commlib/symmetric_buffer.hpp"
@@ -44,6 +45,22 @@ struct AllReduceFlatParams {
   int max_blocks = 0;  // 0: the built-in choice
 };
 
+// How the zero-copy tree's first barrier (kInputsReady) arrives. Nothing this kernel wrote has to
+// cross it, only the inputs earlier work on this GPU left in its own memory (Note [tree barriers]).
+enum class TreeStartArrival : int {
+  kRelease = 0,  // st.release.sys: also publishes this block's earlier writes (the general rule)
+  kRelaxed = 1,  // st.relaxed.sys: no fence before the flag (torch's two-shot does the same)
+};
+
+// Launch geometry of the tree kernel; 0 fields take the built-in choice (all_reduce_tree.cu).
+// Every rank must pass the same values: block b of every rank must own the same data.
+struct TreeLaunchConfig {
+  int max_blocks = 0;           // grid cap, 1..kMaxBarrierBlocks
+  int threads = 0;              // threads per block cap, a multiple of 32 in 32..512
+  int64_t min_packs_per_block = 0;  // fewer 16-byte packs of a slice per block: fewer blocks
+  TreeStartArrival start_arrival = TreeStartArrival::kRelaxed;
+};
+
 struct AllReduceTreeParams {
   const void* input = nullptr;
   void* output = nullptr;
@@ -54,8 +71,13 @@ struct AllReduceTreeParams {
   SymmetricBufferDevice workspace{};  // kWorkspace: the copy-in halves
   SymmetricBufferDevice source{};     // kSymmetricInput: every rank's input, at the tensor's offset
   BarrierDevice barrier{};
-  int max_blocks = 0;
+  int max_blocks = 0;  // COMMLIB_ALLREDUCE_MAX_BLOCKS; config.max_blocks wins when set
+  TreeLaunchConfig config{};
 };
+
+// Valid ranges of TreeLaunchConfig (checked by the host when it reads the knobs).
+constexpr int kTreeMaxThreads = 512;
+constexpr int64_t kTreeMaxMinPacksPerBlock = int64_t{1} << 24;
 
 // Note [LL lines]
 // The LL buffer of each rank holds, per call parity and per source rank, 16-byte lines

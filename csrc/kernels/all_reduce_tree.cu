@@ -35,6 +35,17 @@
 //     barrier kSlicesReduced of chunk c - 2, which this block has passed;
 //   - the AG slots copied out for chunk c - 1 are next written by the peers in chunk c + 1, after
 //     barrier kInputsReady of chunk c + 1, which this block reaches only after that copy-out.
+//
+// Note [tree barriers]
+// Every barrier is Note [flag barrier]'s: release arrival, acquire wait, system scope. One
+// exception, TreeLaunchConfig::start_arrival (COMMLIB_TREE_RELAXED_START, on by default): the
+// zero-copy kernel's kInputsReady publishes no write of this kernel (it is the kernel's first
+// step), only the tensor that earlier work on this GPU wrote into this GPU's own memory. That work
+// finished before this kernel started (stream order, or the caller's event for another stream), so
+// its writes are in this GPU's L2, which is where the peers' NVLink loads of this tensor are
+// served; the arrival is a relaxed store, without the block-wide sync and the system-scope fence
+// of a release (torch's in-place two-shot arrives the same way). The wait still acquires. The
+// copy-in kernel's barriers publish its own NVLink stores, so they always release.
 #include <algorithm>
 #include <type_traits>
 
@@ -45,17 +56,27 @@
 namespace commlib::kernels {
 namespace {
 
+// Note [tree geometry]
+// Built-in launch geometry (TreeLaunchConfig's zero fields; COMMLIB_TREE_* replace each part):
+// blocks = ceil(slice packs / min packs per block), capped at the max blocks; each block owns
+// per_block packs of every slice (whole 512-byte spans), threads = per_block rounded up to a warp,
+// capped at the threads per block. A constant, not the device's SM count, so every rank picks the
+// same grid (block b must meet block b). The kernel is compiled for up to kTreeMaxThreads threads
+// (128 registers per thread), whatever the cap, so one binary serves every geometry.
 constexpr int kTreeThreads = 512;
 // Fewer packs per block than this and a block's barriers cost more than its share of the data.
 constexpr size_t kTreeMinPacksPerBlock = 512;
-// Default grid cap: about one block per SM of an H100/H200 (132 SMs). A constant, not the
-// device's SM count, so every rank picks the same grid (block b must meet block b).
+// Default grid cap: about one block per SM of an H100/H200 (132 SMs).
 constexpr int kTreeMaxBlocks = 128;
-// Packs per thread in flight in copies (one load each before the first store).
-constexpr int kCopyUnroll = 4;
+static_assert(kTreeThreads <= kTreeMaxThreads);
+// Packs per thread in flight in copies (one load each before the first store): 8 covers a 16 MiB
+// message's slice on 2 ranks at the default 128 x 512 grid in one batch (and, with nvcc 13.0,
+// happens to leave the generic-world bf16/fp16 copy-in kernels without the spills 4 had).
+constexpr int kCopyUnroll = 8;
 
 // Packs per thread reduced per iteration (all ranks' values loaded before the first add): as many
-// as fit the 128 registers that 512-thread blocks allow without spilling in the world-2/4/8 kernels.
+// as fit the 128 registers that 512-thread blocks allow without spilling in the world-2/4/8 kernels
+// (4 at world 2, 2 at world 4 spill 8-100 bytes in the copy-in kernels: ptxas, nvcc 13.0).
 constexpr int reduce_unroll(int world_size) { return world_size == 2 ? 2 : 1; }
 
 // Note [tree slots]
@@ -205,8 +226,12 @@ __device__ __forceinline__ bool tree_symmetric(const AllReduceTreeParams& p, uin
   constexpr int N = Pack<T>::kNumElems;
   const int rank = p.barrier.rank;
   const Chunk<T> c = chunk_at(static_cast<const T*>(p.input), static_cast<T*>(p.output), p.count, 0, p.count, world);
-  // Every rank's tensor holds its input (with this, the peers').
-  if (!device::barrier_block(p.barrier, call, static_cast<int>(AllReducePhase::kInputsReady))) return false;
+  // Every rank's tensor holds its input (with this, the peers'). The inputs were written by earlier
+  // work, not by this kernel, so the arrival may be relaxed (Note [tree barriers]).
+  const device::BarrierArrival arrival = p.config.start_arrival == TreeStartArrival::kRelaxed
+                                             ? device::BarrierArrival::kRelaxed
+                                             : device::BarrierArrival::kRelease;
+  if (!device::barrier_block(p.barrier, call, static_cast<int>(AllReducePhase::kInputsReady), arrival)) return false;
   // The tensors are 16-byte aligned (checked by the launcher); the tail pack is element-exact.
   reduce_packs<T, kWorldSize, kOp>(
       part_of(c, rank, g.per_block), c.count / N, world,
@@ -336,12 +361,18 @@ Status launch_all_reduce_tree(const AllReduceTreeParams& params, Stream stream) 
   const size_t slice_packs = (chunk_packs + world - 1) / world;  // of a full chunk
   g.slot_packs = slice_packs;
 
-  const int max_blocks = params.max_blocks > 0 ? std::min(params.max_blocks, kMaxBarrierBlocks) : kTreeMaxBlocks;
-  const size_t blocks = std::clamp<size_t>((slice_packs + kTreeMinPacksPerBlock - 1) / kTreeMinPacksPerBlock, 1,
-                                           static_cast<size_t>(max_blocks));
+  // Note [tree geometry]; the host validated the config's ranges, these clamps only keep it safe.
+  const TreeLaunchConfig& cfg = params.config;
+  const int cap = cfg.max_blocks > 0 ? cfg.max_blocks : params.max_blocks > 0 ? params.max_blocks : kTreeMaxBlocks;
+  const size_t max_blocks = static_cast<size_t>(std::clamp(cap, 1, kMaxBarrierBlocks));
+  const size_t max_threads =
+      cfg.threads > 0 ? static_cast<size_t>(std::clamp(cfg.threads, 32, kTreeThreads)) / 32 * 32 : kTreeThreads;
+  const size_t min_packs =
+      cfg.min_packs_per_block > 0 ? static_cast<size_t>(cfg.min_packs_per_block) : kTreeMinPacksPerBlock;
+  const size_t blocks = std::clamp<size_t>((slice_packs + min_packs - 1) / min_packs, 1, max_blocks);
   // Whole 512-byte spans per block, so no cache line is split between two blocks.
   g.per_block = ((slice_packs + blocks - 1) / blocks + 31) / 32 * 32;
-  const size_t threads = std::clamp<size_t>((g.per_block + 31) / 32 * 32, 32, kTreeThreads);
+  const size_t threads = std::clamp<size_t>((g.per_block + 31) / 32 * 32, 32, max_threads);
   COMMLIB_DISPATCH_FLOAT_DTYPE(params.dtype, T, return Status(StatusCode::kInvalidArgument, what), [&] {
     COMMLIB_DISPATCH_WORLD_SIZE(params.barrier.world_size, kWorldSize, [&] {
       if (params.op == ReduceOp::kAvg) {

@@ -235,6 +235,17 @@ def test_tree_graph_replays_many_chunks_per_launch(ranks):
     assert all(ranks(2, env=TREE_STRESS_ENV).run(_graph_replay, "tree", False))
 
 
+# Launch geometries the tuning sweep explores (Note [tree geometry] in all_reduce_tree.cu): smaller
+# CTAs, more CTAs than SMs, one warp per CTA with many packs per thread (the unrolled loops' partial
+# batches), and the release start arrival. Each must give flat's and the CPU order's bits.
+TREE_GEOMETRY_ENVS = {
+    "256x256-132": {"COMMLIB_TREE_THREADS": "256", "COMMLIB_TREE_MIN_PACKS": "256", "COMMLIB_TREE_MAX_BLOCKS": "132"},
+    "128x64-256": {"COMMLIB_TREE_THREADS": "128", "COMMLIB_TREE_MIN_PACKS": "64", "COMMLIB_TREE_MAX_BLOCKS": "256"},
+    "32x1-7": {"COMMLIB_TREE_THREADS": "32", "COMMLIB_TREE_MIN_PACKS": "1", "COMMLIB_TREE_MAX_BLOCKS": "7"},
+    "release-start": {"COMMLIB_TREE_RELAXED_START": "0"},
+}
+
+
 def _symmetric_zero_copy(ctx):
     dev = torch.device("cuda", ctx.device)
     for dtype in DTYPES.values():
@@ -257,6 +268,27 @@ def _symmetric_zero_copy(ctx):
 
 def test_symmetric_empty_zero_copy(ranks):
     assert all(ranks(2).run(_symmetric_zero_copy))
+
+
+@pytest.mark.parametrize("geometry", list(TREE_GEOMETRY_ENVS))
+def test_tree_geometries_match_references(ranks, geometry):
+    env = TREE_GEOMETRY_ENVS[geometry]
+    assert all(ranks(2, env=env).run(_vs_references, "bfloat16", "avg"))
+    assert all(ranks(2, env=env).run(_symmetric_zero_copy))
+    assert all(ranks(2, env=env).run(_graph_replay, "tree", True))
+    assert all(ranks(2, env=env).run(_graph_replay, "tree", False))
+
+
+def _bad_tree_knob(ctx):
+    dev = torch.device("cuda", ctx.device)
+    with pytest.raises(ValueError, match=r"COMMLIB_TREE_THREADS=100 invalid; valid: 0 or a multiple of 32"):
+        with ctx.new_comm("bad-tree-knob") as comm:  # the knobs are read when the GPU state is made
+            comm.all_reduce(torch.ones(8, device=dev), algo="tree")
+    return True
+
+
+def test_bad_tree_knob_is_a_clear_error(ranks):
+    assert all(ranks(2, env={"COMMLIB_TREE_THREADS": "100"}).run(_bad_tree_knob))
 
 
 def _symmetric_mismatch(ctx):

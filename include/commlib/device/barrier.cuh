@@ -81,16 +81,32 @@ __device__ __forceinline__ void record_timeout(const BarrierDevice& bar, int pee
   record_timeout(bar.state, bar.error, bar.rank, peer, phase, elapsed, call);
 }
 
+// How a block announces that it reached a barrier phase.
+enum class BarrierArrival {
+  kRelease,  // after a block-wide sync, with release semantics: publishes the block's earlier writes
+  kRelaxed,  // at once, relaxed: for a phase that publishes nothing this kernel wrote (the waiting
+             // side still acquires, so what the peer published before its arrival stays ordered)
+};
+
 // Block-wide barrier with the same block index on every peer (Note [flag barrier]).
 // Returns false on every thread of the block if a wait timed out (the caller must return).
-__device__ __forceinline__ bool barrier_block(const BarrierDevice& bar, uint64_t call, int phase) {
-  __syncthreads();  // this block's writes happen-before the release below (CTA scope, then cumulative)
+__device__ __forceinline__ bool barrier_block(const BarrierDevice& bar, uint64_t call, int phase,
+                                              BarrierArrival arrival = BarrierArrival::kRelease) {
+  // This block's writes happen-before the release below (CTA scope, then cumulative). A relaxed
+  // arrival publishes nothing, so its thread need not wait for the rest of the block.
+  if (arrival == BarrierArrival::kRelease) __syncthreads();
   const int t = static_cast<int>(threadIdx.x);
   int failed = 0;
   if (t < bar.world_size && t != bar.rank) {
     const uint64_t value = call * kBarrierPhasesPerCall + static_cast<uint64_t>(phase) + 1;
-    // Publishes this block's writes to peer t: its wait acquires this flag.
-    st_release_sys_u64(bar.flags[t] + blockIdx.x * kMaxDeviceRanks + bar.rank, value);
+    uint64_t* theirs = bar.flags[t] + blockIdx.x * kMaxDeviceRanks + bar.rank;
+    if (arrival == BarrierArrival::kRelease) {
+      // Publishes this block's writes to peer t: its wait acquires this flag.
+      st_release_sys_u64(theirs, value);
+    } else {
+      // Publishes nothing: only says that this block reached the phase.
+      st_relaxed_sys_u64(theirs, value);
+    }
     const uint64_t* mine = bar.flags[bar.rank] + blockIdx.x * kMaxDeviceRanks + t;
     // Makes peer t's writes before its release visible to this block (with the __syncthreads below).
     if (ld_acquire_sys_u64(mine) < value) {
