@@ -2,7 +2,6 @@
 
     python bench/bench_ep.py [--out bench/results/ep_h200x2.md] [--tokens 1,8,32,128,512,4096]
                              [--iters 50] [--models deepseek,mixtral] [--max-tokens N]
-                             [--pipelines auto,chunk,stream]
 
 Spawns one process per GPU (default 2). For each model shape and tokens per rank it measures,
 on the same random routing (top-k distinct experts per token, softmax weights), bf16:
@@ -14,8 +13,6 @@ Time = median over repeats of (elapsed of `iters` replays / iters), CUDA events.
 the identity, so combine must return x * sum_k w: checked in the same run (bf16 tolerance).
 --max-tokens N sizes every EPBuffer for max(N, tokens) tokens per rank (default: the measured
 token count), e.g. a decode step in a buffer registered for larger batches.
---pipelines auto,chunk,stream times the commlib graph under each COMMLIB_EP_PIPELINE value in the
-same run (the first one fills the main columns; default: the environment's value, else auto).
 Payload GB/s: bytes of token rows that cross to other ranks (dispatch + combine, each token once
 per owner rank) per direction, divided by the commlib graph time.
 """
@@ -117,18 +114,6 @@ def worker(rank, world, port, args, q):
                     step()
             t_eager = timed(eager, iters)
             del g
-            # The same graph under each further COMMLIB_EP_PIPELINE value (read at capture), checked too.
-            extra = {}
-            for pipeline in args.pipelines[1:]:
-                os.environ["COMMLIB_EP_PIPELINE"] = pipeline
-                out.fill_(float("nan"))
-                step()
-                torch.cuda.synchronize()
-                ok = ok and torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
-                g = capture_graph(step, iters, before_capture=dist.barrier)
-                extra[pipeline] = timed(g.replay, iters)
-                del g
-            os.environ["COMMLIB_EP_PIPELINE"] = args.pipelines[0]
             # (a) host-synchronised NCCL path
             na = nccl_host_path(x, idx, w, E, world)
             ok = ok and torch.allclose(na.float(), ref.float(), rtol=2e-2, atol=2e-2)
@@ -153,7 +138,7 @@ def worker(rank, world, port, args, q):
             flag = torch.tensor([0.0 if ok else 1.0], device=dev)
             dist.all_reduce(flag)
             rows.append(dict(model=m["name"], tokens=T, graph=t_graph, eager=t_eager, a=t_a, b=t_b,
-                             gbps=2 * float(t_cross) / (t_graph * 1e3), ok=float(flag) == 0, extra=extra))
+                             gbps=2 * float(t_cross) / (t_graph * 1e3), ok=float(flag) == 0))
             del buf
             torch.cuda.empty_cache()
     if rank == 0:
@@ -171,18 +156,15 @@ def render(rows, args):
         f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, {platform.node()}",
         f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='minutes')}",
         "- bf16, random top-k routing, identity experts; µs per dispatch+combine (median, slowest rank)",
-        f"- commlib columns: COMMLIB_EP_PIPELINE={args.pipelines[0]}"
-        + "".join(f"; graph ({p}): the same graph with COMMLIB_EP_PIPELINE={p}" for p in args.pipelines[1:]),
         "",
         "| model | tokens/rank | commlib graph | commlib eager | (a) NCCL host-sync | (b) AG+RS graph "
-        "| speedup vs best | payload GB/s/dir | check |" + "".join(f" graph ({p}) |" for p in args.pipelines[1:]),
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |" + " ---: |" * (len(args.pipelines) - 1),
+        "| speedup vs best | payload GB/s/dir | check |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
         best = min(r["a"], r["b"])
         lines.append(f"| {r['model']} | {r['tokens']} | {r['graph']:.1f} | {r['eager']:.1f} | {r['a']:.1f} | "
-                     f"{r['b']:.1f} | {best / r['graph']:.2f}x | {r['gbps']:.0f} | {'ok' if r['ok'] else 'FAIL'} |"
-                     + "".join(f" {r['extra'][p]:.1f} |" for p in args.pipelines[1:]))
+                     f"{r['b']:.1f} | {best / r['graph']:.2f}x | {r['gbps']:.0f} | {'ok' if r['ok'] else 'FAIL'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -194,12 +176,7 @@ def main():
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=0, help="EPBuffer max_tokens_per_rank (default: tokens)")
-    ap.add_argument("--pipelines", default=os.environ.get("COMMLIB_EP_PIPELINE", "auto"),
-                    help="COMMLIB_EP_PIPELINE values, comma-separated: the first for the main columns, each "
-                         "further one adds a graph column (e.g. auto,chunk,stream for an A/B in one run)")
     args = ap.parse_args()
-    args.pipelines = args.pipelines.split(",")
-    os.environ["COMMLIB_EP_PIPELINE"] = args.pipelines[0]  # the spawned ranks inherit it
     args.tokens = [int(t) for t in args.tokens.split(",")]
     args.models = args.models.split(",")
     if torch.cuda.device_count() < args.world:

@@ -54,10 +54,6 @@ const std::vector<Knob>& knobs() {
        "Fused all-reduce + RMSNorm on GPU: when each rank's token slice has at most this many bytes "
        "(and fits the LL buffer) it runs the barrier-free LL kernel "
        "(csrc/kernels/rs_rmsnorm_ag_p2p_ll.cu); 0: never."},
-      {"COMMLIB_EP_PIPELINE", "auto",
-       "GPU EPBuffer dispatch/combine (fused calls): chunk waits for each peer's whole token chunk, "
-       "stream expands and sums token by token behind progress flags (overlapping NVLink and HBM "
-       "work); auto streams when chunks hold at least 8 tokens and one block per chunk."},
       {"COMMLIB_FUSED_LL_ROW_CTAS", "0",
        "Fused all-reduce + RMSNorm, LL kernel: CTAs (a thread-block cluster) that share one row, "
        "1, 2, 4 or 8; 0 chooses by size (as many as the CTA budget allows for the slice's rows, at "

@@ -21,8 +21,6 @@ constexpr unsigned kFullMask = 0xffffffffu;
 // 16-byte packs in flight per lane in a row copy, and per lane and route in a weighted sum.
 constexpr int kCopyUnroll = 8;
 constexpr int kSumUnroll = 4;
-// The same for the streamed combine's last step, which keeps two accumulators per pack (fits in registers).
-constexpr int kOwnUnroll = 2;
 // Smallest chunk of tokens (more chunks than this only add flag traffic).
 constexpr int64_t kMinTokensPerChunk = 2;
 // Blocks the grid aims for when chunks are few (decode): chunks x column parts (Note [EP GPU protocol]).
@@ -31,10 +29,6 @@ constexpr int kTargetBlocks = 128;
 constexpr int64_t kMinPacksPerWarp = 32;
 // Named barrier id of the pushing warps (0 is __syncthreads).
 constexpr int kPushBarrier = 1;
-// Warps of a streamed block (Note [EP GPU protocol], "Streamed pipeline") that push rows (dispatch)
-// or remote partials (combine), one token each per round: few, so a round, the unit of progress, is
-// short; 4 x 128 blocks keep far more stores in flight than NVLink needs.
-constexpr int kStreamSendWarps = 4;
 
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
@@ -55,11 +49,6 @@ __device__ __forceinline__ void trace(EPTracePoint, int) {}
 #endif
 
 __host__ __device__ constexpr bool has(EPMode mode, EPMode part) { return (static_cast<int>(mode) & static_cast<int>(part)) != 0; }
-
-// Whether this launch runs the streamed pipeline (fused kernel, one column part per chunk, peers).
-__device__ __forceinline__ bool streamed(const EPParams& p, EPMode mode) {
-  return p.pipeline == EPPipeline::kStreamed && mode == EPMode::kBoth && p.grid.num_parts == 1 && p.world_size > 1;
-}
 
 // By value (std::min/max/clamp return references, which can put their operands in local memory).
 __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -227,19 +216,6 @@ __device__ __forceinline__ void signal_ranks(const EPParams& p, size_t flags, ui
   }
 }
 
-// Value of a progress flag (Note [EP GPU protocol], "Streamed pipeline"): the writer finished the
-// first `rows` tokens of the chunk in call seq. Larger than every value of earlier calls.
-__device__ __forceinline__ uint64_t progress_value(const EPParams& p, uint64_t seq, int64_t rows) {
-  return (seq + 1) * static_cast<uint64_t>(p.grid.tokens_per_chunk + 1) + static_cast<uint64_t>(rows);
-}
-
-// Lane 0 takes the next item of a block-wide work queue (shared memory); every lane gets it.
-__device__ __forceinline__ int64_t take_item(int* queue, int lane) {
-  int item = 0;
-  if (lane == 0) item = atomicAdd(queue, 1);
-  return __shfl_sync(kFullMask, item, 0);
-}
-
 // ---- warp-wide row operations ----
 
 __device__ __forceinline__ bool aligned16(const void* a) { return (reinterpret_cast<uintptr_t>(a) & 15u) == 0; }
@@ -388,83 +364,6 @@ __device__ __forceinline__ void sum_rows(T* dst, const T* const* srcs, int num_s
   weighted_sum_row(dst, srcs, nullptr, num_srcs, hidden, cols, lane);
 }
 
-// Combine's last step for one own token with the own partial kept in registers (streamed
-// pipeline): own = round(sum over r ascending of fp32(ws[r]) * fp32(srcs[r])), then dst =
-// round(sum in rank order of the terms), where the terms are the remote owners' partials
-// `partials` (in rank order) with own inserted at index own_at (-1: this rank owns none of the
-// token's routes). Bitwise what weighted_sum_row into land_y followed by sum_rows gives.
-template <typename T>
-__device__ __forceinline__ void own_and_partials_row(T* dst, const T* const* srcs, const float* ws, int num_srcs,
-                                                     const T* const* partials, int num_partials, int own_at,
-                                                     int64_t hidden, Cols cols, int lane) {
-  using V = device::Vec<T>;
-  constexpr int N = V::kNumElems;
-  const int num_terms = num_partials + (own_at >= 0 ? 1 : 0);
-  bool vec = aligned16(dst) && (hidden * sizeof(T)) % 16 == 0;
-  for (int r = 0; r < num_srcs; ++r) vec = vec && aligned16(srcs[r]);
-  for (int r = 0; r < num_partials; ++r) vec = vec && aligned16(partials[r]);
-  if (vec) {
-    const int64_t num_packs = cols.end / N;
-    for (int64_t base = cols.begin / N; base < num_packs; base += 32 * kOwnUnroll) {
-      device::Acc<N> own[kOwnUnroll], acc[kOwnUnroll];
-#pragma unroll
-      for (int u = 0; u < kOwnUnroll; ++u) {
-#pragma unroll
-        for (int i = 0; i < N; ++i) own[u].v[i] = acc[u].v[i] = 0.0f;
-      }
-      for (int r = 0; own_at >= 0 && r < num_srcs; ++r) {
-        const T* src = srcs[r];
-        const float w = ws[r];
-        V y[kOwnUnroll];
-#pragma unroll
-        for (int u = 0; u < kOwnUnroll; ++u) {
-          const int64_t v = base + u * 32 + lane;
-          if (v < num_packs) y[u] = V::load(src + v * N);
-        }
-#pragma unroll
-        for (int u = 0; u < kOwnUnroll; ++u) {
-#pragma unroll
-          for (int i = 0; i < N; ++i) own[u].v[i] = __fadd_rn(own[u].v[i], __fmul_rn(w, device::to_float<T>(y[u].elems[i])));
-        }
-      }
-      for (int j = 0; j < num_terms; ++j) {
-        V y[kOwnUnroll];
-        if (j == own_at) {
-#pragma unroll
-          for (int u = 0; u < kOwnUnroll; ++u) y[u] = device::acc_cast<T, N>(own[u]);
-        } else {
-          const T* src = partials[own_at >= 0 && j > own_at ? j - 1 : j];
-#pragma unroll
-          for (int u = 0; u < kOwnUnroll; ++u) {
-            const int64_t v = base + u * 32 + lane;
-            if (v < num_packs) y[u] = V::load(src + v * N);
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kOwnUnroll; ++u) {
-#pragma unroll
-          for (int i = 0; i < N; ++i) acc[u].v[i] = __fadd_rn(acc[u].v[i], __fmul_rn(1.0f, device::to_float<T>(y[u].elems[i])));
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kOwnUnroll; ++u) {
-        const int64_t v = base + u * 32 + lane;
-        if (v < num_packs) device::acc_cast<T, N>(acc[u]).store(dst + v * N);
-      }
-    }
-  } else {
-    for (int64_t e = cols.begin + lane; e < cols.end; e += 32) {
-      float own = 0.0f, acc = 0.0f;
-      for (int r = 0; own_at >= 0 && r < num_srcs; ++r) own = __fadd_rn(own, __fmul_rn(ws[r], device::to_float<T>(srcs[r][e])));
-      for (int j = 0; j < num_terms; ++j) {
-        const T y = j == own_at ? device::from_float<T>(own) : partials[own_at >= 0 && j > own_at ? j - 1 : j][e];
-        acc = __fadd_rn(acc, __fmul_rn(1.0f, device::to_float<T>(y)));
-      }
-      dst[e] = device::from_float<T>(acc);
-    }
-  }
-}
-
 // ---- dispatch ----
 
 // Columns `cols` of token t of source s (of chunk i) into this rank's expert rows: route (s, t, k)
@@ -495,72 +394,12 @@ __device__ __forceinline__ void expand_token(const EPParams& p, int s, int64_t t
   __syncwarp();  // the list is rewritten by the next token
 }
 
-// The receive side of a streamed dispatch block (chunk i, P = 1), run by each warp: takes items
-// from the block's queue until none is left: first the own chunk's tokens (from x, several warps
-// per row when they are few), then the other ranks' tokens of chunk i in rank order, each once its
-// row landed (data_progress of its source covers it). Returns true if a wait failed.
-template <typename T>
-__device__ __forceinline__ bool expand_streamed(const EPParams& p, int i, uint64_t seq, int* queue, const T* x,
-                                                T** list, int lane) {
-  const EPConfig& c = p.config;
-  const int me = p.rank;
-  const int64_t t_begin = i * p.grid.tokens_per_chunk;
-  const Cols all{0, c.hidden};
-  // Own positions need the totals of the ranks below this one (their meta flags).
-  const FlagSet below{p.layout.meta_flags, static_cast<int>(blockIdx.x), ranks_below(p), EPPhaseId::kDispatchMeta};
-  if (wait_warp(p, below, seq + 1, seq, lane)) return true;
-  const int64_t own = chunk_tokens(p, me, i);
-  const int own_parts = parts_for<T>(own, kWarps - kStreamSendWarps, c.hidden);
-  bool have_meta = false;
-  for (;;) {
-    const int64_t item = take_item(queue, lane);
-    if (item < own * own_parts) {
-      const int64_t t = t_begin + item / own_parts;
-      const int sub = static_cast<int>(item % own_parts);
-      expand_token<T>(p, me, t, i, x + t * c.hidden, list, sub_cols<T>(all, sub, own_parts), sub == 0, lane);
-      continue;
-    }
-    if (!have_meta) {
-      trace(EPTracePoint::kDispatchOwnExpanded, kPushWarps * 32);
-      // The other ranks' token counts, routing and totals of chunk i.
-      const FlagSet meta{p.layout.meta_flags, static_cast<int>(blockIdx.x), other_ranks(p), EPPhaseId::kDispatchMeta};
-      if (wait_warp(p, meta, seq + 1, seq, lane)) return true;
-      have_meta = true;
-    }
-    const int64_t r = item - own * own_parts;
-    if (r >= chunk_tokens_total(p, i, me)) return false;
-    const auto [s, t] = nth_token(p, i, me, r);
-    const FlagSet landed{p.layout.data_progress, static_cast<int>(blockIdx.x), 1u << s, EPPhaseId::kDispatchLanded};
-    if (wait_warp(p, landed, progress_value(p, seq, t - t_begin + 1), seq, lane)) return true;
-    expand_token<T>(p, s, t, i, piece<const T>(p, me, p.layout.land_x) + row(p, s, t), list, all, true, lane);
-  }
-}
-
-// Sub-range `sub` of `parts` of columns `cols` of token t: stored once into land_x[me][t] of every
-// remote rank that owns one of its experts.
-template <typename T>
-__device__ __forceinline__ void push_item(const EPParams& p, int64_t t, const T* x, Cols cols, int sub, int parts,
-                                          T** list, int lane) {
-  const EPConfig& c = p.config;
-  const int topk = static_cast<int>(c.topk);
-  const int64_t num_local = c.num_experts / p.world_size;
-  const int32_t e = lane < topk ? sanitize(p.topk_idx[t * topk + lane], c.num_experts) : -1;
-  const unsigned owners = __reduce_or_sync(kFullMask, e >= 0 ? 1u << static_cast<unsigned>(e / num_local) : 0u);
-  const bool keep = lane < p.world_size && lane != p.rank && ((owners >> lane) & 1u);
-  T* dst = keep ? piece<T>(p, lane, p.layout.land_x) + row(p, p.rank, t) : nullptr;
-  const int num_dsts = warp_list(list, keep, dst, lane);
-  copy_row(list, num_dsts, x + t * c.hidden, c.hidden, sub_cols<T>(cols, sub, parts), lane);
-  __syncwarp();  // the list is rewritten by the next token
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EPMode mode) {
   extern __shared__ int32_t counts[];  // [2][num_experts]: before chunk (then running), totals
   __shared__ T* lists[kWarps][kEPMaxTopk];
-  __shared__ int queue;  // streamed pipeline: next item of expand_streamed
   const EPConfig& c = p.config;
   const bool send = has(mode, EPMode::kSend), recv = has(mode, EPMode::kRecv);
-  const bool stream = streamed(p, mode);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n = p.world_size, me = p.rank, b = blockIdx.x;
   const BlockRole role = block_role(p);
@@ -574,7 +413,6 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
   const uint64_t seq = device::ld_volatile_u64(&piece<EPControl>(p, me, p.layout.control)->seq);
   const uint64_t value = seq + 1;
   trace(EPTracePoint::kDispatchStart, 0);
-  if (threadIdx.x == 0) queue = 0;  // published by the __syncthreads of the lead's routing work (stream implies it)
 
   if (send && is_lead) {
     const int64_t num_tokens = p.num_tokens;
@@ -638,29 +476,27 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
 
   // 3. Rows: pushing warps store this block's columns of each token of the chunk into its remote
   // owners' land_x, while (fused kernel) the other warps expand the own chunk from x.
-  const int num_push_warps = send ? (recv ? (stream ? kStreamSendWarps : kPushWarps) : kWarps) : 0;
+  const int num_push_warps = send ? (recv ? kPushWarps : kWarps) : 0;
   bool failed = false;
   if (warp < num_push_warps) {
     const int64_t items = clamp64(p.num_tokens - t_begin, 0, p.grid.tokens_per_chunk);
     const int parts = parts_for<T>(items, num_push_warps, cols.size());
-    // Rounds of one item per pushing warp; streamed, each round releases the tokens it completed.
-    for (int64_t first = 0; first < items * parts; first += num_push_warps) {
-      const int64_t w = first + warp;
-      if (w < items * parts) push_item<T>(p, t_begin + w / parts, x, cols, static_cast<int>(w % parts), parts,
-                                          lists[warp], lane);
-      if (stream) {
-        named_barrier(kPushBarrier, num_push_warps * 32);  // the round's rows, before the release below
-        signal_ranks(p, p.layout.data_progress, progress_value(p, seq, min64(first + num_push_warps, items * parts) / parts),
-                     other_ranks(p));
-      }
+    for (int64_t w = warp; w < items * parts; w += num_push_warps) {
+      const int64_t t = t_begin + w / parts;
+      const int32_t e = lane < topk ? sanitize(p.topk_idx[t * topk + lane], num_experts) : -1;
+      const unsigned owners = __reduce_or_sync(kFullMask, e >= 0 ? 1u << static_cast<unsigned>(e / num_local) : 0u);
+      const bool keep = lane < n && lane != me && ((owners >> lane) & 1u);
+      T* dst = keep ? piece<T>(p, lane, p.layout.land_x) + row(p, me, t) : nullptr;
+      const int num_dsts = warp_list(lists[warp], keep, dst, lane);
+      copy_row(lists[warp], num_dsts, x + t * c.hidden, c.hidden, sub_cols<T>(cols, static_cast<int>(w % parts), parts),
+               lane);
+      __syncwarp();
     }
     trace(EPTracePoint::kDispatchRowsPushed, 0);
     named_barrier(kPushBarrier, num_push_warps * 32);
-    // The whole chunk, for a streamed receiver on a rank that runs the chunked pipeline.
-    if (p.grid.num_parts == 1) signal_ranks(p, p.layout.data_progress, progress_value(p, seq, p.grid.tokens_per_chunk), other_ranks(p));
     signal_ranks(p, p.layout.data_flags, value, other_ranks(p));
     trace(EPTracePoint::kDispatchDataSignalled, 0);
-  } else if (recv && !stream) {
+  } else if (recv) {
     // Own positions need the totals of the ranks below this one (their leads' meta flags) and, in
     // a part other than the lead, this rank's own meta, which its lead writes.
     const FlagSet meta{p.layout.meta_flags, role.lead, ranks_below(p) | (is_lead ? 0u : self_rank(p)),
@@ -679,8 +515,6 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
     }
     trace(EPTracePoint::kDispatchOwnExpanded, kPushWarps * 32);
   }
-  // Streamed: every warp, the pushers once their rows are out, expands tokens as they land.
-  if (stream) failed = expand_streamed<T>(p, role.chunk, seq, &queue, x, lists[warp], lane);
   if (!recv) return;
 
   // 4. Remote chunks, once this part's columns of their rows (data flags of block b) and their
@@ -690,10 +524,9 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
   if (__syncthreads_or(failed)) return;
   const FlagSet data{p.layout.data_flags, b, other_ranks(p), EPPhaseId::kDispatchLanded};
   const FlagSet meta{p.layout.meta_flags, role.lead, is_lead ? 0u : all_ranks(p), EPPhaseId::kDispatchMeta};
-  // Streamed, the rows are expanded already; the wait remains (the reuse argument needs it).
   if (wait_block(p, data, meta, value, seq)) return;
   trace(EPTracePoint::kDispatchDataLanded, 0);
-  const int64_t items = stream ? 0 : chunk_tokens_total(p, role.chunk, me);
+  const int64_t items = chunk_tokens_total(p, role.chunk, me);
   const int parts = parts_for<T>(items, kWarps, cols.size());
   for (int64_t w = warp; w < items * parts; w += kWarps) {
     const auto [s, t] = nth_token(p, role.chunk, me, w / parts);
@@ -722,105 +555,12 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
 
 // ---- combine ----
 
-// Columns `cols` of the partial of this rank's routes of token t of source s (k ascending, fp32,
-// rounded), stored into s's land_y[me][t]; nothing if t has no route to this rank.
-template <typename T>
-__device__ __forceinline__ void store_partial(const EPParams& p, int s, int64_t t, Cols cols, const T** srcs,
-                                              float* weights, int lane) {
-  const EPConfig& c = p.config;
-  const int me = p.rank, topk = static_cast<int>(c.topk);
-  const int64_t num_local = c.num_experts / p.world_size;
-  bool local = false, keep = false;
-  const T* y = nullptr;
-  float w = 0.0f;
-  if (lane < topk) {
-    const size_t at = route(p, s, t * topk + lane);
-    const int32_t e = piece<const int32_t>(p, me, p.layout.meta_idx)[at];
-    local = e >= 0 && e / num_local == me;
-    if (local) {
-      const int32_t pos = p.recv_pos[at];
-      keep = pos >= 0;
-      y = static_cast<const T*>(p.expert_out) + ((e - me * num_local) * c.capacity + pos) * c.hidden;
-      w = piece<const float>(p, me, p.layout.meta_w)[at];
-    }
-  }
-  if (!__any_sync(kFullMask, local)) return;
-  const unsigned mask = __ballot_sync(kFullMask, keep);
-  if (keep) {
-    const int at = __popc(mask & lanemask_lt());
-    srcs[at] = y;
-    weights[at] = w;
-  }
-  __syncwarp();
-  T* dst = piece<T>(p, s, p.layout.land_y) + row(p, me, t);
-  weighted_sum_row(dst, srcs, weights, __popc(mask), c.hidden, cols, lane);
-  __syncwarp();  // the lists are rewritten by the next token
-}
-
-// The own tokens of a streamed combine block (chunk i, P = 1), run by each warp: takes items from
-// the block's queue until none is left; for each, the own partial (registers) and, once their
-// progress covers the token, the remote owners' partials, summed in rank order into out. Returns
-// true if a wait failed.
-template <typename T>
-__device__ __forceinline__ bool finish_own_streamed(const EPParams& p, int i, uint64_t seq, int* queue,
-                                                    const T** srcs, float* weights, const T** partials, int lane) {
-  const EPConfig& c = p.config;
-  const int me = p.rank, topk = static_cast<int>(c.topk);
-  const int64_t num_local = c.num_experts / p.world_size;
-  const int64_t t_begin = i * p.grid.tokens_per_chunk;
-  const int64_t items = chunk_tokens(p, me, i);
-  const int parts = parts_for<T>(items, kWarps - kStreamSendWarps, c.hidden);
-  const int32_t* meta_idx = piece<const int32_t>(p, me, p.layout.meta_idx);
-  const float* meta_w = piece<const float>(p, me, p.layout.meta_w);
-  const T* land_y = piece<const T>(p, me, p.layout.land_y);
-  for (;;) {
-    const int64_t item = take_item(queue, lane);
-    if (item >= items * parts) return false;
-    const int64_t r = item / parts, t = t_begin + r;
-    int owner = -1;
-    bool keep = false;
-    const T* y = nullptr;
-    float w = 0.0f;
-    if (lane < topk) {
-      const size_t at = route(p, me, t * topk + lane);
-      const int32_t e = meta_idx[at];
-      if (e >= 0) owner = static_cast<int>(e / num_local);
-      if (owner == me) {
-        const int32_t pos = p.recv_pos[at];
-        keep = pos >= 0;
-        y = static_cast<const T*>(p.expert_out) + ((e - me * num_local) * c.capacity + pos) * c.hidden;
-        w = meta_w[at];
-      }
-    }
-    const unsigned owners = __reduce_or_sync(kFullMask, owner >= 0 ? 1u << static_cast<unsigned>(owner) : 0u);
-    const unsigned remote = owners & other_ranks(p);
-    const unsigned mask = __ballot_sync(kFullMask, keep);
-    if (keep) {
-      const int at = __popc(mask & lanemask_lt());
-      srcs[at] = y;
-      weights[at] = w;
-    }
-    // The remote owners' partials of the first r + 1 tokens (lane q waits for rank q).
-    const FlagSet landed{p.layout.combine_progress, static_cast<int>(blockIdx.x), remote, EPPhaseId::kCombineLanded};
-    if (wait_warp(p, landed, progress_value(p, seq, r + 1), seq, lane)) return true;
-    const bool from = lane < p.world_size && ((remote >> lane) & 1u);
-    const int num_partials = warp_list(partials, from, from ? land_y + row(p, lane, t) : nullptr, lane);
-    const int own_at = ((owners >> me) & 1u) ? __popc(remote & ranks_below(p)) : -1;
-    own_and_partials_row(static_cast<T*>(p.out) + t * c.hidden, srcs, weights, __popc(mask), partials, num_partials,
-                         own_at, c.hidden, sub_cols<T>(Cols{0, c.hidden}, static_cast<int>(item % parts), parts), lane);
-    __syncwarp();  // the lists are rewritten by the next token
-  }
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPMode mode) {
   __shared__ const T* srcs[kWarps][kEPMaxTopk];
   __shared__ float weights[kWarps][kEPMaxTopk];
-  __shared__ const T* partials[kWarps][kMaxDeviceRanks];
-  __shared__ int queue;  // streamed pipeline: next item of finish_own_streamed
   const EPConfig& c = p.config;
   const bool send = has(mode, EPMode::kSend), recv = has(mode, EPMode::kRecv);
-  const bool stream = streamed(p, mode);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n = p.world_size, me = p.rank, b = blockIdx.x;
   const BlockRole role = block_role(p);
@@ -835,79 +575,66 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPM
   trace(EPTracePoint::kCombineStart, 0);
   // Meta and recv_pos of every source were written, or acquired, in the dispatch kernel.
   const int32_t* meta_idx = piece<const int32_t>(p, me, p.layout.meta_idx);
-  if (stream) {
-    if (threadIdx.x == 0) queue = 0;
-    __syncthreads();  // publishes queue
-  }
 
-  if (send && !stream) {
+  if (send) {
     // This block's columns of the partials of this rank's routes for every source's tokens of the
     // chunk (the own ones too).
+    const float* meta_w = piece<const float>(p, me, p.layout.meta_w);
+    const T* expert_out = static_cast<const T*>(p.expert_out);
     const int64_t items = chunk_tokens_total(p, role.chunk, -1);
     const int parts = parts_for<T>(items, kWarps, cols.size());
     for (int64_t item = warp; item < items * parts; item += kWarps) {
       const auto [s, t] = nth_token(p, role.chunk, -1, item / parts);
-      store_partial<T>(p, s, t, sub_cols<T>(cols, static_cast<int>(item % parts), parts), srcs[warp], weights[warp],
-                       lane);
+      bool local = false, keep = false;
+      const T* y = nullptr;
+      float w = 0.0f;
+      if (lane < topk) {
+        const size_t at = route(p, s, t * topk + lane);
+        const int32_t e = meta_idx[at];
+        local = e >= 0 && e / num_local == me;
+        if (local) {
+          const int32_t pos = p.recv_pos[at];
+          keep = pos >= 0;
+          y = expert_out + ((e - me * num_local) * c.capacity + pos) * c.hidden;
+          w = meta_w[at];
+        }
+      }
+      if (!__any_sync(kFullMask, local)) continue;
+      const unsigned mask = __ballot_sync(kFullMask, keep);
+      if (keep) {
+        const int at = __popc(mask & lanemask_lt());
+        srcs[warp][at] = y;
+        weights[warp][at] = w;
+      }
+      __syncwarp();
+      T* dst = piece<T>(p, s, p.layout.land_y) + row(p, me, t);
+      weighted_sum_row(dst, srcs[warp], weights[warp], __popc(mask), c.hidden,
+                       sub_cols<T>(cols, static_cast<int>(item % parts), parts), lane);
+      __syncwarp();  // the lists are rewritten by the next token
     }
     __syncthreads();
-    // The whole chunk, for a streamed receiver on a rank that runs the chunked pipeline.
-    if (p.grid.num_parts == 1) {
-      signal_ranks(p, p.layout.combine_progress, progress_value(p, seq, p.grid.tokens_per_chunk), other_ranks(p));
-    }
     signal_ranks(p, p.layout.combine_flags, value, other_ranks(p));
     trace(EPTracePoint::kCombineSignalled, 0);
   }
-  if (stream) {
-    // Remote partials first (NVLink), by a few warps in rounds, each round released to its source;
-    // meanwhile the other warps finish this rank's own tokens as the peers' partials arrive.
-    if (warp < kStreamSendWarps) {
-      for (int j = 1; j < n; ++j) {
-        const int s = (me + j) % n;  // every rank starts with a different peer
-        const int64_t items = chunk_tokens(p, s, role.chunk);
-        const int parts = parts_for<T>(items, kStreamSendWarps, cols.size());
-        for (int64_t first = 0; first < items * parts; first += kStreamSendWarps) {
-          const int64_t w = first + warp;
-          if (w < items * parts) {
-            store_partial<T>(p, s, t_begin + w / parts, sub_cols<T>(cols, static_cast<int>(w % parts), parts),
-                             srcs[warp], weights[warp], lane);
-          }
-          named_barrier(kPushBarrier, kStreamSendWarps * 32);  // the round's partials, before the release below
-          signal_ranks(p, p.layout.combine_progress,
-                       progress_value(p, seq, min64(first + kStreamSendWarps, items * parts) / parts), 1u << s);
-        }
-      }
-      named_barrier(kPushBarrier, kStreamSendWarps * 32);
-      signal_ranks(p, p.layout.combine_flags, value, other_ranks(p));
-      trace(EPTracePoint::kCombineSignalled, 0);
-    }
-    const bool failed = finish_own_streamed<T>(p, role.chunk, seq, &queue, srcs[warp], weights[warp], partials[warp], lane);
-    if (__syncthreads_or(failed)) return;
-    // Every partial is in already; the wait remains (the reuse argument needs it).
-    const FlagSet all_partials{p.layout.combine_flags, b, other_ranks(p), EPPhaseId::kCombineLanded};
-    const FlagSet none{p.layout.combine_flags, b, 0u, EPPhaseId::kCombineLanded};
-    if (wait_block(p, all_partials, none, value, seq)) return;
-    trace(EPTracePoint::kCombineLanded, 0);
-  } else {
-    if (!recv) return;
-    // This part's columns of the partials of block b of every peer.
-    const FlagSet all_partials{p.layout.combine_flags, b, other_ranks(p), EPPhaseId::kCombineLanded};
-    const FlagSet none{p.layout.combine_flags, b, 0u, EPPhaseId::kCombineLanded};
-    if (wait_block(p, all_partials, none, value, seq)) return;
-    trace(EPTracePoint::kCombineLanded, 0);
-    const int64_t items = chunk_tokens(p, me, role.chunk);
-    const int parts = parts_for<T>(items, kWarps, cols.size());
-    const T* land_y = piece<const T>(p, me, p.layout.land_y);
-    for (int64_t w = warp; w < items * parts; w += kWarps) {
-      const int64_t t = t_begin + w / parts;
-      const int32_t e = lane < topk ? meta_idx[route(p, me, t * topk + lane)] : -1;
-      const unsigned owners = __reduce_or_sync(kFullMask, e >= 0 ? 1u << static_cast<unsigned>(e / num_local) : 0u);
-      const bool keep = lane < n && ((owners >> lane) & 1u);
-      const int num_srcs = warp_list(srcs[warp], keep, keep ? land_y + row(p, lane, t) : nullptr, lane);
-      sum_rows(static_cast<T*>(p.out) + t * c.hidden, srcs[warp], num_srcs, c.hidden,
-               sub_cols<T>(cols, static_cast<int>(w % parts), parts), lane);
-      __syncwarp();
-    }
+  if (!recv) return;
+
+  // This part's columns of the partials of block b of every peer.
+  const FlagSet partials{p.layout.combine_flags, b, other_ranks(p), EPPhaseId::kCombineLanded};
+  const FlagSet none{p.layout.combine_flags, b, 0u, EPPhaseId::kCombineLanded};
+  if (wait_block(p, partials, none, value, seq)) return;
+  trace(EPTracePoint::kCombineLanded, 0);
+  const int64_t items = chunk_tokens(p, me, role.chunk);
+  const int parts = parts_for<T>(items, kWarps, cols.size());
+  const T* land_y = piece<const T>(p, me, p.layout.land_y);
+  for (int64_t w = warp; w < items * parts; w += kWarps) {
+    const int64_t t = t_begin + w / parts;
+    const int32_t e = lane < topk ? meta_idx[route(p, me, t * topk + lane)] : -1;
+    const unsigned owners = __reduce_or_sync(kFullMask, e >= 0 ? 1u << static_cast<unsigned>(e / num_local) : 0u);
+    const bool keep = lane < n && ((owners >> lane) & 1u);
+    const int num_srcs = warp_list(srcs[warp], keep, keep ? land_y + row(p, lane, t) : nullptr, lane);
+    sum_rows(static_cast<T*>(p.out) + t * c.hidden, srcs[warp], num_srcs, c.hidden,
+             sub_cols<T>(cols, static_cast<int>(w % parts), parts), lane);
+    __syncwarp();
   }
   // The last block to finish advances seq (every block read it above, before counting itself).
   __syncthreads();
@@ -979,11 +706,6 @@ const char* ep_phase_name(int phase) {
 
 int ep_threads_per_block() { return kThreads; }
 
-EPPipeline ep_auto_pipeline(const EPGrid& grid) {
-  return grid.num_parts == 1 && grid.tokens_per_chunk >= kEPStreamMinTokensPerChunk ? EPPipeline::kStreamed
-                                                                                     : EPPipeline::kChunk;
-}
-
 EPGrid ep_grid(const EPConfig& c, int max_blocks) {
   const int most = std::clamp(max_blocks, 1, kEPMaxBlocks);
   const int64_t max_tokens = std::max<int64_t>(c.max_tokens_per_rank, 1);
@@ -1017,8 +739,6 @@ EPSymmetricLayout ep_symmetric_layout(const EPConfig& c, int world_size, const E
   take(l.meta_flags, slots * sizeof(uint64_t));
   take(l.data_flags, slots * sizeof(uint64_t));
   take(l.combine_flags, slots * sizeof(uint64_t));
-  take(l.data_progress, slots * sizeof(uint64_t));
-  take(l.combine_progress, slots * sizeof(uint64_t));
   l.control_end = at;
   take(l.num_tokens, chunk_slots * sizeof(int32_t));
   take(l.totals, chunk_slots * num_local * sizeof(int32_t));

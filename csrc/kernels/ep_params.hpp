@@ -65,29 +65,6 @@
 //   - d's own meta (d's lead rewrites it in dispatch n + 1): read by d's dispatch n and combine n,
 //     both finished (stream order), and, within dispatch n + 1, by d's other parts only after
 //     meta[d][(i, 0)] = n + 1.
-// Streamed pipeline (EPPipeline::kStreamed; fused kernels, P = 1, many tokens per chunk): the same
-//   grid, layout, flags and final waits as above, plus a progress flag per (writer, block) and
-//   phase (data_progress, combine_progress): value (seq + 1) * (c + 1) + rows, rows = how many
-//   leading tokens of the chunk the writer has finished for that reader (c = tokens_per_chunk), so
-//   values only grow across calls, like the other flags. The senders work in rounds (a few warps
-//   each take one token, or part of one, then bar.sync among them and release the count), the
-//   receivers wait for the count covering the token they take next:
-//   - dispatch: 4 warps push the chunk's rows; every other warp (and the pushers once done) takes
-//     tokens from a block-wide queue: the own chunk first (from x), then the remote chunks in
-//     rank order, each as soon as its row landed (data_progress[s][b] >= token index + 1, after
-//     meta[s][b]), so the expansion into expert rows overlaps the NVLink push.
-//   - combine: 4 warps compute the partials for the remote sources' tokens (k ascending, rounded)
-//     and store them into the sources' land_y, releasing combine_progress[d][b] in source s after
-//     each round; the other warps (and those 4 once done) take this rank's own tokens: the own
-//     partial stays in registers (rounded to the dtype, exactly what land_y would hold) and is
-//     added, in rank order, to the remote owners' partials once their counts cover the token. The
-//     remote (NVLink-bound) and own (HBM-bound) work so run at the same time, and own partials
-//     never go through memory.
-//   Every block still raises data[s][b] / combine[d][b] after its last push and waits for the
-//   peers' ones of block b before it ends, so the reuse argument above holds unchanged: a progress
-//   flag only lets a reader start earlier on rows its writer already finished in this call. The
-//   chunked senders (any grid with P = 1) raise the progress flags too, with the whole chunk, so
-//   ranks that disagree on the pipeline still meet.
 // Residency: blocks spin on flags of other blocks (of peers, and of their own rank's lead), so the
 //   grid is at most one block per SM of the smallest GPU and all blocks run at once.
 #pragma once
@@ -112,11 +89,6 @@ const char* ep_phase_name(int phase);
 
 // Which part of a phase a launch runs (bit flags; kBoth is the fused single kernel).
 enum class EPMode : int { kSend = 1, kRecv = 2, kBoth = 3 };
-
-// How a fused (kBoth) launch with one column part per chunk overlaps its NVLink and HBM work
-// (Note [EP GPU protocol], "Streamed pipeline"): kChunk waits for each peer's whole chunk; kStreamed
-// works token by token behind progress flags. Split-phase launches and P > 1 grids always use kChunk.
-enum class EPPipeline : int { kChunk = 0, kStreamed = 1 };
 
 // Largest number of experts the CUDA kernels support (two int32 counters per expert in shared memory).
 constexpr int64_t kEPMaxExpertsCuda = 4096;
@@ -150,8 +122,6 @@ struct EPSymmetricLayout {
   size_t meta_flags = 0;     // uint64 [world][blocks]
   size_t data_flags = 0;     // uint64 [world][blocks]
   size_t combine_flags = 0;  // uint64 [world][blocks]
-  size_t data_progress = 0;     // uint64 [world][blocks]: rows of the chunk pushed (streamed pipeline)
-  size_t combine_progress = 0;  // uint64 [world][blocks]: partials of the chunk stored (streamed pipeline)
   size_t num_tokens = 0;     // int32 [world][chunks]: source s's token count (each chunk's lead writes its slot)
   size_t totals = 0;         // int32 [world][chunks][L]: routes of s to each of this rank's experts
   size_t meta_idx = 0;       // int32 [world][max_tokens][topk] (-1: none or invalid)
@@ -167,10 +137,6 @@ EPSymmetricLayout ep_symmetric_layout(const EPConfig& config, int world_size, co
 // The grid of both kernels for at most max_blocks blocks (one per SM of the smallest GPU): chunks
 // of at least 2 tokens, then column parts while the grid has fewer than ~128 blocks.
 EPGrid ep_grid(const EPConfig& config, int max_blocks);
-// The pipeline of fused launches on `grid` when COMMLIB_EP_PIPELINE is auto: streamed when P = 1
-// and chunks hold at least kEPStreamMinTokensPerChunk tokens (fewer: one round covers the chunk).
-constexpr int64_t kEPStreamMinTokensPerChunk = 8;
-EPPipeline ep_auto_pipeline(const EPGrid& grid);
 // Threads per block of both kernels (for the caller's occupancy bound).
 int ep_threads_per_block();
 
@@ -182,7 +148,6 @@ struct EPParams {
   SymmetricBufferDevice sym{};  // every rank's piece (EPSymmetricLayout)
   EPSymmetricLayout layout{};
   BarrierDevice barrier{};      // only its state (poisoned), error word and timeout are used
-  EPPipeline pipeline = EPPipeline::kChunk;  // fused launches only; kStreamed needs P = 1
   // This call's inputs.
   const void* x = nullptr;              // [num_tokens, hidden]: dispatch (both modes: own rows)
   const int64_t* topk_idx = nullptr;    // [num_tokens, topk]: dispatch send

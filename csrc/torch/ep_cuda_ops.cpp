@@ -9,7 +9,6 @@
 #include <map>
 #include <mutex>
 
-#include "commlib/env.hpp"
 #include "core/cuda_comm.hpp"
 #include "kernels/all_to_all_v_params.hpp"
 #include "kernels/ep_params.hpp"
@@ -151,17 +150,6 @@ void check_order(const EPCudaState& s, const char* what, EPPhase phase, EPCudaSt
                 "; on CUDA dispatch and combine alternate, each split phase followed by its recv");
 }
 
-// The pipeline of this call's fused kernels (COMMLIB_EP_PIPELINE; read per call so that one process
-// can compare both). Both kernels raise every flag either pipeline waits for, so ranks that disagree
-// still meet.
-kernels::EPPipeline pipeline_of(const kernels::EPGrid& grid, const char* what) {
-  const std::string choice = env::get("COMMLIB_EP_PIPELINE");
-  if (choice == "auto") return kernels::ep_auto_pipeline(grid);
-  if (choice == "chunk") return kernels::EPPipeline::kChunk;
-  if (choice == "stream") return grid.num_parts == 1 ? kernels::EPPipeline::kStreamed : kernels::EPPipeline::kChunk;
-  throw InvalidArgument(detail::concat(what, ": COMMLIB_EP_PIPELINE='", choice, "' not supported; valid: auto, chunk, stream"));
-}
-
 kernels::EPMode mode_of(EPPhase phase) {
   switch (phase) {
     case EPPhase::kSend: return kernels::EPMode::kSend;
@@ -187,7 +175,6 @@ void ep_cuda_dispatch(EPCudaState& s, const at::Tensor& x, const at::Tensor& top
     p.num_tokens = x.size(0);
   }
   p.x = s.pending_x;
-  p.pipeline = pipeline_of(p.grid, what);
   throw_if_error(kernels::launch_ep_dispatch(p, mode_of(phase), stream));
   s.cuda->end_op(stream, what);
   s.next = phase == EPPhase::kSend ? EPCudaState::Next::kDispatchRecv : EPCudaState::Next::kCombine;
@@ -202,7 +189,6 @@ void ep_cuda_combine(EPCudaState& s, const at::Tensor& expert_out, at::Tensor& o
   kernels::EPParams p = s.params;
   p.out = out.data_ptr();
   if (phase != EPPhase::kRecv) p.expert_out = expert_out.data_ptr();
-  p.pipeline = pipeline_of(p.grid, what);
   throw_if_error(kernels::launch_ep_combine(p, mode_of(phase), stream));
   s.cuda->end_op(stream, what);
   s.next = phase == EPPhase::kSend ? EPCudaState::Next::kCombineRecv : EPCudaState::Next::kDispatch;
