@@ -30,15 +30,15 @@ const std::vector<Knob>& knobs() {
        "(a ready flag in every 8 bytes; csrc/kernels/all_reduce_flat_ll.cu); 0: off."},
       {"COMMLIB_ALLREDUCE_MAX_BLOCKS", "0",
        "GPU all_reduce: largest grid (CTAs) of the flat, LL and tree kernels, 1..256; 0: built-in "
-       "(flat 48, LL 64, tree 128). For tuning on a new machine."},
+       "(flat 48, LL 64, tree 132). For tuning on a new machine."},
       {"COMMLIB_TREE_MAX_BLOCKS", "0",
        "GPU all_reduce, tree: grid cap (CTAs), 1..256; 0: COMMLIB_ALLREDUCE_MAX_BLOCKS when set, "
-       "else 128. Same value on every rank. For tuning (docs/gpu-allreduce.md, Note [tree geometry])."},
+       "else 132. Same value on every rank. For tuning (docs/gpu-allreduce.md, Note [tree geometry])."},
       {"COMMLIB_TREE_THREADS", "0",
-       "GPU all_reduce, tree: threads per CTA cap, a multiple of 32 in 32..512; 0: 512. For tuning."},
+       "GPU all_reduce, tree: threads per CTA cap, a multiple of 32 in 32..512; 0: 256. For tuning."},
       {"COMMLIB_TREE_MIN_PACKS", "0",
        "GPU all_reduce, tree: fewest 16-byte packs of each rank's slice per CTA (fewer: fewer CTAs), "
-       "1..16777216; 0: 512. For tuning."},
+       "1..16777216; 0: 256. For tuning."},
       {"COMMLIB_TREE_RELAXED_START", "1",
        "GPU all_reduce, zero-copy tree: 1: the first barrier arrives with a relaxed store (it "
        "publishes no write of the kernel); 0: with a release like every other barrier."},
@@ -52,8 +52,11 @@ const std::vector<Knob>& knobs() {
        "commlib-tune's fused_num_sms for this world size when the tune file has one)."},
       {"COMMLIB_FUSED_LL_MAX_BYTES", "262144",
        "Fused all-reduce + RMSNorm on GPU: when each rank's token slice has at most this many bytes "
-       "(and fits the LL buffer) it runs the barrier-free LL kernel "
+       "and at most COMMLIB_FUSED_LL_MAX_ROWS rows (and fits the LL buffer) it runs the barrier-free LL kernel "
        "(csrc/kernels/rs_rmsnorm_ag_p2p_ll.cu); 0: never."},
+      {"COMMLIB_FUSED_LL_MAX_ROWS", "8",
+       "Fused all-reduce + RMSNorm on GPU: most rows (ceil(tokens / world)) of a rank's slice that "
+       "run the LL kernel; more rows run the barrier kernel."},
       {"COMMLIB_FUSED_LL_ROW_CTAS", "0",
        "Fused all-reduce + RMSNorm, LL kernel: CTAs (a thread-block cluster) that share one row, "
        "1, 2, 4 or 8; 0 chooses by size (as many as the CTA budget allows for the slice's rows, at "

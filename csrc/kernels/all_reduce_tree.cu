@@ -63,15 +63,18 @@ namespace {
 // capped at the threads per block. A constant, not the device's SM count, so every rank picks the
 // same grid (block b must meet block b). The kernel is compiled for up to kTreeMaxThreads threads
 // (128 registers per thread), whatever the cap, so one binary serves every geometry.
-constexpr int kTreeThreads = 512;
+// The defaults are the best of a sweep on 2x H200 (bench/results/gpu-tree-sweep-2026-11-30.md):
+// 256-thread blocks of at least 256 packs, up to one block per SM (132), were as fast as or faster
+// than 512 x 512 / 128 blocks at 256 KiB - 16 MiB with a copy-in (8.3 vs 9.1 µs at 256 KiB).
+constexpr int kTreeThreads = 512;  // the most threads per block (the kernels' launch bounds)
+constexpr int kTreeDefaultThreads = 256;
 // Fewer packs per block than this and a block's barriers cost more than its share of the data.
-constexpr size_t kTreeMinPacksPerBlock = 512;
-// Default grid cap: about one block per SM of an H100/H200 (132 SMs).
-constexpr int kTreeMaxBlocks = 128;
-static_assert(kTreeThreads <= kTreeMaxThreads);
-// Packs per thread in flight in copies (one load each before the first store): 8 covers a 16 MiB
-// message's slice on 2 ranks at the default 128 x 512 grid in one batch (and, with nvcc 13.0,
-// happens to leave the generic-world bf16/fp16 copy-in kernels without the spills 4 had).
+constexpr size_t kTreeMinPacksPerBlock = 256;
+// Default grid cap: one block per SM of an H100/H200 (132 SMs).
+constexpr int kTreeMaxBlocks = 132;
+static_assert(kTreeDefaultThreads <= kTreeThreads && kTreeThreads <= kTreeMaxThreads);
+// Packs per thread in flight in copies (one load each before the first store). With nvcc 13.0, 8
+// leaves the generic-world bf16/fp16 copy-in kernels without the spills 4 had.
 constexpr int kCopyUnroll = 8;
 
 // Packs per thread reduced per iteration (all ranks' values loaded before the first add): as many
@@ -366,7 +369,7 @@ Status launch_all_reduce_tree(const AllReduceTreeParams& params, Stream stream) 
   const int cap = cfg.max_blocks > 0 ? cfg.max_blocks : params.max_blocks > 0 ? params.max_blocks : kTreeMaxBlocks;
   const size_t max_blocks = static_cast<size_t>(std::clamp(cap, 1, kMaxBarrierBlocks));
   const size_t max_threads =
-      cfg.threads > 0 ? static_cast<size_t>(std::clamp(cfg.threads, 32, kTreeThreads)) / 32 * 32 : kTreeThreads;
+      cfg.threads > 0 ? static_cast<size_t>(std::clamp(cfg.threads, 32, kTreeThreads)) / 32 * 32 : kTreeDefaultThreads;
   const size_t min_packs =
       cfg.min_packs_per_block > 0 ? static_cast<size_t>(cfg.min_packs_per_block) : kTreeMinPacksPerBlock;
   const size_t blocks = std::clamp<size_t>((slice_packs + min_packs - 1) / min_packs, 1, max_blocks);

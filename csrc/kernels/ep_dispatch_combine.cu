@@ -555,6 +555,9 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
 
 // ---- combine ----
 
+// A permutation of [0, n): 0, n - 1, 1, n - 2, ... (k even: k / 2 from the front; k odd: from the back).
+__device__ __forceinline__ int64_t zigzag(int64_t k, int64_t n) { return (k & 1) ? n - 1 - (k >> 1) : k >> 1; }
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPMode mode) {
   __shared__ const T* srcs[kWarps][kEPMaxTopk];
@@ -583,7 +586,12 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPM
     const T* expert_out = static_cast<const T*>(p.expert_out);
     const int64_t items = chunk_tokens_total(p, role.chunk, -1);
     const int parts = parts_for<T>(items, kWarps, cols.size());
-    for (int64_t item = warp; item < items * parts; item += kWarps) {
+    for (int64_t k = warp; k < items * parts; k += kWarps) {
+      // One column part per row (large batches): items in zigzag order, so that the block's warps
+      // work on the first source's tokens and the last one's at the same time; one of them is this
+      // rank (HBM-bound partials), the other a peer (partials stored over NVLink): the link and
+      // HBM stay busy together instead of one after the other.
+      const int64_t item = parts == 1 ? zigzag(k, items) : k;
       const auto [s, t] = nth_token(p, role.chunk, -1, item / parts);
       bool local = false, keep = false;
       const T* y = nullptr;

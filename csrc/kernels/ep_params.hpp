@@ -47,7 +47,9 @@
 // combine, block b = (i, p) of owner rank d: for every source s (d included) and token t of
 //   chunk i with a route to d, one warp (or several, splitting part p) sums w * y over those
 //   routes (k ascending, fp32, no FMA), rounds to the dtype and stores part p of the partial into
-//   s's land_y[d][t]; then flag combine[d][b] on every peer. Block b of source s waits for
+//   s's land_y[d][t] (with one part per row the warps take the chunk's tokens in zigzag order,
+//   first source's and last source's at once, so HBM-bound own partials and NVLink-bound remote
+//   ones overlap); then flag combine[d][b] on every peer. Block b of source s waits for
 //   combine[*][b] and sums part p of the partials of t's owner ranks in rank order into out[t].
 //   Meta and recv_pos were written in the dispatch kernel (any part reads them after the kernel
 //   boundary; remote meta was acquired there by every block through meta/data flags).

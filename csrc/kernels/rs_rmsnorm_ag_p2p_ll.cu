@@ -406,10 +406,17 @@ bool fused_rmsnorm_use_ll(const RsRmsNormAgP2pParams& params) {
   const FusedRmsNormArgs& a = params.args;
   const int world = params.barrier.world_size;
   if (world < 2 || params.lines.bytes == 0 || a.num_tokens <= 0) return false;
-  const int64_t slice_bytes = (a.num_tokens + world - 1) / world * a.hidden * static_cast<int64_t>(dtype_size(a.dtype));
+  const int64_t rows = (a.num_tokens + world - 1) / world;
+  const int64_t slice_bytes = rows * a.hidden * static_cast<int64_t>(dtype_size(a.dtype));
   const int64_t limit = env::get_int("COMMLIB_FUSED_LL_MAX_BYTES");
   // Lines carry 8 payload bytes in 16.
-  return slice_bytes <= limit && 2 * static_cast<size_t>(slice_bytes) <= fused_ll_region_bytes(params.lines.bytes, world);
+  // COMMLIB_FUSED_LL_MAX_ROWS (8): up to 8 rows every row gets a cluster of 2 or more CTAs within
+  // the 16-CTA budget; beyond, one CTA per row lost to the barrier kernel on 2x H200 (hidden 8192,
+  // 16 rows per rank: 19.2 / 14.9 µs replicated / sharded vs 14.5 / 13.6;
+  // bench/results/fused-rmsnorm-2026-11-30-e.md).
+  const int64_t max_rows = env::get_int("COMMLIB_FUSED_LL_MAX_ROWS");
+  return rows <= max_rows && slice_bytes <= limit &&
+         2 * static_cast<size_t>(slice_bytes) <= fused_ll_region_bytes(params.lines.bytes, world);
 }
 
 FusedLLGrid fused_ll_grid(int64_t rows_per_rank, int64_t hidden, int num_blocks) {

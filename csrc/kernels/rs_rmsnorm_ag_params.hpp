@@ -84,7 +84,8 @@ inline size_t fused_ll_region_bytes(size_t lines_bytes, int world_size) {
   return lines_bytes / (2 * static_cast<size_t>(world_size - 1) * 3) / 32 * 32;
 }
 // Whether launch_rs_rmsnorm_ag_p2p runs the LL kernel: every rank's slice (ceil(tokens / world)
-// rows) fits one LL region as lines (twice its bytes) and is at most COMMLIB_FUSED_LL_MAX_BYTES.
+// rows, at most COMMLIB_FUSED_LL_MAX_ROWS) fits one LL region as lines (twice its bytes) and is at
+// most COMMLIB_FUSED_LL_MAX_BYTES.
 bool fused_rmsnorm_use_ll(const RsRmsNormAgP2pParams& params);
 
 // The LL kernel's launch shape for a slice of `rows_per_rank` rows (Note [fused LL row split] in

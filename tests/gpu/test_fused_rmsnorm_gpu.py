@@ -101,10 +101,14 @@ def test_fused_gpu_barrier_kernel_row_groups(ranks):
                                                            (1, 20, 40, 132))
 
 
+# Huge LL limits: the LL kernel runs whenever the slice fits the LL buffer.
+LL_ALWAYS = {"COMMLIB_FUSED_LL_MAX_BYTES": str(1 << 30), "COMMLIB_FUSED_LL_MAX_ROWS": str(1 << 30)}
+
+
 def test_fused_gpu_ll_kernel_large_slices(ranks):
     # A huge LL limit: the LL kernel (rs_rmsnorm_ag_p2p_ll.cu) runs whenever the slice fits the LL
     # buffer (40 tokens of hidden 16384 does not: the launcher falls back to the barrier kernel).
-    ranks(2, env={"COMMLIB_FUSED_LL_MAX_BYTES": str(1 << 30)}).run(_gpu_case, "float16", [1, 5, 40], [8192, 16384],
+    ranks(2, env=LL_ALWAYS).run(_gpu_case, "float16", [1, 5, 40], [8192, 16384],
                                                                     (None, 1, 7))
 
 
@@ -114,7 +118,7 @@ def test_fused_gpu_ll_row_split(ranks, row_ctas):
     # [fused LL row split]); hidden 8 (one pack: the split is capped at one CTA), 1032 (zero-padded
     # tree), 8192 and 16384 (4 packs per thread at one CTA per row); num_sms 1 and 3 cap the split,
     # 16 loops clusters over rows. Same bits as the unfused reference for every split.
-    ranks(2, env={"COMMLIB_FUSED_LL_ROW_CTAS": row_ctas, "COMMLIB_FUSED_LL_MAX_BYTES": str(1 << 30)}).run(
+    ranks(2, env={"COMMLIB_FUSED_LL_ROW_CTAS": row_ctas, **LL_ALWAYS}).run(
         _gpu_case, "bfloat16", [1, 2, 7, 16], [8, 1032, 8192, 16384], (None, 1, 3, 16))
 
 
