@@ -17,8 +17,8 @@ between replays (not timed), so values stay finite. Prints a markdown table with
 Columns:
   nccl            dist.all_reduce (NCCL, NVLS off as set by the machine's environment)
   flat / tree     commlib, forced algorithm, copy-in from an ordinary tensor
-  flat-ll         commlib flat with COMMLIB_FLAT_LL_MAX_BYTES set: the barrier-free LL variant
-  tree-sym        commlib tree on a comm.symmetric_empty tensor (zero-copy)
+  flat-ll         commlib flat on a second communicator made with COMMLIB_FLAT_LL_MAX_BYTES huge: LL at every size
+  tree-sym        commlib tree on a comm.symmetric_empty tensor (zero-copy up to 16 MiB, copy-in above)
   auto            commlib's choice (shown in the algo column); "nccl" choices run tree here
   symm-1shot      torch.ops.symm_mem.one_shot_all_reduce (out of place), when available
   symm-2shot      torch.ops.symm_mem.two_shot_all_reduce_ (in place), when available
@@ -26,12 +26,14 @@ Columns:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import platform
 import socket
 import sys
 from pathlib import Path
+from typing import Dict
 
 import torch
 import torch.distributed as dist
@@ -51,19 +53,20 @@ TREE_KNOBS = ("COMMLIB_TREE_THREADS", "COMMLIB_TREE_MIN_PACKS", "COMMLIB_TREE_MA
               "COMMLIB_TREE_RELAXED_START")
 
 
-def with_env(name: str, value: str, fn):
-    """fn() with os.environ[name] = value (commlib reads its knobs at call time, also in capture)."""
-    def run():
-        old = os.environ.get(name)
-        os.environ[name] = value
-        try:
-            return fn()
-        finally:
-            if old is None:
-                del os.environ[name]
+@contextlib.contextmanager
+def knobs(values: Dict[str, str]):
+    """os.environ updated with `values` inside the block. A communicator reads its COMMLIB_* GPU
+    knobs once, at its first GPU call, so that call must happen inside the block."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
             else:
-                os.environ[name] = old
-    return run
+                os.environ[k] = v
 
 
 def ops_for(nbytes: int) -> int:
@@ -81,6 +84,10 @@ def worker(rank: int, world: int, port: int, args, queue):
     dev, comm, symm = init_rank(rank, world, port, "bench")
     import commlib
     group_name = dist.group.WORLD.group_name
+    # flat-ll: a communicator whose flat calls all take the LL kernel (the knob is read at its first call).
+    with knobs({"COMMLIB_FLAT_LL_MAX_BYTES": str(1 << 40)}):
+        comm_ll = commlib.Communicator.from_group(name="bench-ll")
+        comm_ll.all_reduce(torch.ones(8, device=dev), algo="flat")
 
     rows = []
     sizes = [s for s in SIZES if s <= args.max_bytes]
@@ -103,8 +110,7 @@ def worker(rank: int, world: int, port: int, args, queue):
             fns[algo] = lambda b=bufs[algo], a=algo: comm.all_reduce(b, algo=a)
         if nbytes <= LL_MAX_BENCH_BYTES:
             bufs["flat-ll"] = plain()
-            fns["flat-ll"] = with_env("COMMLIB_FLAT_LL_MAX_BYTES", str(1 << 40),
-                                      lambda b=bufs["flat-ll"]: comm.all_reduce(b, algo="flat"))
+            fns["flat-ll"] = lambda b=bufs["flat-ll"]: comm_ll.all_reduce(b, algo="flat")
         bufs["tree-sym"] = comm.symmetric_empty((count,), torch.bfloat16, dev)
         fns["tree-sym"] = lambda b=bufs["tree-sym"]: comm.all_reduce(b, algo="tree")
         if symm is not None:
@@ -146,6 +152,7 @@ def worker(rank: int, world: int, port: int, args, queue):
         torch.cuda.empty_cache()
     if rank == 0:
         queue.put(rows)
+    comm_ll.close()
     comm.close()
     dist.destroy_process_group()
 
@@ -205,9 +212,7 @@ def sweep_worker(rank: int, world: int, port: int, args, queue):
     rows.append(baseline)
 
     for i, geo in enumerate(geos):
-        saved = {k: os.environ.get(k) for k in TREE_KNOBS}
-        os.environ.update({k: str(v) for k, v in zip(TREE_KNOBS, geo)})
-        try:
+        with knobs({k: str(v) for k, v in zip(TREE_KNOBS, geo)}):
             comm = commlib.Communicator.from_group(name=f"tree-sweep-{i}")
             row = {"geometry": ":".join(map(str, geo)), "notes": ""}
             notes = []
@@ -228,12 +233,6 @@ def sweep_worker(rank: int, world: int, port: int, args, queue):
                 del bufs
             row["notes"] = "; ".join(notes)
             comm.close()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         rows.append(row)
         if rank == 0:
             print(f"{row['geometry']:>16}: " + ", ".join(

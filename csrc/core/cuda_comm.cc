@@ -67,6 +67,12 @@ const char* phase_name(int phase) {
                                                                            : kernels::all_reduce_phase_name(phase);
 }
 
+// Largest symmetric tensor that the tree reduces in place (zero-copy). Above it the copy-in tree,
+// whose NVLink traffic is all stores, beat the zero-copy one, whose reduce loads the peers' slices,
+// on 2x H200: 64 MiB 211.7 vs 221.3 µs, 256 MiB 755.2 vs 809.3 (a tie at 16 MiB; run -c likewise;
+// bench/results/gpu-all-reduce-2026-11-30-d.md).
+constexpr size_t kZeroCopyTreeMaxBytes = size_t{16} << 20;
+
 // COMMLIB_TREE_* (Note [tree geometry] in csrc/kernels/all_reduce_tree.cu), checked once here.
 kernels::TreeLaunchConfig read_tree_config() {
   kernels::TreeLaunchConfig cfg;
@@ -255,7 +261,7 @@ void CudaComm::all_reduce(const void* input, void* output, size_t count, DataTyp
     p.config = tree_config_;
     size_t offset = 0;
     std::shared_ptr<SymmetricBuffer> sym;
-    if (input == output && (reinterpret_cast<uintptr_t>(output) & 15u) == 0 &&
+    if (input == output && bytes <= kZeroCopyTreeMaxBytes && (reinterpret_cast<uintptr_t>(output) & 15u) == 0 &&
         (sym = find_symmetric(output, bytes, &offset)) != nullptr) {
       p.source_kind = kernels::AllReduceSource::kSymmetricInput;
       p.source = sym->device_handle_at(offset);
