@@ -37,6 +37,11 @@
 //     root. Every thread of the cluster evaluates the last two stages itself, in the same order.
 // Missing leaves (k >= hidden / 8, or a power of two beyond P) are exact zeros: a larger
 // zero-padded tree has the same root. C and t change only who adds, never what is added.
+// With one CTA per row (C = 1) the nodes are lane-major instead, m = w * 32 + lane, so adjacent
+// lanes touch adjacent packs (coalesced loads of x, residual, weight and lines; lane-high nodes put
+// adjacent lanes W packs apart). The levels below N then pair different warps first (same lane:
+// each thread adds its lane's column of the W values in shared memory as a tree, one block
+// barrier) and lanes of a warp last (xor shuffles): the same pairs, so the same bits.
 // Each CTA reads and writes only its own packs of the residual, so no CTA can see another's new
 // residual. The warp roots and CTA roots are double-buffered by row parity: a CTA overwrites the
 // buffer of row n + 2 only after the barrier of row n + 1, which every reader of row n passed after
@@ -152,6 +157,7 @@ __global__ void __launch_bounds__(kLLMaxThreads)
     rs_rmsnorm_ag_p2p_ll_kernel(RsRmsNormAgP2pParams p, LLGeometry geo) {
   constexpr int kCap = kWorldSize > 0 ? kWorldSize : kMaxDeviceRanks;
   __shared__ float warp_roots[2][kLLMaxWarps];  // by row parity (Note [fused LL row split])
+  __shared__ float node_values[2][kLLMaxThreads];  // one CTA per row: level N, by row parity
   __shared__ float cta_root[2];
   __shared__ uint32_t cta_failed[2];
   const device::CallInfo call = device::call_begin(p.barrier);
@@ -207,7 +213,10 @@ __global__ void __launch_bounds__(kLLMaxThreads)
   const int warps = static_cast<int>(blockDim.x) / 32;
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int warp = static_cast<int>(threadIdx.x) / 32;
-  const int node = lane * warps * row_ctas + warp * row_ctas + c;
+  // One CTA per row: lane-major nodes (adjacent lanes, adjacent packs: coalesced accesses); a split
+  // row: lane-high nodes, so that the shuffles come first (Note [fused LL row split]).
+  const bool lane_major = row_ctas == 1;
+  const int node = lane_major ? warp * 32 + lane : lane * warps * row_ctas + warp * row_ctas + c;
   const int nodes = static_cast<int>(blockDim.x) * row_ctas;  // N: packs k = node + j * N
   const TokenSlice mine = token_slice(a.num_tokens, world, rank);
   const char* weight = static_cast<const char*>(a.weight);
@@ -290,17 +299,34 @@ __global__ void __launch_bounds__(kLLMaxThreads)
       q[j] = sum_squares(rf);
     }
     load_local(w, weight);
-    // The row's sum of squares (Note [fused LL row split]): registers, the warp's lanes, the warps.
+    // The row's sum of squares (Note [fused LL row split]): registers first (levels above N).
     float node_sum = pairwise_root(q);
+    uint32_t row_failed = 0;
+    float sumsq = 0.0f;
+    if (lane_major) {
+      // Level N in shared memory, then the levels whose pairs lie in different warps (same lane),
+      // then those within a warp (xor shuffles).
+      node_values[parity][threadIdx.x] = node_sum;
+      // Makes the node values visible to the block; and whether any thread's wait failed.
+      row_failed = __syncthreads_or(failed) != 0 ? 1u : 0u;
+      float column[kLLMaxWarps];
 #pragma unroll
-    for (int h = 16; h >= 1; h /= 2) node_sum = __fadd_rn(node_sum, __shfl_xor_sync(0xffffffffu, node_sum, h));
-    if (lane == 0) warp_roots[parity][warp] = node_sum;
-    // Makes the warp roots visible to the block; and whether any thread's wait failed.
-    uint32_t row_failed = __syncthreads_or(failed) != 0 ? 1u : 0u;
-    float roots[kLLMaxWarps];
+      for (int v = 0; v < kLLMaxWarps; ++v) column[v] = v < warps ? node_values[parity][v * 32 + lane] : 0.0f;
+      sumsq = pairwise_root(column);
 #pragma unroll
-    for (int v = 0; v < kLLMaxWarps; ++v) roots[v] = v < warps ? warp_roots[parity][v] : 0.0f;
-    float sumsq = pairwise_root(roots);
+      for (int h = 16; h >= 1; h /= 2) sumsq = __fadd_rn(sumsq, __shfl_xor_sync(0xffffffffu, sumsq, h));
+    } else {
+      // The warp's lanes (xor shuffles), then the warps.
+#pragma unroll
+      for (int h = 16; h >= 1; h /= 2) node_sum = __fadd_rn(node_sum, __shfl_xor_sync(0xffffffffu, node_sum, h));
+      if (lane == 0) warp_roots[parity][warp] = node_sum;
+      // Makes the warp roots visible to the block; and whether any thread's wait failed.
+      row_failed = __syncthreads_or(failed) != 0 ? 1u : 0u;
+      float roots[kLLMaxWarps];
+#pragma unroll
+      for (int v = 0; v < kLLMaxWarps; ++v) roots[v] = v < warps ? warp_roots[parity][v] : 0.0f;
+      sumsq = pairwise_root(roots);
+    }
     if (row_ctas > 1) {
       if (threadIdx.x == 0) {
         cta_root[parity] = sumsq;
