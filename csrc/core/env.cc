@@ -54,13 +54,13 @@ const std::vector<Knob>& knobs() {
        "Fused all-reduce + RMSNorm on GPU: when each rank's token slice has at most this many bytes "
        "and at most COMMLIB_FUSED_LL_MAX_ROWS rows (and fits the LL buffer) it runs the barrier-free LL kernel "
        "(csrc/kernels/rs_rmsnorm_ag_p2p_ll.cu); 0: never."},
-      {"COMMLIB_FUSED_LL_MAX_ROWS", "8",
+      {"COMMLIB_FUSED_LL_MAX_ROWS", "16",
        "Fused all-reduce + RMSNorm on GPU: most rows (ceil(tokens / world)) of a rank's slice that "
        "run the LL kernel; more rows run the barrier kernel."},
       {"COMMLIB_FUSED_LL_ROW_CTAS", "0",
        "Fused all-reduce + RMSNorm, LL kernel: CTAs (a thread-block cluster) that share one row, "
-       "1, 2, 4 or 8; 0 chooses by size (as many as the CTA budget allows for the slice's rows, at "
-       "most 8). 1 is one CTA per row."},
+       "1, 2, 4 or 8; 0 chooses by size (up to 4 rows per rank as many as the CTA budget allows for "
+       "the slice's rows, at most 8; beyond, 1). 1 is one CTA per row."},
       {"COMMLIB_ENABLE_MULTICAST", "0",
        "Opt in to NVLink multicast (NVLS multimem) kernels. Refused whenever "
        "COMMLIB_DISABLE_MULTICAST=1, NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 or "

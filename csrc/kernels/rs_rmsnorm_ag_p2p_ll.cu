@@ -63,6 +63,11 @@ constexpr int kLLMaxThreads = 512;   // up to 4 packs per thread (hidden 16384 o
 constexpr int kLLMaxWarps = kLLMaxThreads / 32;
 constexpr int kLLMinBlocks = 4;      // default floor: spreads the push and gather stores over SMs
 constexpr int kLLMaxRowCtas = 8;     // the portable cluster size
+// By default a row is split over a cluster only when the slice has at most this many rows. On 2x H200
+// (hidden 8192) the split won at 1-4 rows (1 token: 7.5 µs with 8 CTAs per row against 11.0 with
+// the lane-high single CTA), but at 8 rows one lane-major CTA per row beat 2 CTAs per row (sharded
+// 9.4 vs 12.2 µs; bench/results/fused-rmsnorm-2026-11-30-g.md).
+constexpr int64_t kLLSplitMaxRows = 4;
 constexpr int kLLPushUnroll = 4;     // packs loaded before their stores, per thread, in phase 1
 constexpr int kLLGatherPacks = 4;    // packs polled at once per thread in phase 3
 
@@ -436,10 +441,10 @@ bool fused_rmsnorm_use_ll(const RsRmsNormAgP2pParams& params) {
   const int64_t slice_bytes = rows * a.hidden * static_cast<int64_t>(dtype_size(a.dtype));
   const int64_t limit = env::get_int("COMMLIB_FUSED_LL_MAX_BYTES");
   // Lines carry 8 payload bytes in 16.
-  // COMMLIB_FUSED_LL_MAX_ROWS (8): up to 8 rows every row gets a cluster of 2 or more CTAs within
-  // the 16-CTA budget; beyond, one CTA per row lost to the barrier kernel on 2x H200 (hidden 8192,
-  // 16 rows per rank: 19.2 / 14.9 µs replicated / sharded vs 14.5 / 13.6;
-  // bench/results/fused-rmsnorm-2026-11-30-e.md).
+  // COMMLIB_FUSED_LL_MAX_ROWS (16): at 16 rows per rank (hidden 8192) the LL kernel with one
+  // lane-major CTA per row beat the barrier kernel on 2x H200 (sharded 11.8 vs 13.8 µs, replicated
+  // 15.0 vs 15.1; bench/results/fused-rmsnorm-2026-11-30-g.md); beyond, the LL buffer or
+  // COMMLIB_FUSED_LL_MAX_BYTES ends it at this hidden size anyway.
   const int64_t max_rows = env::get_int("COMMLIB_FUSED_LL_MAX_ROWS");
   return rows <= max_rows && slice_bytes <= limit &&
          2 * static_cast<size_t>(slice_bytes) <= fused_ll_region_bytes(params.lines.bytes, world);
@@ -447,12 +452,15 @@ bool fused_rmsnorm_use_ll(const RsRmsNormAgP2pParams& params) {
 
 FusedLLGrid fused_ll_grid(int64_t rows_per_rank, int64_t hidden, int num_blocks) {
   // C: COMMLIB_FUSED_LL_ROW_CTAS (rounded down to a power of two, at most kLLMaxRowCtas), or when 0
-  // the most that give every row of the slice its own cluster within the CTA budget. At least 32
+  // and the slice has at most kLLSplitMaxRows rows the most that give every row of the slice its own
+  // cluster within the CTA budget (beyond: 1, lane-major, Note [fused LL row split]). At least 32
   // packs per CTA (a smaller share would leave most of a warp holding zeros).
   const int64_t padded = next_pow2(std::max<int64_t>(1, hidden / kGroup));
   const int64_t knob = env::get_int("COMMLIB_FUSED_LL_ROW_CTAS");
-  const int64_t max_ctas = knob > 0 ? floor_pow2(std::min<int64_t>(knob, kLLMaxRowCtas)) : kLLMaxRowCtas;
   const int64_t rows = std::max<int64_t>(rows_per_rank, 1);
+  const int64_t max_ctas = knob > 0              ? floor_pow2(std::min<int64_t>(knob, kLLMaxRowCtas))
+                           : rows <= kLLSplitMaxRows ? kLLMaxRowCtas
+                                                     : 1;
   // The budget: num_sms / COMMLIB_FUSED_NUM_SMS exactly, else by size (C CTAs per row, at least
   // kLLMinBlocks, at most kFusedDefaultMaxBlocks). With C = 1 this is the former one CTA per row.
   const int budget = fused_rmsnorm_num_blocks(num_blocks, 0, std::max<int64_t>(rows * max_ctas, kLLMinBlocks));
