@@ -44,10 +44,10 @@ SIZES = [1 << k for k in range(10, 29, 2)]  # 1 KiB .. 256 MiB
 COLUMNS = ["nccl", "flat", "flat-ll", "tree", "tree-sym", "auto", "symm-1shot", "symm-2shot"]
 LL_MAX_BENCH_BYTES = 1 << 20  # the LL variant is only measured up to here
 SWEEP_SIZES = [256 << 10, 1 << 20, 4 << 20, 16 << 20]
-# THREADS:MIN_PACKS:MAX_BLOCKS[:RELAXED_START]; 0 = built-in (512 threads, 512 packs, 128 blocks).
+# THREADS:MIN_PACKS:MAX_BLOCKS[:RELAXED_START]; 0 = built-in (256 threads, 256 packs, 132 blocks).
 # Both directions: more, smaller CTAs (1 pack per thread per phase at 1 MiB), and fewer CTAs with
 # more packs per thread, as torch's two-shot does (at most 24 CTAs).
-DEFAULT_SWEEP = ("0:0:0,0:0:0:0,256:256:128,256:256:132,256:128:132,256:256:256,128:128:132,"
+DEFAULT_SWEEP = ("0:0:0,0:0:0:0,512:512:128,256:256:128,256:128:132,256:256:256,128:128:132,"
                  "128:128:256,512:256:132,512:0:64,512:0:32,512:0:24")
 TREE_KNOBS = ("COMMLIB_TREE_THREADS", "COMMLIB_TREE_MIN_PACKS", "COMMLIB_TREE_MAX_BLOCKS",
               "COMMLIB_TREE_RELAXED_START")
@@ -171,7 +171,7 @@ def parse_sweep(specs: str) -> list[tuple[int, int, int, int]]:
 def tree_grid(nbytes: int, world: int, geo: tuple[int, int, int, int]) -> str:
     """blocks x threads the launcher picks for one bf16 chunk (Note [tree geometry])."""
     threads, min_packs, max_blocks, _ = geo
-    threads, min_packs, max_blocks = threads or 512, min_packs or 512, max_blocks or 128
+    threads, min_packs, max_blocks = threads or 256, min_packs or 256, max_blocks or 132
     slice_packs = -(-(nbytes // 16) // world)
     blocks = min(max(-(-slice_packs // min_packs), 1), max_blocks)
     per_block = -(-(-(-slice_packs // blocks)) // 32) * 32

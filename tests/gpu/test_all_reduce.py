@@ -239,7 +239,7 @@ def test_tree_graph_replays_many_chunks_per_launch(ranks):
 # CTAs, more CTAs than SMs, one warp per CTA with many packs per thread (the unrolled loops' partial
 # batches), and the release start arrival. Each must give flat's and the CPU order's bits.
 TREE_GEOMETRY_ENVS = {
-    "256x256-132": {"COMMLIB_TREE_THREADS": "256", "COMMLIB_TREE_MIN_PACKS": "256", "COMMLIB_TREE_MAX_BLOCKS": "132"},
+    "512x512-128": {"COMMLIB_TREE_THREADS": "512", "COMMLIB_TREE_MIN_PACKS": "512", "COMMLIB_TREE_MAX_BLOCKS": "128"},
     "128x64-256": {"COMMLIB_TREE_THREADS": "128", "COMMLIB_TREE_MIN_PACKS": "64", "COMMLIB_TREE_MAX_BLOCKS": "256"},
     "32x1-7": {"COMMLIB_TREE_THREADS": "32", "COMMLIB_TREE_MIN_PACKS": "1", "COMMLIB_TREE_MAX_BLOCKS": "7"},
     "release-start": {"COMMLIB_TREE_RELAXED_START": "0"},
