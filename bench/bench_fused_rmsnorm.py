@@ -61,20 +61,28 @@ def parse_ab(specs: list[str]) -> list[tuple[str, list[str]]]:
     return knobs
 
 
+def make_inputs(dev, tokens: int, hidden: int, dtype, x_seed: int, res_seed: int):
+    """Fresh random x (seeded per rank) and residual (the same seed on every rank), their working
+    copies, an output, and restore() that puts the inputs back between graph replays."""
+    gx = torch.Generator(device=dev).manual_seed(x_seed)
+    gr = torch.Generator(device=dev).manual_seed(res_seed)
+    x0 = torch.randn(tokens, hidden, generator=gx, device=dev).to(dtype)
+    res0 = (2 * torch.randn(tokens, hidden, generator=gr, device=dev)).to(dtype)
+    x, res, out = x0.clone(), res0.clone(), torch.empty_like(x0)
+
+    def restore():
+        x.copy_(x0)
+        res.copy_(res0)
+    return x0, res0, x, res, out, restore
+
+
 def ab_sweep(comm, dev, rank: int, hidden: int, weight, args) -> list[dict]:
     """Times the fused op at --ab-tokens for every value of every --ab-env knob (bit-checked first)."""
     from commlib.fused import reference_rmsnorm
     dtype, points = weight.dtype, []
     for tokens in args.ab_tokens:
-        gx = torch.Generator(device=dev).manual_seed(4321 + rank * 7 + tokens)
-        gr = torch.Generator(device=dev).manual_seed(199 + tokens)
-        x0 = torch.randn(tokens, hidden, generator=gx, device=dev).to(dtype)
-        res0 = (2 * torch.randn(tokens, hidden, generator=gr, device=dev)).to(dtype)
-        x, res, out = x0.clone(), res0.clone(), torch.empty_like(x0)
-
-        def restore():
-            x.copy_(x0)
-            res.copy_(res0)
+        x0, res0, x, res, out, restore = make_inputs(dev, tokens, hidden, dtype,
+                                                     4321 + rank * 7 + tokens, 199 + tokens)
         summed = x0.clone()
         comm.all_reduce(summed)
         exact_out, exact_res = reference_rmsnorm(summed.cpu(), res0.cpu(), weight.cpu(), EPS)
@@ -116,16 +124,9 @@ def worker(rank: int, world: int, port: int, args, queue):
 
     rows, sweep = [], []
     for tokens in [t for t in TOKENS if t <= args.max_tokens]:
-        gx = torch.Generator(device=dev).manual_seed(1234 + rank * 7 + tokens)
-        gr = torch.Generator(device=dev).manual_seed(99 + tokens)  # residual identical on every rank
-        x0 = torch.randn(tokens, hidden, generator=gx, device=dev).to(dtype)
-        res0 = (2 * torch.randn(tokens, hidden, generator=gr, device=dev)).to(dtype)
+        x0, res0, x, res, out, restore = make_inputs(dev, tokens, hidden, dtype,
+                                                     1234 + rank * 7 + tokens, 99 + tokens)
         row, notes = {"tokens": tokens}, []
-        x, res, out = x0.clone(), res0.clone(), torch.empty_like(x0)
-
-        def restore():
-            x.copy_(x0)
-            res.copy_(res0)
 
         # References: NCCL + torch, and commlib all_reduce + the documented arithmetic.
         summed = x0.clone()
