@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import platform
 import socket
 import sys
@@ -35,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common import init_rank, publish, run_ranks, time_graph
+from common import init_rank, knobs, publish, run_ranks, time_graph
 
 TOKENS = [1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384]
 SM_SWEEP = [2, 4, 8, 16, 32]
@@ -88,25 +87,20 @@ def ab_sweep(comm, dev, rank: int, hidden: int, weight, args) -> list[dict]:
         exact_out, exact_res = reference_rmsnorm(summed.cpu(), res0.cpu(), weight.cpu(), EPS)
         begin, end = comm.token_slice(tokens)
         for name, values in parse_ab(args.ab_env):
-            saved = os.environ.get(name)
             for mode in args.sweep_modes:
                 point = {"tokens": tokens, "mode": mode, "knob": name}
                 for value in values:
-                    os.environ[name] = value
-                    fn = lambda m=mode: comm.fused_allreduce_rmsnorm(x, res, weight, EPS, out=out, residual_mode=m)
-                    restore()
-                    out.fill_(float("nan"))
-                    fn()
-                    torch.cuda.synchronize()
-                    lo, hi = (0, tokens) if mode == "replicated" else (begin, end)
-                    ok = torch.equal(out.cpu(), exact_out) and torch.equal(res[lo:hi].cpu(), exact_res[lo:hi])
-                    t = time_graph(fn, restore, ops_for(tokens), args.replays)
+                    with knobs({name: value}):  # read at every call, so also by the captured graph
+                        fn = lambda m=mode: comm.fused_allreduce_rmsnorm(x, res, weight, EPS, out=out, residual_mode=m)
+                        restore()
+                        out.fill_(float("nan"))
+                        fn()
+                        torch.cuda.synchronize()
+                        lo, hi = (0, tokens) if mode == "replicated" else (begin, end)
+                        ok = torch.equal(out.cpu(), exact_out) and torch.equal(res[lo:hi].cpu(), exact_res[lo:hi])
+                        t = time_graph(fn, restore, ops_for(tokens), args.replays)
                     point[value] = f"{t:.1f}" if ok else f"{t:.1f} WRONG"
                 points.append(point)
-            if saved is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = saved
         if rank == 0:
             print(f"A/B {tokens} tokens: " + "; ".join(f"{p['knob']} {p['mode']} " + ", ".join(
                 f"{v}={p[v]}" for v in p if v not in ("tokens", "mode", "knob")) for p in points

@@ -1,5 +1,7 @@
 """What the GPU benchmark scripts in bench/ share: process start-up, the commlib / NCCL / torch
-symmetric-memory set-up of a rank, CUDA-graph capture and timing, eager timing. (Scripts run from bench/, so it is on sys.path.)"""
+symmetric-memory set-up of a rank, CUDA-graph capture and timing, eager timing, COMMLIB_* knobs
+set for a block. (Scripts run from bench/, so it is on sys.path.)"""
+import contextlib
 import datetime
 import os
 import queue as queue_mod
@@ -7,10 +9,28 @@ import socket
 import statistics
 import sys
 import time
+from typing import Dict
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+@contextlib.contextmanager
+def knobs(values: Dict[str, str]):
+    """os.environ updated with `values` inside the block, restored after. A communicator reads most
+    COMMLIB_* GPU knobs once, at its first GPU call (so that call must happen inside the block); the
+    fused op's LL knobs are read at every call, so a graph captured inside the block keeps them."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def capture_graph(step, iters: int, warmup=None, before_capture=None) -> torch.cuda.CUDAGraph:

@@ -26,19 +26,17 @@ Columns:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import os
 import platform
 import socket
 import sys
 from pathlib import Path
-from typing import Dict
 
 import torch
 import torch.distributed as dist
 
-from common import init_rank, publish, run_ranks, time_graph
+from common import init_rank, knobs, publish, run_ranks, time_graph
 
 SIZES = [1 << k for k in range(10, 29, 2)]  # 1 KiB .. 256 MiB
 COLUMNS = ["nccl", "flat", "flat-ll", "tree", "tree-sym", "auto", "symm-1shot", "symm-2shot"]
@@ -51,22 +49,6 @@ DEFAULT_SWEEP = ("0:0:0,0:0:0:0,512:512:128,256:256:128,256:128:132,256:256:256,
                  "128:128:256,512:256:132,512:0:64,512:0:32,512:0:24")
 TREE_KNOBS = ("COMMLIB_TREE_THREADS", "COMMLIB_TREE_MIN_PACKS", "COMMLIB_TREE_MAX_BLOCKS",
               "COMMLIB_TREE_RELAXED_START")
-
-
-@contextlib.contextmanager
-def knobs(values: Dict[str, str]):
-    """os.environ updated with `values` inside the block. A communicator reads its COMMLIB_* GPU
-    knobs once, at its first GPU call, so that call must happen inside the block."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def ops_for(nbytes: int) -> int:
