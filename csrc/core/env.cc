@@ -57,6 +57,10 @@ const std::vector<Knob>& knobs() {
       {"COMMLIB_FUSED_LL_MAX_ROWS", "16",
        "Fused all-reduce + RMSNorm on GPU: most rows (ceil(tokens / world)) of a rank's slice that "
        "run the LL kernel; more rows run the barrier kernel."},
+      {"COMMLIB_FUSED_ONESHOT_MAX_TOKENS", "32",
+       "Fused all-reduce + RMSNorm on GPU: up to this many tokens (and when every row fits the LL "
+       "buffer) every rank receives every row and normalises all of them itself, one NVLink "
+       "crossing instead of two (one-shot LL kernel); 0: never."},
       {"COMMLIB_FUSED_LL_ROW_CTAS", "0",
        "Fused all-reduce + RMSNorm, LL kernel: CTAs (a thread-block cluster) that share one row, "
        "1, 2, 4 or 8; 0 chooses by size (up to 4 rows per rank as many as the CTA budget allows for "

@@ -20,6 +20,25 @@
 // Call parity and flag = call + 1 come from the shared call counter, so the kernel is graph-replay
 // safe like every other.
 //
+// Note [fused one-shot]
+// At a few tokens the op is two NVLink latencies (x slice to its owner, normalised row back), not
+// bytes. The one-shot variant of this kernel (kOneShot; up to COMMLIB_FUSED_ONESHOT_MAX_TOKENS
+// tokens) crosses once: every rank pushes all of its x rows to every peer (a slot's three regions
+// hold them as one run of lines, row t at lines 2 t P), and every rank reduces and normalises
+// every row itself, storing all of out; no gather. The residual: replicated, every rank holds the
+// whole (identical) residual and updates all of it; sharded, a rank holds only its slice, so the
+// owner of a row pushes the row's old residual to every peer (after the slot's x lines, at
+// geo.r_offset) as the first thing it does for that row, and only the owner stores the new one.
+// Those pushes are made by the threads that later overwrite the same packs, so program order
+// keeps each push before the update. Every rank walks the rows in the same cluster order and an
+// owner pushes a row's residual before waiting for anything of that row, so a non-owner's wait
+// for it depends only on rows before it in the same sequence: no cycle. Each row is computed by
+// the code of the two-shot kernel (same tree, same rank order), so out and residual are bitwise
+// those of the two-shot kernel and the unfused reference; a rank merely normalises rows it does
+// not own, which at 2 ranks moves no more NVLink bytes than the two-shot (the whole x once,
+// against half of x and half of out). Reuse of the LL halves: Note [LL lines] (a rank finishes a
+// call only after reading lines of every peer's call).
+//
 // Note [fused LL row split]
 // One CTA per row pushes the whole normalised row from one SM (~45 GB/s per SM: ~0.7 us for the
 // 32 KiB of lines of a hidden-8192 row), and its block-wide reduction is a chain of barriers. So a
@@ -76,6 +95,7 @@ enum LLRegion : int { kLLRegionX = 0, kLLRegionO = 1, kLLRegionR = 2 };
 struct LLGeometry {
   size_t region_bytes;  // fused_ll_region_bytes
   int row_ctas;         // C of Note [fused LL row split]; the launch's cluster size when > 1
+  size_t r_offset;      // one-shot: bytes from a slot's region X to its residual lines (Note [fused one-shot])
 };
 
 // Stores a raw pack as the two LL lines at dst: {word 0, flag, word 1, flag}, {word 2, flag, ...}.
@@ -157,7 +177,7 @@ __device__ __forceinline__ float pairwise_root(float (&v)[kN]) {
   }
 }
 
-template <typename T, int kWorldSize, int kVecs>
+template <typename T, int kWorldSize, int kVecs, bool kOneShot>
 __global__ void __launch_bounds__(kLLMaxThreads)
     rs_rmsnorm_ag_p2p_ll_kernel(RsRmsNormAgP2pParams p, LLGeometry geo) {
   constexpr int kCap = kWorldSize > 0 ? kWorldSize : kMaxDeviceRanks;
@@ -182,14 +202,20 @@ __global__ void __launch_bounds__(kLLMaxThreads)
     return reinterpret_cast<uint4*>(p.lines.peer<char>(owner) + half +
                                     (peer_slot(s, owner, world) * 3 + which) * geo.region_bytes);
   };
+  // One-shot: the residual lines of rank s's slice, after s's x lines in its slot.
+  auto residual_lines = [&](int owner, int s) {
+    return reinterpret_cast<uint4*>(reinterpret_cast<char*>(region(owner, kLLRegionX, s)) + geo.r_offset);
+  };
   const int64_t num_threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const TokenSlice all_rows{0, a.num_tokens};
 
-  // 1. Push the x rows every peer owns (rows are contiguous in x and in the region: flat packs).
+  // 1. Push the x rows every peer owns (one-shot: every row) (rows are contiguous in x and in the
+  //    region: flat packs).
   if (!failed) {
     for (int step = 1; step < world; ++step) {
       const int d = (rank + step) % world;
-      const TokenSlice rows = token_slice(a.num_tokens, world, d);
+      const TokenSlice rows = kOneShot ? all_rows : token_slice(a.num_tokens, world, d);
       const int64_t total = rows.size() * num_packs;
       const char* src = x + rows.begin * row_bytes;
       uint4* dst = region(d, kLLRegionX, rank);
@@ -224,11 +250,17 @@ __global__ void __launch_bounds__(kLLMaxThreads)
   const int node = lane_major ? warp * 32 + lane : lane * warps * row_ctas + warp * row_ctas + c;
   const int nodes = static_cast<int>(blockDim.x) * row_ctas;  // N: packs k = node + j * N
   const TokenSlice mine = token_slice(a.num_tokens, world, rank);
+  const TokenSlice rows = kOneShot ? all_rows : mine;  // the rows this rank normalises
+  const int64_t per_rank = (a.num_tokens + world - 1) / world;
   const char* weight = static_cast<const char*>(a.weight);
   int parity = 0;
-  for (int64_t i = cluster; i < mine.size(); i += num_clusters, parity ^= 1) {  // cluster-uniform
-    const int64_t token = mine.begin + i;
-    char* res_row = reinterpret_cast<char*>(residual_row<T>(a, mine.begin, token));
+  for (int64_t i = cluster; i < rows.size(); i += num_clusters, parity ^= 1) {  // cluster-uniform
+    const int64_t token = rows.begin + i;
+    // Whether this rank holds (reads and writes) the row's residual: always but for the other
+    // owners' rows of a sharded one-shot call, whose residual arrives from the owner.
+    const bool res_local = !kOneShot || replicated || (token >= mine.begin && token < mine.end);
+    const int owner = static_cast<int>(token / per_rank);
+    char* res_row = res_local ? reinterpret_cast<char*>(residual_row<T>(a, mine.begin, token)) : nullptr;
     const int64_t line0 = 2 * i * num_packs;  // row i's first line in a region
     uint4 own[kVecs], res[kVecs], w[kVecs];
     float acc[kVecs][kGroup];
@@ -245,9 +277,25 @@ __global__ void __launch_bounds__(kLLMaxThreads)
         if (k < num_packs) dst[j] = device::ld_v4_u32(row + k * 16);
       }
     };
+    // Sharded one-shot, a row this rank owns: its old residual goes to every peer first, by the
+    // threads that overwrite it later (program order keeps the push before the update).
+    const bool push_residual = kOneShot && !replicated && res_local && world > 1;
     if constexpr (kPreload) {
       load_local(own, x + token * row_bytes);
+      if (res_local) load_local(res, res_row);
+    } else if (push_residual) {
       load_local(res, res_row);
+    }
+    if (push_residual && !failed) {
+      const int64_t res_line0 = 2 * (token - mine.begin) * num_packs;
+      for (int step = 1; step < world; ++step) {
+        uint4* dst = residual_lines((rank + step) % world, rank) + res_line0;
+#pragma unroll
+        for (int j = 0; j < kVecs; ++j) {
+          const int k = node + j * nodes;
+          if (k < num_packs) ll_store(dst + 2 * k, res[j], flag);
+        }
+      }
     }
     if constexpr (kVecs == 1) {
       // One pack: every source's lines polled at once; slot s holds rank s (own x at s == rank).
@@ -294,7 +342,24 @@ __global__ void __launch_bounds__(kLLMaxThreads)
         }
       }
     }
-    if constexpr (!kPreload) load_local(res, res_row);
+    if (!res_local) {
+      // Sharded one-shot, another owner's row: its old residual from the owner's lines.
+      const uint4* src[kVecs];
+      int peer[kVecs];
+      const int64_t res_line0 = 2 * (token - owner * per_rank) * num_packs;
+#pragma unroll
+      for (int j = 0; j < kVecs; ++j) {
+        const int k = node + j * nodes;
+        peer[j] = owner;
+        src[j] = k < num_packs ? residual_lines(rank, owner) + res_line0 + 2 * k : nullptr;
+      }
+      uint4 lo[kVecs], hi[kVecs];
+      ll_wait_all<kVecs>(src, peer, lo, hi, flag, p.barrier, FusedRmsNormPhase::kLLInputs, call.call, failed);
+#pragma unroll
+      for (int j = 0; j < kVecs; ++j) res[j] = ll_payload(lo[j], hi[j]);
+    } else if (!kPreload && !push_residual) {
+      load_local(res, res_row);
+    }
 #pragma unroll
     for (int j = 0; j < kVecs; ++j) {
       q[j] = 0.0f;
@@ -367,13 +432,15 @@ __global__ void __launch_bounds__(kLLMaxThreads)
       if (k >= num_packs) continue;
       const uint4 y = normalised<T>(res[j], rstd, w[j]);
       // The peers' lines first: they are on the critical path, the local stores are not.
-      for (int step = 1; step < world; ++step) {
-        const int d = (rank + step) % world;
-        ll_store(region(d, kLLRegionO, rank) + line0 + 2 * k, y, flag);
-        if (replicated) ll_store(region(d, kLLRegionR, rank) + line0 + 2 * k, res[j], flag);
+      if constexpr (!kOneShot) {
+        for (int step = 1; step < world; ++step) {
+          const int d = (rank + step) % world;
+          ll_store(region(d, kLLRegionO, rank) + line0 + 2 * k, y, flag);
+          if (replicated) ll_store(region(d, kLLRegionR, rank) + line0 + 2 * k, res[j], flag);
+        }
       }
       device::st_v4_u32(out_row + k * 16, y);
-      device::st_v4_u32(res_row + k * 16, res[j]);
+      if (res_local) device::st_v4_u32(res_row + k * 16, res[j]);
     }
   }
   if (row_ctas > 1) {
@@ -383,10 +450,11 @@ __global__ void __launch_bounds__(kLLMaxThreads)
     device::barrier_cluster_wait_acquire();
   }
 
-  // 3. Gather the other owners' rows from this rank's own regions O (and R), several packs at once.
+  // 3. Gather the other owners' rows from this rank's own regions O (and R), several packs at once
+  //    (one-shot: nothing to gather).
   char* out = static_cast<char*>(a.out);
   char* residual = static_cast<char*>(a.residual);  // full layout whenever replicated
-  for (int step = 1; step < world && !failed; ++step) {
+  for (int step = 1; step < world && !failed && !kOneShot; ++step) {
     const int d = (rank + step) % world;
     const TokenSlice rows = token_slice(a.num_tokens, world, d);
     const int64_t total = rows.size() * num_packs;
@@ -431,12 +499,31 @@ int64_t floor_pow2(int64_t v) {
   return p;
 }
 
+// Note [fused one-shot]: the bytes from a slot's x lines (every row) to its residual lines.
+size_t oneshot_residual_offset(int64_t num_tokens, size_t row_bytes) {
+  return (2 * static_cast<size_t>(num_tokens) * row_bytes + 31) / 32 * 32;
+}
+
 }  // namespace
+
+bool fused_rmsnorm_use_oneshot(const RsRmsNormAgP2pParams& params) {
+  const FusedRmsNormArgs& a = params.args;
+  const int world = params.barrier.world_size;
+  if (world < 2 || params.lines.bytes == 0 || a.num_tokens <= 0) return false;
+  if (a.num_tokens > env::get_int("COMMLIB_FUSED_ONESHOT_MAX_TOKENS")) return false;
+  const size_t row_bytes = static_cast<size_t>(a.hidden) * dtype_size(a.dtype);
+  const int64_t per_rank = (a.num_tokens + world - 1) / world;
+  const size_t residual = a.mode == ResidualMode::kSharded ? 2 * static_cast<size_t>(per_rank) * row_bytes : 0;
+  // A slot's three regions hold every row's x lines and, sharded, the owner's residual lines.
+  return oneshot_residual_offset(a.num_tokens, row_bytes) + residual <=
+         3 * fused_ll_region_bytes(params.lines.bytes, world);
+}
 
 bool fused_rmsnorm_use_ll(const RsRmsNormAgP2pParams& params) {
   const FusedRmsNormArgs& a = params.args;
   const int world = params.barrier.world_size;
   if (world < 2 || params.lines.bytes == 0 || a.num_tokens <= 0) return false;
+  if (fused_rmsnorm_use_oneshot(params)) return true;
   const int64_t rows = (a.num_tokens + world - 1) / world;
   const int64_t slice_bytes = rows * a.hidden * static_cast<int64_t>(dtype_size(a.dtype));
   const int64_t limit = env::get_int("COMMLIB_FUSED_LL_MAX_BYTES");
@@ -487,15 +574,19 @@ Status launch_rs_rmsnorm_ag_p2p_ll(const RsRmsNormAgP2pParams& params, Stream st
   const size_t region_bytes = fused_ll_region_bytes(params.lines.bytes, world);
   const int64_t per_rank = (a.num_tokens + world - 1) / world;
   const size_t slice_bytes = static_cast<size_t>(per_rank * a.hidden) * dtype_size(a.dtype);
-  if (world < 2 || 2 * slice_bytes > region_bytes) {
+  const bool one_shot = fused_rmsnorm_use_oneshot(params);
+  if (world < 2 || (!one_shot && 2 * slice_bytes > region_bytes)) {
     return Status(StatusCode::kInvalidArgument,
                   detail::concat(what, ": a slice of ", slice_bytes, " bytes needs ", 2 * slice_bytes,
                                  " bytes of LL region; the LL buffer has ", region_bytes, " per region (world ", world,
                                  ")"));
   }
   // The tuned count (measured on the barrier kernel at a large batch) does not apply here.
-  const FusedLLGrid grid = fused_ll_grid(per_rank, a.hidden, params.num_blocks);
-  const LLGeometry geo{region_bytes, grid.row_ctas};
+  // One-shot: every rank normalises every row (Note [fused one-shot]).
+  const FusedLLGrid grid = fused_ll_grid(one_shot ? a.num_tokens : per_rank, a.hidden, params.num_blocks);
+  const LLGeometry geo{region_bytes, grid.row_ctas,
+                       one_shot ? oneshot_residual_offset(a.num_tokens, static_cast<size_t>(a.hidden) * dtype_size(a.dtype))
+                                : 0};
   auto go = [&](auto kernel) {
     cudaLaunchConfig_t config{};
     config.gridDim = dim3(static_cast<unsigned>(grid.blocks));
@@ -518,14 +609,17 @@ Status launch_rs_rmsnorm_ag_p2p_ll(const RsRmsNormAgP2pParams& params, Stream st
     }
     return Status::ok();
   };
-  const auto launch = [&]<typename T>() {
+  const auto by_shape = [&]<typename T, bool kOneShot>() {
     return COMMLIB_DISPATCH_WORLD_SIZE(world, kWorldSize, [&] {
       switch (grid.packs_per_thread) {
-        case 1: return go(rs_rmsnorm_ag_p2p_ll_kernel<T, kWorldSize, 1>);
-        case 2: return go(rs_rmsnorm_ag_p2p_ll_kernel<T, kWorldSize, 2>);
-        default: return go(rs_rmsnorm_ag_p2p_ll_kernel<T, kWorldSize, 4>);
+        case 1: return go(rs_rmsnorm_ag_p2p_ll_kernel<T, kWorldSize, 1, kOneShot>);
+        case 2: return go(rs_rmsnorm_ag_p2p_ll_kernel<T, kWorldSize, 2, kOneShot>);
+        default: return go(rs_rmsnorm_ag_p2p_ll_kernel<T, kWorldSize, 4, kOneShot>);
       }
     });
+  };
+  const auto launch = [&]<typename T>() {
+    return one_shot ? by_shape.template operator()<T, true>() : by_shape.template operator()<T, false>();
   };
   return a.dtype == DataType::kBFloat16 ? launch.template operator()<__nv_bfloat16>()
                                         : launch.template operator()<__half>();

@@ -87,6 +87,10 @@ inline size_t fused_ll_region_bytes(size_t lines_bytes, int world_size) {
 // rows, at most COMMLIB_FUSED_LL_MAX_ROWS) fits one LL region as lines (twice its bytes) and is at
 // most COMMLIB_FUSED_LL_MAX_BYTES.
 bool fused_rmsnorm_use_ll(const RsRmsNormAgP2pParams& params);
+// Whether that LL call is one-shot (Note [fused one-shot] in rs_rmsnorm_ag_p2p_ll.cu): at most
+// COMMLIB_FUSED_ONESHOT_MAX_TOKENS tokens, and every row's lines (sharded: plus the owner's
+// residual lines) fit one slot of the LL buffer. fused_rmsnorm_use_ll is then true as well.
+bool fused_rmsnorm_use_oneshot(const RsRmsNormAgP2pParams& params);
 
 // The LL kernel's launch shape for a slice of `rows_per_rank` rows (Note [fused LL row split] in
 // rs_rmsnorm_ag_p2p_ll.cu): `row_ctas` CTAs per row (a thread-block cluster when > 1; from

@@ -86,10 +86,12 @@ def test_fused_gpu_many_chunks(ranks):
     ranks(2, env={"COMMLIB_GPU_WORKSPACE_BYTES": str(1 << 20)}).run(_gpu_case, "bfloat16", [1, 77, 1000], [8192])
 
 
+NO_LL = {"COMMLIB_FUSED_LL_MAX_BYTES": "0", "COMMLIB_FUSED_ONESHOT_MAX_TOKENS": "0"}
+
+
 def test_fused_gpu_barrier_kernel_small_tokens(ranks):
-    # COMMLIB_FUSED_LL_MAX_BYTES=0: even 1 token runs the barrier kernel (rs_rmsnorm_ag_p2p.cu).
-    ranks(2, env={"COMMLIB_FUSED_LL_MAX_BYTES": "0"}).run(_gpu_case, "bfloat16", [1, 2, 3, 33], [1024, 8192],
-                                                           (None, 1, 3))
+    # No LL kernel (two-shot or one-shot): even 1 token runs the barrier kernel (rs_rmsnorm_ag_p2p.cu).
+    ranks(2, env=NO_LL).run(_gpu_case, "bfloat16", [1, 2, 3, 33], [1024, 8192], (None, 1, 3))
 
 
 def test_fused_gpu_barrier_kernel_row_groups(ranks):
@@ -97,12 +99,12 @@ def test_fused_gpu_barrier_kernel_row_groups(ranks):
     # per CTA (Note [fused p2p phase B]): 301 tokens (slices of 151 and 150 rows) on 1, 20, 40 and
     # 132 CTAs give groups of 32, 64, 128 and 256 threads; hidden 8 (one pack), 1032 (129 packs:
     # zero-padded tree) and 16384 (64 packs per thread of a warp). Same bits for every group size.
-    ranks(2, env={"COMMLIB_FUSED_LL_MAX_BYTES": "0"}).run(_gpu_case, "bfloat16", [301], [8, 1032, 16384],
-                                                           (1, 20, 40, 132))
+    ranks(2, env=NO_LL).run(_gpu_case, "bfloat16", [301], [8, 1032, 16384], (1, 20, 40, 132))
 
 
-# Huge LL limits: the LL kernel runs whenever the slice fits the LL buffer.
-LL_ALWAYS = {"COMMLIB_FUSED_LL_MAX_BYTES": str(1 << 30), "COMMLIB_FUSED_LL_MAX_ROWS": str(1 << 30)}
+# Huge LL limits and no one-shot: the two-shot LL kernel runs whenever the slice fits the LL buffer.
+LL_ALWAYS = {"COMMLIB_FUSED_LL_MAX_BYTES": str(1 << 30), "COMMLIB_FUSED_LL_MAX_ROWS": str(1 << 30),
+             "COMMLIB_FUSED_ONESHOT_MAX_TOKENS": "0"}
 
 
 def test_fused_gpu_ll_kernel_large_slices(ranks):
@@ -120,6 +122,16 @@ def test_fused_gpu_ll_row_split(ranks, row_ctas):
     # 16 loops clusters over rows. Same bits as the unfused reference for every split.
     ranks(2, env={"COMMLIB_FUSED_LL_ROW_CTAS": row_ctas, **LL_ALWAYS}).run(
         _gpu_case, "bfloat16", [1, 2, 7, 16], [8, 1032, 8192, 16384], (None, 1, 3, 16))
+
+
+@pytest.mark.parametrize("row_ctas", ["1", "2", "8"])
+def test_fused_gpu_one_shot(ranks, row_ctas):
+    # The one-shot LL kernel (Note [fused one-shot]) whenever every row fits the LL buffer: every rank
+    # normalises every row; sharded, the owners' residual rows travel with x. Token counts not
+    # divisible by 2 (1, 7, 33), a cluster looping over rows (num_sms 1, 3), rows split over 2 / 8
+    # CTAs, hidden 8 .. 16384 (33 tokens of hidden 16384 do not fit: the launcher falls back).
+    env = {"COMMLIB_FUSED_ONESHOT_MAX_TOKENS": str(1 << 30), "COMMLIB_FUSED_LL_ROW_CTAS": row_ctas}
+    ranks(2, env=env).run(_gpu_case, "bfloat16", [1, 2, 7, 16, 33], [8, 1032, 8192, 16384], (None, 1, 3, 16))
 
 
 def _mixed_sequence(ctx):
@@ -202,9 +214,11 @@ def _graph_and_compile(ctx, tokens):
     return True
 
 
-@pytest.mark.parametrize("tokens", [37, 4])  # 37: barrier kernel; 4: LL kernel (default limit)
-def test_fused_gpu_graph_capture_and_compile(ranks, tokens):
-    ranks(2).run(_graph_and_compile, tokens)
+# 37: barrier kernel; 4: one-shot LL kernel (default limit), or the two-shot LL kernel without it.
+@pytest.mark.parametrize("tokens, env", [(37, {}), (4, {}), (4, {"COMMLIB_FUSED_ONESHOT_MAX_TOKENS": "0"})],
+                         ids=["barrier", "one-shot", "two-shot-ll"])
+def test_fused_gpu_graph_capture_and_compile(ranks, tokens, env):
+    ranks(2, env=env).run(_graph_and_compile, tokens)
 
 
 def _bad_inputs_gpu(ctx):
