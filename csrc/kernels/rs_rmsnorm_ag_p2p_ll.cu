@@ -27,12 +27,13 @@
 // hold them as one run of lines, row t at lines 2 t P), and every rank reduces and normalises
 // every row itself, storing all of out; no gather. The residual: replicated, every rank holds the
 // whole (identical) residual and updates all of it; sharded, a rank holds only its slice, so the
-// owner of a row pushes the row's old residual to every peer (after the slot's x lines, at
-// geo.r_offset) as the first thing it does for that row, and only the owner stores the new one.
-// Those pushes are made by the threads that later overwrite the same packs, so program order
-// keeps each push before the update. Every rank walks the rows in the same cluster order and an
-// owner pushes a row's residual before waiting for anything of that row, so a non-owner's wait
-// for it depends only on rows before it in the same sequence: no cycle. Each row is computed by
+// owner pushes the old residual of its rows to every peer (after the slot's x lines, at
+// geo.r_offset) right after its x rows, before any wait, and only the owner stores the new one.
+// Those pushes are made by the threads that later update the same packs (the step-2 mapping of
+// rows to clusters and packs to threads), so program order keeps each push before the update;
+// and since nothing is pushed after a wait, waits depend only on other ranks. (Pushing a row's
+// residual only when its cluster reached the row made 32 tokens sharded a chain of round trips:
+// 17.8 µs against 13.9 replicated on 2x H200.) Each row is computed by
 // the code of the two-shot kernel (same tree, same rank order), so out and residual are bitwise
 // those of the two-shot kernel and the unfused reference; a rank merely normalises rows it does
 // not own, which at 2 ranks moves no more NVLink bytes than the two-shot (the whole x once,
@@ -87,6 +88,10 @@ constexpr int kLLMaxRowCtas = 8;     // the portable cluster size
 // the lane-high single CTA), but at 8 rows one lane-major CTA per row beat 2 CTAs per row (sharded
 // 9.4 vs 12.2 µs; bench/results/fused-rmsnorm-2026-11-30-g.md).
 constexpr int64_t kLLSplitMaxRows = 4;
+// The one-shot kernel's by-size CTA cap (one CTA per row beyond 4 rows): it normalises every row,
+// twice a slice's. On 2x H200 (hidden 8192, replicated) 32 CTAs against 16 took 32 tokens from
+// 14.1 to 11.4 µs and 16 tokens from 8.4 to 7.6 (bench/results/fused-rmsnorm-2026-11-30-h.md).
+constexpr int kLLOneShotMaxBlocks = 32;
 constexpr int kLLPushUnroll = 4;     // packs loaded before their stores, per thread, in phase 1
 constexpr int kLLGatherPacks = 4;    // packs polled at once per thread in phase 3
 
@@ -209,6 +214,20 @@ __global__ void __launch_bounds__(kLLMaxThreads)
   const int64_t num_threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const TokenSlice all_rows{0, a.num_tokens};
+  // Who works on which packs of which rows in step 2 (and, one-shot, the residual pushes of step 1).
+  const int row_ctas = geo.row_ctas;
+  const int c = row_ctas > 1 ? static_cast<int>(device::cluster_ctarank()) : 0;
+  const int64_t cluster = blockIdx.x / row_ctas;
+  const int64_t num_clusters = gridDim.x / row_ctas;
+  const int warps = static_cast<int>(blockDim.x) / 32;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  // One CTA per row: lane-major nodes (adjacent lanes, adjacent packs: coalesced accesses); a split
+  // row: lane-high nodes, so that the shuffles come first (Note [fused LL row split]).
+  const bool lane_major = row_ctas == 1;
+  const int node = lane_major ? warp * 32 + lane : lane * warps * row_ctas + warp * row_ctas + c;
+  const int nodes = static_cast<int>(blockDim.x) * row_ctas;  // N: packs k = node + j * N
+  const TokenSlice mine = token_slice(a.num_tokens, world, rank);
 
   // 1. Push the x rows every peer owns (one-shot: every row) (rows are contiguous in x and in the
   //    region: flat packs).
@@ -234,22 +253,32 @@ __global__ void __launch_bounds__(kLLMaxThreads)
       }
     }
   }
+  // Sharded one-shot: the old residual of the rows this rank owns, pushed to every peer by the
+  // threads that update the same packs in step 2 (program order keeps each push before the update).
+  if (kOneShot && !replicated && !failed) {
+    for (int64_t i = cluster; i < a.num_tokens; i += num_clusters) {
+      if (i < mine.begin || i >= mine.end) continue;
+      const char* res_row = reinterpret_cast<const char*>(residual_row<T>(a, mine.begin, i));
+      const int64_t line0 = 2 * (i - mine.begin) * num_packs;
+      uint4 v[kVecs] = {};
+#pragma unroll
+      for (int j = 0; j < kVecs; ++j) {  // every load before the stores
+        const int k = node + j * nodes;
+        if (k < num_packs) v[j] = device::ld_v4_u32(res_row + k * 16);
+      }
+      for (int step = 1; step < world; ++step) {
+        uint4* dst = residual_lines((rank + step) % world, rank) + line0;
+#pragma unroll
+        for (int j = 0; j < kVecs; ++j) {
+          const int k = node + j * nodes;
+          if (k < num_packs) ll_store(dst + 2 * k, v[j], flag);
+        }
+      }
+    }
+  }
 
   // 2. This rank's rows, one per cluster at a time (Note [fused LL row split]). Packs stay raw
   //    (Note [raw packs]).
-  const int row_ctas = geo.row_ctas;
-  const int c = row_ctas > 1 ? static_cast<int>(device::cluster_ctarank()) : 0;
-  const int64_t cluster = blockIdx.x / row_ctas;
-  const int64_t num_clusters = gridDim.x / row_ctas;
-  const int warps = static_cast<int>(blockDim.x) / 32;
-  const int lane = static_cast<int>(threadIdx.x) & 31;
-  const int warp = static_cast<int>(threadIdx.x) / 32;
-  // One CTA per row: lane-major nodes (adjacent lanes, adjacent packs: coalesced accesses); a split
-  // row: lane-high nodes, so that the shuffles come first (Note [fused LL row split]).
-  const bool lane_major = row_ctas == 1;
-  const int node = lane_major ? warp * 32 + lane : lane * warps * row_ctas + warp * row_ctas + c;
-  const int nodes = static_cast<int>(blockDim.x) * row_ctas;  // N: packs k = node + j * N
-  const TokenSlice mine = token_slice(a.num_tokens, world, rank);
   const TokenSlice rows = kOneShot ? all_rows : mine;  // the rows this rank normalises
   const int64_t per_rank = (a.num_tokens + world - 1) / world;
   const char* weight = static_cast<const char*>(a.weight);
@@ -277,25 +306,9 @@ __global__ void __launch_bounds__(kLLMaxThreads)
         if (k < num_packs) dst[j] = device::ld_v4_u32(row + k * 16);
       }
     };
-    // Sharded one-shot, a row this rank owns: its old residual goes to every peer first, by the
-    // threads that overwrite it later (program order keeps the push before the update).
-    const bool push_residual = kOneShot && !replicated && res_local && world > 1;
     if constexpr (kPreload) {
       load_local(own, x + token * row_bytes);
       if (res_local) load_local(res, res_row);
-    } else if (push_residual) {
-      load_local(res, res_row);
-    }
-    if (push_residual && !failed) {
-      const int64_t res_line0 = 2 * (token - mine.begin) * num_packs;
-      for (int step = 1; step < world; ++step) {
-        uint4* dst = residual_lines((rank + step) % world, rank) + res_line0;
-#pragma unroll
-        for (int j = 0; j < kVecs; ++j) {
-          const int k = node + j * nodes;
-          if (k < num_packs) ll_store(dst + 2 * k, res[j], flag);
-        }
-      }
     }
     if constexpr (kVecs == 1) {
       // One pack: every source's lines polled at once; slot s holds rank s (own x at s == rank).
@@ -357,7 +370,7 @@ __global__ void __launch_bounds__(kLLMaxThreads)
       ll_wait_all<kVecs>(src, peer, lo, hi, flag, p.barrier, FusedRmsNormPhase::kLLInputs, call.call, failed);
 #pragma unroll
       for (int j = 0; j < kVecs; ++j) res[j] = ll_payload(lo[j], hi[j]);
-    } else if (!kPreload && !push_residual) {
+    } else if constexpr (!kPreload) {
       load_local(res, res_row);
     }
 #pragma unroll
@@ -537,7 +550,7 @@ bool fused_rmsnorm_use_ll(const RsRmsNormAgP2pParams& params) {
          2 * static_cast<size_t>(slice_bytes) <= fused_ll_region_bytes(params.lines.bytes, world);
 }
 
-FusedLLGrid fused_ll_grid(int64_t rows_per_rank, int64_t hidden, int num_blocks) {
+FusedLLGrid fused_ll_grid(int64_t rows_per_rank, int64_t hidden, int num_blocks, int max_blocks) {
   // C: COMMLIB_FUSED_LL_ROW_CTAS (rounded down to a power of two, at most kLLMaxRowCtas), or when 0
   // and the slice has at most kLLSplitMaxRows rows the most that give every row of the slice its own
   // cluster within the CTA budget (beyond: 1, lane-major, Note [fused LL row split]). At least 32
@@ -549,8 +562,9 @@ FusedLLGrid fused_ll_grid(int64_t rows_per_rank, int64_t hidden, int num_blocks)
                            : rows <= kLLSplitMaxRows ? kLLMaxRowCtas
                                                      : 1;
   // The budget: num_sms / COMMLIB_FUSED_NUM_SMS exactly, else by size (C CTAs per row, at least
-  // kLLMinBlocks, at most kFusedDefaultMaxBlocks). With C = 1 this is the former one CTA per row.
-  const int budget = fused_rmsnorm_num_blocks(num_blocks, 0, std::max<int64_t>(rows * max_ctas, kLLMinBlocks));
+  // kLLMinBlocks, at most max_blocks or kFusedDefaultMaxBlocks). With C = 1: one CTA per row.
+  const int budget =
+      fused_rmsnorm_num_blocks(num_blocks, max_blocks, std::max<int64_t>(rows * max_ctas, kLLMinBlocks));
   int64_t ctas = 1;
   while (2 * ctas <= max_ctas && 2 * ctas * 32 <= padded && 2 * ctas <= budget &&
          (knob > 0 || rows * 2 * ctas <= budget)) {
@@ -583,10 +597,10 @@ Status launch_rs_rmsnorm_ag_p2p_ll(const RsRmsNormAgP2pParams& params, Stream st
   }
   // The tuned count (measured on the barrier kernel at a large batch) does not apply here.
   // One-shot: every rank normalises every row (Note [fused one-shot]).
-  const FusedLLGrid grid = fused_ll_grid(one_shot ? a.num_tokens : per_rank, a.hidden, params.num_blocks);
-  const LLGeometry geo{region_bytes, grid.row_ctas,
-                       one_shot ? oneshot_residual_offset(a.num_tokens, static_cast<size_t>(a.hidden) * dtype_size(a.dtype))
-                                : 0};
+  const FusedLLGrid grid = one_shot ? fused_ll_grid(a.num_tokens, a.hidden, params.num_blocks, kLLOneShotMaxBlocks)
+                                    : fused_ll_grid(per_rank, a.hidden, params.num_blocks, 0);
+  const size_t row_bytes = static_cast<size_t>(a.hidden) * dtype_size(a.dtype);
+  const LLGeometry geo{region_bytes, grid.row_ctas, one_shot ? oneshot_residual_offset(a.num_tokens, row_bytes) : 0};
   auto go = [&](auto kernel) {
     cudaLaunchConfig_t config{};
     config.gridDim = dim3(static_cast<unsigned>(grid.blocks));
