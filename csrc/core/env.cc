@@ -60,7 +60,14 @@ const std::vector<Knob>& knobs() {
       {"COMMLIB_FUSED_ONESHOT_MAX_TOKENS", "32",
        "Fused all-reduce + RMSNorm on GPU: up to this many tokens (and when every row fits the LL "
        "buffer) every rank receives every row and normalises all of them itself, one NVLink "
-       "crossing instead of two (one-shot LL kernel); 0: never."},
+       "crossing instead of two (one-shot LL kernel); 0: never. Replicated mode; sharded: "
+       "COMMLIB_FUSED_ONESHOT_SHARDED_MAX_TOKENS."},
+      {"COMMLIB_FUSED_ONESHOT_SHARDED_MAX_TOKENS", "8",
+       "COMMLIB_FUSED_ONESHOT_MAX_TOKENS for residual_mode=\"sharded\" (the owners' residual rows "
+       "travel too); 0: never."},
+      {"COMMLIB_FUSED_LL_BYTES_PER_CTA", "8192",
+       "Fused all-reduce + RMSNorm, LL kernels (one-shot and two-shot): the CTA count chosen by size "
+       "is at least the x bytes a rank pushes divided by this (at most 128); 0: by rows only."},
       {"COMMLIB_FUSED_LL_ROW_CTAS", "0",
        "Fused all-reduce + RMSNorm, LL kernel: CTAs (a thread-block cluster) that share one row, "
        "1, 2, 4 or 8; 0 chooses by size (up to 4 rows per rank as many as the CTA budget allows for "

@@ -92,6 +92,10 @@ constexpr int64_t kLLSplitMaxRows = 4;
 // twice a slice's. On 2x H200 (hidden 8192, replicated) 32 CTAs against 16 took 32 tokens from
 // 14.1 to 11.4 µs and 16 tokens from 8.4 to 7.6 (bench/results/fused-rmsnorm-2026-11-30-h.md).
 constexpr int kLLOneShotMaxBlocks = 32;
+// Most CTAs that COMMLIB_FUSED_LL_BYTES_PER_CTA asks for (one SM stores only ~45 GB/s of lines, so a
+// push of many rows wants more SMs than rows: at 32 tokens one-shot, 64 CTAs took 9.8 µs against
+// 11.6 with 32; bench/results/fused-rmsnorm-2026-11-30-h.md).
+constexpr int kLLMaxPushBlocks = 128;
 constexpr int kLLPushUnroll = 4;     // packs loaded before their stores, per thread, in phase 1
 constexpr int kLLGatherPacks = 4;    // packs polled at once per thread in phase 3
 
@@ -523,10 +527,15 @@ bool fused_rmsnorm_use_oneshot(const RsRmsNormAgP2pParams& params) {
   const FusedRmsNormArgs& a = params.args;
   const int world = params.barrier.world_size;
   if (world < 2 || params.lines.bytes == 0 || a.num_tokens <= 0) return false;
-  if (a.num_tokens > env::get_int("COMMLIB_FUSED_ONESHOT_MAX_TOKENS")) return false;
+  // Sharded, the owners' residual rows travel too: on 2x H200 the two-shot kernel was faster from
+  // 16 tokens (9.5 vs 11.2 µs; replicated one-shot 8.4 vs 11.0; fused-rmsnorm-2026-11-30-h.md).
+  const bool sharded = a.mode == ResidualMode::kSharded;
+  const int64_t max_tokens =
+      env::get_int(sharded ? "COMMLIB_FUSED_ONESHOT_SHARDED_MAX_TOKENS" : "COMMLIB_FUSED_ONESHOT_MAX_TOKENS");
+  if (a.num_tokens > max_tokens) return false;
   const size_t row_bytes = static_cast<size_t>(a.hidden) * dtype_size(a.dtype);
   const int64_t per_rank = (a.num_tokens + world - 1) / world;
-  const size_t residual = a.mode == ResidualMode::kSharded ? 2 * static_cast<size_t>(per_rank) * row_bytes : 0;
+  const size_t residual = sharded ? 2 * static_cast<size_t>(per_rank) * row_bytes : 0;
   // A slot's three regions hold every row's x lines and, sharded, the owner's residual lines.
   return oneshot_residual_offset(a.num_tokens, row_bytes) + residual <=
          3 * fused_ll_region_bytes(params.lines.bytes, world);
@@ -550,7 +559,7 @@ bool fused_rmsnorm_use_ll(const RsRmsNormAgP2pParams& params) {
          2 * static_cast<size_t>(slice_bytes) <= fused_ll_region_bytes(params.lines.bytes, world);
 }
 
-FusedLLGrid fused_ll_grid(int64_t rows_per_rank, int64_t hidden, int num_blocks, int max_blocks) {
+FusedLLGrid fused_ll_grid(int64_t rows_per_rank, int64_t hidden, int num_blocks, int max_blocks, int min_blocks) {
   // C: COMMLIB_FUSED_LL_ROW_CTAS (rounded down to a power of two, at most kLLMaxRowCtas), or when 0
   // and the slice has at most kLLSplitMaxRows rows the most that give every row of the slice its own
   // cluster within the CTA budget (beyond: 1, lane-major, Note [fused LL row split]). At least 32
@@ -562,9 +571,10 @@ FusedLLGrid fused_ll_grid(int64_t rows_per_rank, int64_t hidden, int num_blocks,
                            : rows <= kLLSplitMaxRows ? kLLMaxRowCtas
                                                      : 1;
   // The budget: num_sms / COMMLIB_FUSED_NUM_SMS exactly, else by size (C CTAs per row, at least
-  // kLLMinBlocks, at most max_blocks or kFusedDefaultMaxBlocks). With C = 1: one CTA per row.
-  const int budget =
-      fused_rmsnorm_num_blocks(num_blocks, max_blocks, std::max<int64_t>(rows * max_ctas, kLLMinBlocks));
+  // kLLMinBlocks and min_blocks, at most max_blocks or kFusedDefaultMaxBlocks). With C = 1: one CTA
+  // per row; CTAs beyond the rows only push (and, two-shot, gather).
+  const int budget = fused_rmsnorm_num_blocks(
+      num_blocks, max_blocks, std::max<int64_t>({rows * max_ctas, kLLMinBlocks, static_cast<int64_t>(min_blocks)}));
   int64_t ctas = 1;
   while (2 * ctas <= max_ctas && 2 * ctas * 32 <= padded && 2 * ctas <= budget &&
          (knob > 0 || rows * 2 * ctas <= budget)) {
@@ -596,9 +606,17 @@ Status launch_rs_rmsnorm_ag_p2p_ll(const RsRmsNormAgP2pParams& params, Stream st
                                  ")"));
   }
   // The tuned count (measured on the barrier kernel at a large batch) does not apply here.
-  // One-shot: every rank normalises every row (Note [fused one-shot]).
-  const FusedLLGrid grid = one_shot ? fused_ll_grid(a.num_tokens, a.hidden, params.num_blocks, kLLOneShotMaxBlocks)
-                                    : fused_ll_grid(per_rank, a.hidden, params.num_blocks, 0);
+  // One-shot: every rank normalises every row (Note [fused one-shot]). Either way the by-size CTA
+  // count also covers the x bytes this rank pushes at COMMLIB_FUSED_LL_BYTES_PER_CTA per CTA.
+  const size_t pushed = static_cast<size_t>(world - 1) * (one_shot ? a.num_tokens : per_rank) * a.hidden *
+                        dtype_size(a.dtype);
+  const int64_t bytes_per_cta = env::get_int("COMMLIB_FUSED_LL_BYTES_PER_CTA");
+  const int push_ctas = bytes_per_cta > 0 ? static_cast<int>(std::min<int64_t>(
+                                                (pushed + bytes_per_cta - 1) / bytes_per_cta, kLLMaxPushBlocks))
+                                          : 0;
+  const int cap = std::max(one_shot ? kLLOneShotMaxBlocks : kFusedDefaultMaxBlocks, push_ctas);
+  const FusedLLGrid grid =
+      fused_ll_grid(one_shot ? a.num_tokens : per_rank, a.hidden, params.num_blocks, cap, push_ctas);
   const size_t row_bytes = static_cast<size_t>(a.hidden) * dtype_size(a.dtype);
   const LLGeometry geo{region_bytes, grid.row_ctas, one_shot ? oneshot_residual_offset(a.num_tokens, row_bytes) : 0};
   auto go = [&](auto kernel) {

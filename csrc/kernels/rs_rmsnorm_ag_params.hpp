@@ -95,15 +95,15 @@ bool fused_rmsnorm_use_oneshot(const RsRmsNormAgP2pParams& params);
 // The LL kernel's launch shape for `rows_per_rank` rows per rank (one-shot: every row; Note [fused
 // LL row split] in rs_rmsnorm_ag_p2p_ll.cu): `row_ctas` CTAs per row (a thread-block cluster when
 // > 1; from COMMLIB_FUSED_LL_ROW_CTAS, 0: by size), `blocks` CTAs in all (a multiple of row_ctas,
-// within the budget of fused_rmsnorm_num_blocks with the by-size cap max_blocks, 0: its default),
-// `threads` per CTA and packs per thread. The same on every rank.
+// within the budget of fused_rmsnorm_num_blocks with the by-size cap max_blocks, 0: its default,
+// and by size at least min_blocks), `threads` per CTA and packs per thread. The same on every rank.
 struct FusedLLGrid {
   int row_ctas = 1;
   int blocks = 1;
   int threads = 32;
   int packs_per_thread = 1;
 };
-FusedLLGrid fused_ll_grid(int64_t rows_per_rank, int64_t hidden, int num_blocks, int max_blocks);
+FusedLLGrid fused_ll_grid(int64_t rows_per_rank, int64_t hidden, int num_blocks, int max_blocks, int min_blocks);
 
 Status launch_rs_rmsnorm_ag_p2p(const RsRmsNormAgP2pParams& params, Stream stream);
 Status launch_rs_rmsnorm_ag_p2p_ll(const RsRmsNormAgP2pParams& params, Stream stream);

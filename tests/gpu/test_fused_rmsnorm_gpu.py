@@ -86,7 +86,8 @@ def test_fused_gpu_many_chunks(ranks):
     ranks(2, env={"COMMLIB_GPU_WORKSPACE_BYTES": str(1 << 20)}).run(_gpu_case, "bfloat16", [1, 77, 1000], [8192])
 
 
-NO_LL = {"COMMLIB_FUSED_LL_MAX_BYTES": "0", "COMMLIB_FUSED_ONESHOT_MAX_TOKENS": "0"}
+NO_ONESHOT = {"COMMLIB_FUSED_ONESHOT_MAX_TOKENS": "0", "COMMLIB_FUSED_ONESHOT_SHARDED_MAX_TOKENS": "0"}
+NO_LL = {"COMMLIB_FUSED_LL_MAX_BYTES": "0", **NO_ONESHOT}
 
 
 def test_fused_gpu_barrier_kernel_small_tokens(ranks):
@@ -103,8 +104,7 @@ def test_fused_gpu_barrier_kernel_row_groups(ranks):
 
 
 # Huge LL limits and no one-shot: the two-shot LL kernel runs whenever the slice fits the LL buffer.
-LL_ALWAYS = {"COMMLIB_FUSED_LL_MAX_BYTES": str(1 << 30), "COMMLIB_FUSED_LL_MAX_ROWS": str(1 << 30),
-             "COMMLIB_FUSED_ONESHOT_MAX_TOKENS": "0"}
+LL_ALWAYS = {"COMMLIB_FUSED_LL_MAX_BYTES": str(1 << 30), "COMMLIB_FUSED_LL_MAX_ROWS": str(1 << 30), **NO_ONESHOT}
 
 
 def test_fused_gpu_ll_kernel_large_slices(ranks):
@@ -130,8 +130,18 @@ def test_fused_gpu_one_shot(ranks, row_ctas):
     # normalises every row; sharded, the owners' residual rows travel with x. Token counts not
     # divisible by 2 (1, 7, 33), a cluster looping over rows (num_sms 1, 3), rows split over 2 / 8
     # CTAs, hidden 8 .. 16384 (33 tokens of hidden 16384 do not fit: the launcher falls back).
-    env = {"COMMLIB_FUSED_ONESHOT_MAX_TOKENS": str(1 << 30), "COMMLIB_FUSED_LL_ROW_CTAS": row_ctas}
+    env = {"COMMLIB_FUSED_ONESHOT_MAX_TOKENS": str(1 << 30), "COMMLIB_FUSED_ONESHOT_SHARDED_MAX_TOKENS": str(1 << 30),
+           "COMMLIB_FUSED_LL_ROW_CTAS": row_ctas}
     ranks(2, env=env).run(_gpu_case, "bfloat16", [1, 2, 7, 16, 33], [8, 1032, 8192, 16384], (None, 1, 3, 16))
+
+
+@pytest.mark.parametrize("oneshot", ["0", "64"])
+def test_fused_gpu_ll_push_ctas(ranks, oneshot):
+    # COMMLIB_FUSED_LL_BYTES_PER_CTA small: up to 128 CTAs, most of them only pushing (and gathering)
+    # while one CTA per row normalises; two-shot (oneshot 0) and one-shot LL kernels.
+    env = {"COMMLIB_FUSED_LL_BYTES_PER_CTA": "512", "COMMLIB_FUSED_ONESHOT_MAX_TOKENS": oneshot,
+           "COMMLIB_FUSED_ONESHOT_SHARDED_MAX_TOKENS": oneshot}
+    ranks(2, env=env).run(_gpu_case, "bfloat16", [1, 7, 16, 32], [1032, 8192])
 
 
 def _mixed_sequence(ctx):
@@ -215,7 +225,7 @@ def _graph_and_compile(ctx, tokens):
 
 
 # 37: barrier kernel; 4: one-shot LL kernel (default limit), or the two-shot LL kernel without it.
-@pytest.mark.parametrize("tokens, env", [(37, {}), (4, {}), (4, {"COMMLIB_FUSED_ONESHOT_MAX_TOKENS": "0"})],
+@pytest.mark.parametrize("tokens, env", [(37, {}), (4, {}), (4, NO_ONESHOT)],
                          ids=["barrier", "one-shot", "two-shot-ll"])
 def test_fused_gpu_graph_capture_and_compile(ranks, tokens, env):
     ranks(2, env=env).run(_graph_and_compile, tokens)
