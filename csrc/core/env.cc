@@ -72,6 +72,15 @@ const std::vector<Knob>& knobs() {
        "Fused all-reduce + RMSNorm, LL kernel: CTAs (a thread-block cluster) that share one row, "
        "1, 2, 4 or 8; 0 chooses by size (up to 4 rows per rank as many as the CTA budget allows for "
        "the slice's rows, at most 8; beyond, 1). 1 is one CTA per row."},
+      {"COMMLIB_FUSED_PERSISTENT", "1",
+       "Fused all-reduce + RMSNorm, barrier kernel: how the chunks of rows that fit one workspace half "
+       "run. 0: one kernel call per chunk; 1: one kernel call loops over all chunks, gathering chunk k "
+       "while chunk k + 1's x is pushed; 2: one kernel call, chunks strictly one after another."},
+      {"COMMLIB_FUSED_REP_GATHER", "out_res",
+       "Fused all-reduce + RMSNorm, barrier kernel, replicated residual: what the owner of a row pushes "
+       "to the peers. out_res: the normalised row and the new residual row; res: only the new residual "
+       "row, which every rank then normalises itself (same bits; 1/3 fewer NVLink bytes, one more "
+       "local pass)."},
       {"COMMLIB_ENABLE_MULTICAST", "0",
        "Opt in to NVLink multicast (NVLS multimem) kernels. Refused whenever "
        "COMMLIB_DISABLE_MULTICAST=1, NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 or "

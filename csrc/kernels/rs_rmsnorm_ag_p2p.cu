@@ -1,6 +1,7 @@
 // Fused reduce-scatter -> residual add + RMSNorm -> all-gather over peer memory (TokenWeave's
 // kernel, P2P variant), for token counts too large for the LL kernel (rs_rmsnorm_ag_p2p_ll.cu).
-// Per call (one chunk of rows of every rank's slice, Note [token slices]), block b of every rank
+// Per chunk (the rows of every rank's slice that fit one workspace half, Note [token slices]; one
+// kernel call runs one chunk or all of them, Note [fused p2p persistent]), block b of every rank
 // works on the rows i = b (mod grid) of each owner's chunk:
 //   phase A  push: copies those rows of x owned by each peer d into d's workspace, region X, slot
 //            of this rank (Note [fused p2p workspace]); barrier kInputsReady.
@@ -10,7 +11,9 @@
 //            replicated, the residual row) into every peer's region O (R). Each row belongs to one
 //            independent group of threads, up to 16 rows in flight per CTA (Note [fused p2p phase
 //            B]); barrier kRowsPushed.
-//   phase C  copy the other owners' rows i from its own regions O (R) to out (residual).
+//   phase C  copy the other owners' rows i from its own regions O (R) to out (residual); or, in
+//            replicated mode with COMMLIB_FUSED_REP_GATHER=res, normalise the other owners' new
+//            residual rows from region R itself (Note [fused p2p residual gather]).
 // Every NVLink transfer is a store (no remote load waits on a round trip), and every load is local,
 // issued several packs per thread at once so that few SMs keep enough bytes in flight.
 // Block b only exchanges rows i = b (mod grid) with block b of the peers, which is what the
@@ -18,11 +21,61 @@
 // (explicit _rn intrinsics: no contraction).
 //
 // Note [fused p2p workspace]
-// A call uses the workspace half of its parity (Note [flag barrier]: writes before the first
-// barrier must not touch the half a peer may still be reading from the previous call). Rank o's
-// half holds three regions, X, O and R, each with world - 1 slots (rank s != o in slot
-// peer_slot(s, o, world)) of chunk.capacity rows: X[s][i] is row i of o's chunk of s's x, O[d][i]
-// and R[d][i] are row i of d's chunk of out and of the new residual. Only o reads its own half.
+// A chunk (collective call) uses the workspace half of its parity (Note [flag barrier]: writes
+// before the first barrier must not touch the half a peer may still be reading from the previous
+// call). Rank o's half holds the regions X, O and R in this order, each with world - 1 slots (rank
+// s != o in slot peer_slot(s, o, world)) of chunk.capacity rows: X[s][i] is row i of o's chunk of
+// s's x, O[d][i] and R[d][i] are row i of d's chunk of out and of the new residual. Sharded mode
+// has no R; replicated mode with COMMLIB_FUSED_REP_GATHER=res has no O (R follows X). Only o reads
+// its own half.
+//
+// Note [fused p2p persistent]
+// A half holds chunk.capacity rows per owner, so a large batch runs as several chunks; chunk k of a
+// kernel call is collective call `call + k` (its flag values, Note [flag barrier]) and uses half
+// (call + k) & 1. COMMLIB_FUSED_PERSISTENT picks the loop:
+//   0  one kernel call per chunk: A, B, C (each call pays start-up, drain and its barriers' ramp);
+//   1  one call for all chunks, software-pipelined: A0 | B0 | A1 C0 | B1 | A2 C1 | ... | C_last
+//      (| is a barrier): the gather's local copies (or local normalisation) of chunk k run while
+//      chunk k + 1's pushes are in flight;
+//   2  one call for all chunks, in order: A0 | B0 | C0 A1 | B1 | C1 A2 ...
+// Every variant has exactly two barriers per chunk, kInputsReady (after A) and kRowsPushed (after
+// B), and none at the end: the halves alternate. Reuse of the halves within a call: block b of a
+// rank exchanges only rows i = b (mod grid) with block b of the peers, at the same byte positions
+// in every chunk (grid, capacity and slot stride are fixed for the call), and a block's barrier
+// says only that the peers' block b arrived there (Note [flag barrier]). That suffices:
+//   - A(k) writes half h = (call + k) & 1 of peer d's region X, rows i = b. Peer d's block b last
+//     read them in B(k - 2), before its kRowsPushed arrival of chunk k - 2, which this block has
+//     passed (it passed both barriers of chunk k - 1 since).
+//   - B(k) writes half h of peer d's regions O / R, rows i = b. Peer d's block b last read them in
+//     C(k - 2), which it runs before its kInputsReady arrival of chunk k - 1 (variant 1: after
+//     A(k - 1); variant 2: after kRowsPushed of k - 2); this block has passed kInputsReady of chunk
+//     k, so (flags only grow, the peer's arrivals are in order) that of k - 1 too.
+//   - C(k) reads this rank's half h (O / R) after kRowsPushed of chunk k, which acquired the
+//     peers' pushes of B(k). The peers write those positions next in B(k + 2), after passing
+//     kInputsReady of chunk k + 2, which needs this block's arrival there, after its C(k).
+//   - Variant 1 runs A(k + 1) (the peers' half of chunk k + 1) next to C(k) (this rank's half of
+//     chunk k): different halves, and different ranks' memory.
+// Across kernel calls the first chunk relies on Note [flag barrier]'s argument: when this call
+// starts, this rank's previous call has ended in every block, so every peer block of that call
+// (same grid on every rank) has arrived at its last barrier, after every read of the other half.
+// call_end(num_chunks) then advances the counter as num_chunks single-chunk calls would.
+//
+// Note [fused p2p residual gather]
+// Replicated mode must leave every rank with all rows of out and of the new residual. With
+// COMMLIB_FUSED_REP_GATHER=out_res (default) the owner pushes both rows, so per direction a rank
+// sends three slices (x, out, residual) where NCCL's all-reduce sends two. With `res` the owner
+// pushes only the new residual row (region R), and in phase C every rank normalises the other
+// owners' rows itself with phase B's row groups: reduce_row / normalise_row as RowSource::kGathered
+// read the row from region R (one source, no reduction, no residual add), store it into `residual`,
+// compute its q_k and the tree, and normalise it with the same weight. The q_k depend only on the
+// rounded new residual, which is exactly what travelled, and the tree's bits do not depend on the
+// group size (Note [fused p2p phase B]), so sumsq, rstd and out are the owner's bits. A half then
+// holds two regions per slot, as in sharded mode, so chunks are 1.5x longer.
+// In this mode a rank does normalise rows it does not own, against the issue's rule. That rule
+// saves arithmetic which NCCL + rms_norm repeats on every rank; in replicated mode the NVLink bytes,
+// not the arithmetic, bound the time, and one more local pass over a row (HBM: ~10x the link's
+// bandwidth) may cost less than sending the row. Which is faster is measured (the bench's --ab-env
+// COMMLIB_FUSED_REP_GATHER=out_res,res), not assumed; sharded mode is the same in both settings.
 //
 // Note [fused p2p phase B]
 // A row belongs to a group of G threads (a power of two, 32..512, warp-aligned; the launcher picks
@@ -65,7 +118,10 @@ constexpr int kOutPacks = 4;                 // packs per thread and step in pha
 constexpr int kStackLevels = 6;              // pending subtrees of pass 1: steps per row <= 2^6
 static_assert((kFusedMaxHidden / kGroup) / 32 <= (1 << kStackLevels), "pass 1 of a row has at most 64 steps");
 
-enum Region : int { kRegionX = 0, kRegionO = 1, kRegionR = 2 };
+// Where a phase-B/C row comes from (Note [fused p2p residual gather]): kReduce, a row this rank
+// owns (every rank's x reduced in rank order, plus the old residual); kGathered, another owner's
+// new residual row that landed in this rank's region R (one source, no reduction, no residual add).
+enum class RowSource : int { kReduce, kGathered };
 
 // Pass-1 packs per thread and step (L of Note [fused p2p phase B]): every source and the residual
 // are loaded before the arithmetic, so the registers grow with the rank count.
@@ -148,8 +204,8 @@ template <int kCap>
 struct RowRefs {
   const char* src[kCap];  // the row of rank s's x, s < world: rank order (Note [reduction order])
   char* peer[kCap];       // [step - 1]: row i of this rank's slot of rank (rank + step) % world's
-                          // region X; + region * region_bytes for O and R
-  char* residual;         // this rank's residual row (read, then overwritten)
+                          // region X; + RowLayout::o_offset / r_offset for regions O and R
+  char* residual;         // this rank's residual row (kReduce: read, then overwritten; kGathered: written)
   char* out;              // this rank's out row
 };
 
@@ -159,21 +215,26 @@ struct RowLayout {
   int lane;           // this thread's index in its group
   int leaf_bits;      // log2 of the thread's leaf count, padded to at least a step
   int num_steps;      // pass-1 steps per row
-  size_t region_bytes;
+  size_t o_offset;    // bytes from region X to region O, and to region R, in a workspace half
+  size_t r_offset;
+  bool push_out;       // kReduce rows: push the normalised row into every peer's region O
+  bool push_residual;  // kReduce rows: push the new residual row into every peer's region R
 };
 
 // Pass 1 of Note [fused p2p phase B]: the new residual of this thread's packs, stored, and the
-// root of this thread's subtree of q (levels P/2 .. G of the tree).
-template <typename T, int kWorldSize, int kCap>
-__device__ __forceinline__ float reduce_row(const RowRefs<kCap>& row, const RowLayout& lay, int world,
-                                            bool replicated) {
+// root of this thread's subtree of q (levels P/2 .. G of the tree). kGathered (Note [fused p2p
+// residual gather]): the new residual is src[0] as it is; it is stored and its q_k come from the
+// same rounded values as on the owner, so the root has the owner's bits.
+template <typename T, int kWorldSize, int kCap, RowSource kSource>
+__device__ __forceinline__ float reduce_row(const RowRefs<kCap>& row, const RowLayout& lay, int world) {
   constexpr int kLeaves = leaves_per_step<kCap>();
+  constexpr int kSources = kSource == RowSource::kReduce ? kCap : 1;
   float pending[kStackLevels] = {};  // pending[l]: a finished subtree of 2^l steps, its sibling not yet
   float node = 0.0f;
 #pragma unroll 1
   for (int step = 0; step < lay.num_steps; ++step) {
     int at[kLeaves];  // byte offset of the leaf's pack in the row; -1: a zero leaf (no pack)
-    uint4 xs[kLeaves][kCap] = {};  // defined on every path (see block_copy_rows)
+    uint4 xs[kLeaves][kSources] = {};  // defined on every path (see block_copy_rows)
     uint4 old[kLeaves] = {};
     // All loads of the step first (local memory only), then the arithmetic.
 #pragma unroll
@@ -182,33 +243,45 @@ __device__ __forceinline__ float reduce_row(const RowRefs<kCap>& row, const RowL
       at[u] = k < lay.num_packs ? k * 16 : -1;
       if (at[u] < 0) continue;
 #pragma unroll
-      for (int s = 0; s < kCap; ++s) {
-        if (kWorldSize > 0 || s < world) xs[u][s] = device::ld_v4_u32(row.src[s] + at[u]);
+      for (int s = 0; s < kSources; ++s) {
+        if (kSource == RowSource::kGathered || kWorldSize > 0 || s < world) {
+          xs[u][s] = device::ld_v4_u32(row.src[s] + at[u]);
+        }
       }
-      old[u] = device::ld_v4_u32(row.residual + at[u]);
+      if constexpr (kSource == RowSource::kReduce) old[u] = device::ld_v4_u32(row.residual + at[u]);
     }
     float q[kLeaves];
 #pragma unroll
     for (int u = 0; u < kLeaves; ++u) {
       q[u] = 0.0f;
       if (at[u] < 0) continue;
-      float acc[kGroup], rf[kGroup];
+      float rf[kGroup];
+      uint4 r;
+      if constexpr (kSource == RowSource::kReduce) {
+        float acc[kGroup];
 #pragma unroll
-      for (int e = 0; e < kGroup; ++e) acc[e] = raw_elem<T>(xs[u][0], e);
+        for (int e = 0; e < kGroup; ++e) acc[e] = raw_elem<T>(xs[u][0], e);
 #pragma unroll
-      for (int s = 1; s < kCap; ++s) {  // rank order (Note [reduction order])
-        if (kWorldSize > 0 || s < world) {
+        for (int s = 1; s < kSources; ++s) {  // rank order (Note [reduction order])
+          if (kWorldSize > 0 || s < world) {
 #pragma unroll
-          for (int e = 0; e < kGroup; ++e) acc[e] = __fadd_rn(acc[e], raw_elem<T>(xs[u][s], e));
+            for (int e = 0; e < kGroup; ++e) acc[e] = __fadd_rn(acc[e], raw_elem<T>(xs[u][s], e));
+          }
         }
+        r = new_residual<T>(old[u], acc, rf);
+      } else {
+        r = xs[u][0];  // already rounded by its owner: the owner's rf below are these values
+#pragma unroll
+        for (int e = 0; e < kGroup; ++e) rf[e] = raw_elem<T>(r, e);
       }
-      const uint4 r = new_residual<T>(old[u], acc, rf);
       q[u] = sum_squares(rf);
       device::st_v4_u32(row.residual + at[u], r);
-      if (replicated) {
+      if constexpr (kSource == RowSource::kReduce) {
+        if (lay.push_residual) {
 #pragma unroll
-        for (int d = 0; d < kCap - 1; ++d) {
-          if (kWorldSize > 0 || d < world - 1) device::st_v4_u32(row.peer[d] + kRegionR * lay.region_bytes + at[u], r);
+          for (int d = 0; d < kCap - 1; ++d) {
+            if (kWorldSize > 0 || d < world - 1) device::st_v4_u32(row.peer[d] + lay.r_offset + at[u], r);
+          }
         }
       }
     }
@@ -277,8 +350,8 @@ __device__ __forceinline__ float row_sum_squares(float node, float* scratch, int
 }
 
 // Pass 2 of Note [fused p2p phase B]: out = round((r * rstd) * w) for this thread's packs, stored
-// locally and pushed into every peer's region O.
-template <typename T, int kWorldSize, int kCap>
+// locally and (kReduce, unless Note [fused p2p residual gather]) pushed into every peer's region O.
+template <typename T, int kWorldSize, int kCap, RowSource kSource>
 __device__ __forceinline__ void normalise_row(const RowRefs<kCap>& row, const RowLayout& lay, int world, float rstd,
                                               const char* weight) {
 #pragma unroll 1
@@ -299,19 +372,44 @@ __device__ __forceinline__ void normalise_row(const RowRefs<kCap>& row, const Ro
       if (at[u] < 0) continue;
       const uint4 y = normalised<T>(r[u], rstd, w[u]);
       device::st_v4_u32(row.out + at[u], y);
+      if constexpr (kSource == RowSource::kReduce) {
+        if (lay.push_out) {
 #pragma unroll
-      for (int d = 0; d < kCap - 1; ++d) {
-        if (kWorldSize > 0 || d < world - 1) device::st_v4_u32(row.peer[d] + kRegionO * lay.region_bytes + at[u], y);
+          for (int d = 0; d < kCap - 1; ++d) {
+            if (kWorldSize > 0 || d < world - 1) device::st_v4_u32(row.peer[d] + lay.o_offset + at[u], y);
+          }
+        }
       }
     }
   }
 }
 
+// Chunk loop of one kernel call (COMMLIB_FUSED_PERSISTENT; Note [fused p2p persistent]).
+enum class ChunkLoop : int {
+  kLaunchPerChunk = 0,  // one kernel call per chunk: phases A, B, C
+  kPipelined = 1,       // one call for all chunks; phase C of chunk k after phase A of chunk k + 1
+  kInOrder = 2,         // one call for all chunks; phases A, B, C of chunk k, then chunk k + 1
+};
+
+// What replicated mode gathers (COMMLIB_FUSED_REP_GATHER; Note [fused p2p residual gather]).
+enum class RepGather : int {
+  kOutAndResidual = 0,  // the owner pushes its normalised row (region O) and new residual row (R)
+  kResidual = 1,        // the owner pushes only the new residual row; every receiver normalises it
+};
+
+// What one kernel call runs: chunks k < num_chunks, chunk k being rows first.offset + k *
+// first.capacity onwards of every owner's slice, as collective call `call + k`.
+struct FusedSchedule {
+  int num_chunks = 1;
+  ChunkLoop loop = ChunkLoop::kLaunchPerChunk;
+  RepGather rep_gather = RepGather::kOutAndResidual;
+};
+
 template <typename T, int kWorldSize>
 __global__ void __launch_bounds__(kThreads, 1)
-    rs_rmsnorm_ag_p2p_kernel(RsRmsNormAgP2pParams p, FusedChunk chunk, int group) {
+    rs_rmsnorm_ag_p2p_kernel(RsRmsNormAgP2pParams p, FusedChunk first, FusedSchedule sched, int group) {
   constexpr int kCap = kWorldSize > 0 ? kWorldSize : kMaxDeviceRanks;
-  __shared__ float scratch[2][kThreads];  // phase B: group roots, two buffers by row parity
+  __shared__ float scratch[2][kThreads];  // row groups' roots, two buffers by row parity
   const device::CallInfo call = device::call_begin(p.barrier);
   if (!call.ok) return;
   const FusedRmsNormArgs& a = p.args;
@@ -319,17 +417,26 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int rank = p.barrier.rank;
   const int num_packs = static_cast<int>(a.hidden / kGroup);
   const size_t row_bytes = static_cast<size_t>(a.hidden) * sizeof(T);
-  const size_t slot_bytes = static_cast<size_t>(chunk.capacity) * row_bytes;
+  const size_t slot_bytes = static_cast<size_t>(first.capacity) * row_bytes;
   const size_t region_bytes = static_cast<size_t>(world - 1) * slot_bytes;
-  const size_t half = (call.call & 1) * chunk.half_bytes;
   const bool replicated = a.mode == ResidualMode::kReplicated;
+  const bool gather_residual = replicated && sched.rep_gather == RepGather::kResidual;
+  // Regions of a half (Note [fused p2p workspace]): X, O, R; without O when only residuals travel.
+  const size_t o_offset = region_bytes;
+  const size_t r_offset = gather_residual ? region_bytes : 2 * region_bytes;
   const int grid = static_cast<int>(gridDim.x);
   const int b = static_cast<int>(blockIdx.x);
   const size_t block_stride = static_cast<size_t>(grid) * row_bytes;  // between a block's rows
-  // Row i of rank s's slot of region `which` in rank `owner`'s workspace (Note [fused p2p workspace]).
-  auto ws_row = [&](int owner, int which, int s, int64_t i) {
-    return p.workspace.peer<char>(owner) + half + which * region_bytes + peer_slot(s, owner, world) * slot_bytes +
-           i * row_bytes;
+  // Row i of rank s's slot of the region at byte `region` of rank `owner`'s workspace half `half`.
+  auto ws_row = [&](int owner, size_t half, size_t region, int s, int64_t i) {
+    return p.workspace.peer<char>(owner) + half + region + peer_slot(s, owner, world) * slot_bytes + i * row_bytes;
+  };
+  // The half of collective call c (Note [flag barrier]).
+  auto half_of = [&](uint64_t c) { return static_cast<size_t>(c & 1) * first.half_bytes; };
+  auto chunk_at = [&](int k) {
+    FusedChunk c = first;
+    c.offset = first.offset + static_cast<int64_t>(k) * first.capacity;
+    return c;
   };
   // Rows of `rows` this block handles: b, b + grid, ...
   auto block_rows = [&](const TokenSlice& rows) {
@@ -338,38 +445,46 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   auto row_of = [&](int m) { return b + static_cast<int64_t>(m) * grid; };
   const char* x = static_cast<const char*>(a.x);
+  char* out = static_cast<char*>(a.out);
+  char* residual = static_cast<char*>(a.residual);  // full layout whenever replicated
+  const char* weight = static_cast<const char*>(a.weight);
+
+  // Row groups of phases B and C (Note [fused p2p phase B]).
+  const int num_groups = kThreads / group;
+  const int g = static_cast<int>(threadIdx.x) / group;
+  constexpr int kLeaves = leaves_per_step<kCap>();
+  RowLayout lay;
+  lay.num_packs = num_packs;
+  lay.group = group;
+  lay.lane = static_cast<int>(threadIdx.x) & (group - 1);
+  // The thread's leaves: P / G packs, at least one, padded with zero leaves to a whole step.
+  const int per_thread = next_pow2_device(num_packs) / group;
+  const int leaves = per_thread > kLeaves ? per_thread : kLeaves;
+  lay.leaf_bits = __ffs(leaves) - 1;
+  lay.num_steps = leaves / kLeaves;
+  lay.o_offset = o_offset;
+  lay.r_offset = r_offset;
+  lay.push_out = !gather_residual;
+  lay.push_residual = replicated;
+  int parity = 0;  // scratch buffer of the group's next row; the same in all threads of a group
 
   // Phase A: push the rows of x the peers own into their region X.
-  for (int step = 1; step < world; ++step) {
-    const int d = (rank + step) % world;
-    const TokenSlice rows = chunk_rows(a, chunk, world, d);
-    block_copy_rows(block_rows(rows), num_packs, x + (rows.begin + b) * row_bytes, ws_row(d, kRegionX, rank, b),
-                    block_stride);
-  }
-  // Publishes this block's pushes to the peers' block b; acquires the rows they pushed here.
-  if (!device::barrier_block(p.barrier, call.call, static_cast<int>(FusedRmsNormPhase::kInputsReady))) return;
+  auto phase_a = [&](const FusedChunk& c, size_t half) {
+    for (int step = 1; step < world; ++step) {
+      const int d = (rank + step) % world;
+      const TokenSlice rows = chunk_rows(a, c, world, d);
+      block_copy_rows(block_rows(rows), num_packs, x + (rows.begin + b) * row_bytes, ws_row(d, half, 0, rank, b),
+                      block_stride);
+    }
+  };
 
   // Phase B: group g of this block reduces, adds, normalises and pushes the block's rows g,
   // g + groups, ... (Note [fused p2p phase B]); packs stay raw (Note [raw packs]).
-  {
-    const TokenSlice mine = chunk_rows(a, chunk, world, rank);
+  auto phase_b = [&](const FusedChunk& c, size_t half) {
+    const TokenSlice mine = chunk_rows(a, c, world, rank);
     const int64_t own_begin = token_slice(a.num_tokens, world, rank).begin;
     const int my_rows = block_rows(mine);
-    const int num_groups = kThreads / group;
-    const int g = static_cast<int>(threadIdx.x) / group;
-    constexpr int kLeaves = leaves_per_step<kCap>();
-    RowLayout lay;
-    lay.num_packs = num_packs;
-    lay.group = group;
-    lay.lane = static_cast<int>(threadIdx.x) & (group - 1);
-    // The thread's leaves: P / G packs, at least one, padded with zero leaves to a whole step.
-    const int per_thread = next_pow2_device(num_packs) / group;
-    const int leaves = per_thread > kLeaves ? per_thread : kLeaves;
-    lay.leaf_bits = __ffs(leaves) - 1;
-    lay.num_steps = leaves / kLeaves;
-    lay.region_bytes = region_bytes;
-    const char* x_peers = ws_row(rank, kRegionX, (rank + 1) % world, 0);  // slot 0; slot s at + s * slot_bytes
-    int parity = 0;
+    const char* x_peers = ws_row(rank, half, 0, (rank + 1) % world, 0);  // slot 0; slot s at + s * slot_bytes
 #pragma unroll 1
     for (int m = g; m < my_rows; m += num_groups, parity ^= 1) {  // trip count uniform in the group
       const int64_t i = row_of(m);
@@ -384,44 +499,103 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int d = 0; d < kCap - 1; ++d) {
         if (kWorldSize == 0 && d >= world - 1) continue;
-        row.peer[d] = ws_row((rank + d + 1) % world, kRegionX, rank, i);
+        row.peer[d] = ws_row((rank + d + 1) % world, half, 0, rank, i);
       }
       row.residual = reinterpret_cast<char*>(residual_row<T>(a, own_begin, token));
-      row.out = static_cast<char*>(a.out) + token * row_bytes;
-      const float node = reduce_row<T, kWorldSize, kCap>(row, lay, world, replicated);
+      row.out = out + token * row_bytes;
+      const float node = reduce_row<T, kWorldSize, kCap, RowSource::kReduce>(row, lay, world);
       const float sumsq = row_sum_squares(node, &scratch[parity][g * group], group, lay.lane, 1 + g);
-      normalise_row<T, kWorldSize, kCap>(row, lay, world, row_rstd(sumsq, a.hidden, a.eps),
-                                         static_cast<const char*>(a.weight));
+      normalise_row<T, kWorldSize, kCap, RowSource::kReduce>(row, lay, world, row_rstd(sumsq, a.hidden, a.eps),
+                                                             weight);
     }
-  }
-  // Publishes this block's pushed rows to the peers' block b; acquires the rows they pushed here.
-  if (!device::barrier_block(p.barrier, call.call, static_cast<int>(FusedRmsNormPhase::kRowsPushed))) return;
+  };
 
-  // Phase C: the other owners' rows, from this rank's own regions O (and R).
-  char* out = static_cast<char*>(a.out);
-  char* residual = static_cast<char*>(a.residual);  // full layout whenever replicated
-  for (int step = 1; step < world; ++step) {
-    const int d = (rank + step) % world;
-    const TokenSlice rows = chunk_rows(a, chunk, world, d);
-    const int n = block_rows(rows);
-    block_copy_rows(n, num_packs, ws_row(rank, kRegionO, d, b), out + (rows.begin + b) * row_bytes, block_stride);
-    if (replicated) {
-      block_copy_rows(n, num_packs, ws_row(rank, kRegionR, d, b), residual + (rows.begin + b) * row_bytes,
-                      block_stride);
+  // Phase C: the other owners' rows, from this rank's own regions O (and R); with
+  // RepGather::kResidual, normalised here from region R (Note [fused p2p residual gather]).
+  auto phase_c = [&](const FusedChunk& c, size_t half) {
+    for (int step = 1; step < world; ++step) {
+      const int d = (rank + step) % world;
+      const TokenSlice rows = chunk_rows(a, c, world, d);
+      const int n = block_rows(rows);
+      if (gather_residual) {
+#pragma unroll 1
+        for (int m = g; m < n; m += num_groups, parity ^= 1) {  // trip count uniform in the group
+          const int64_t i = row_of(m);
+          const int64_t token = rows.begin + i;
+          RowRefs<kCap> row;  // kGathered reads src[0], residual and out only
+          row.src[0] = ws_row(rank, half, r_offset, d, i);
+          row.residual = residual + token * row_bytes;
+          row.out = out + token * row_bytes;
+          const float node = reduce_row<T, kWorldSize, kCap, RowSource::kGathered>(row, lay, world);
+          const float sumsq = row_sum_squares(node, &scratch[parity][g * group], group, lay.lane, 1 + g);
+          normalise_row<T, kWorldSize, kCap, RowSource::kGathered>(row, lay, world,
+                                                                   row_rstd(sumsq, a.hidden, a.eps), weight);
+        }
+      } else {
+        block_copy_rows(n, num_packs, ws_row(rank, half, o_offset, d, b), out + (rows.begin + b) * row_bytes,
+                        block_stride);
+        if (replicated) {
+          block_copy_rows(n, num_packs, ws_row(rank, half, r_offset, d, b), residual + (rows.begin + b) * row_bytes,
+                          block_stride);
+        }
+      }
     }
+  };
+
+  // Chunk k is call call + k in half (call + k) & 1; the reuse of the halves across chunks and
+  // the two barriers per chunk: Note [fused p2p persistent].
+  const bool pipelined = sched.loop == ChunkLoop::kPipelined;
+#pragma unroll 1
+  for (int k = 0; k < sched.num_chunks; ++k) {
+    const uint64_t call_k = call.call + static_cast<uint64_t>(k);
+    const FusedChunk cur = chunk_at(k);
+    phase_a(cur, half_of(call_k));
+    // The previous chunk's gather runs while this chunk's pushes are in flight (other half).
+    if (pipelined && k > 0) phase_c(chunk_at(k - 1), half_of(call_k - 1));
+    // Publishes this block's pushes to the peers' block b; acquires the rows they pushed here.
+    if (!device::barrier_block(p.barrier, call_k, static_cast<int>(FusedRmsNormPhase::kInputsReady))) return;
+    phase_b(cur, half_of(call_k));
+    // Publishes this block's pushed rows to the peers' block b; acquires the rows they pushed here.
+    if (!device::barrier_block(p.barrier, call_k, static_cast<int>(FusedRmsNormPhase::kRowsPushed))) return;
+    if (!pipelined) phase_c(cur, half_of(call_k));
   }
-  device::call_end(p.barrier);
+  if (pipelined) {
+    const int last = sched.num_chunks - 1;
+    phase_c(chunk_at(last), half_of(call.call + static_cast<uint64_t>(last)));
+  }
+  device::call_end(p.barrier, static_cast<uint64_t>(sched.num_chunks));
 }
 
 template <typename T, int kWorldSize>
-Status launch_typed(const RsRmsNormAgP2pParams& params, const FusedChunk& chunk, int blocks, int group,
-                    Stream stream) {
+Status launch_typed(const RsRmsNormAgP2pParams& params, const FusedChunk& chunk, const FusedSchedule& sched,
+                    int blocks, int group, Stream stream) {
   rs_rmsnorm_ag_p2p_kernel<T, kWorldSize><<<blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-      params, chunk, group);
+      params, chunk, sched, group);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {
     return Status(StatusCode::kCudaError,
                   detail::concat("fused_allreduce_rmsnorm(p2p): kernel launch failed: ", cudaGetErrorString(err)));
+  }
+  return Status::ok();
+}
+
+// COMMLIB_FUSED_PERSISTENT and COMMLIB_FUSED_REP_GATHER, read at every call like the LL knobs (a
+// captured graph keeps the values it was captured with).
+Status read_schedule(const char* what, FusedSchedule* sched) {
+  const int64_t persistent = env::get_int("COMMLIB_FUSED_PERSISTENT");
+  if (persistent < 0 || persistent > 2) {
+    return Status(StatusCode::kInvalidArgument,
+                  detail::concat(what, ": COMMLIB_FUSED_PERSISTENT=", persistent, " invalid; valid: 0, 1, 2"));
+  }
+  sched->loop = static_cast<ChunkLoop>(persistent);
+  const std::string gather = env::get("COMMLIB_FUSED_REP_GATHER");
+  if (gather == "out_res") {
+    sched->rep_gather = RepGather::kOutAndResidual;
+  } else if (gather == "res") {
+    sched->rep_gather = RepGather::kResidual;
+  } else {
+    return Status(StatusCode::kInvalidArgument,
+                  detail::concat(what, ": COMMLIB_FUSED_REP_GATHER='", gather, "' invalid; valid: out_res, res"));
   }
   return Status::ok();
 }
@@ -480,8 +654,14 @@ Status launch_rs_rmsnorm_ag_p2p(const RsRmsNormAgP2pParams& params, Stream strea
   Status status = check_p2p_args(what, a, params.barrier);
   if (!status.is_ok() || a.num_tokens == 0) return status;
   if (fused_rmsnorm_use_ll(params)) return launch_rs_rmsnorm_ag_p2p_ll(params, stream);
+  FusedSchedule sched;
+  status = read_schedule(what, &sched);
+  if (!status.is_ok()) return status;
   const size_t row_bytes = static_cast<size_t>(a.hidden) * dtype_size(a.dtype);
-  const size_t regions = a.mode == ResidualMode::kReplicated ? 3 : 2;
+  // Regions X and O, and R when replicated mode pushes residual rows beside the normalised ones
+  // (with RepGather::kResidual R replaces O: Note [fused p2p residual gather]).
+  const bool out_and_residual = a.mode == ResidualMode::kReplicated && sched.rep_gather == RepGather::kOutAndResidual;
+  const size_t regions = out_and_residual ? 3 : 2;
   FusedChunk chunk{};
   chunk.half_bytes = params.workspace.bytes / 2 / 256 * 256;
   const int64_t per_rank = (a.num_tokens + world - 1) / world;
@@ -496,19 +676,31 @@ Status launch_rs_rmsnorm_ag_p2p(const RsRmsNormAgP2pParams& params, Stream strea
     }
     chunk.capacity = std::min(fit, per_rank);
   }
+  const int64_t num_chunks = (per_rank + chunk.capacity - 1) / chunk.capacity;
   const int64_t rows_per_unit = rows_per_work_unit(a.hidden);
   const int cap = params.tuned_max_blocks > 0 ? params.tuned_max_blocks : kFusedP2pDefaultMaxBlocks;
   const int blocks = fused_rmsnorm_num_blocks(params.num_blocks, cap,
                                               (chunk.capacity + rows_per_unit - 1) / rows_per_unit);
   // Only the order of work depends on the group size, never the bits (Note [fused p2p phase B]).
   const int group = row_threads(a.hidden, (chunk.capacity + blocks - 1) / blocks);
+  const auto launch = [&]<typename T>() {
+    return COMMLIB_DISPATCH_WORLD_SIZE(world, kWorldSize, [&] {
+      return launch_typed<T, kWorldSize>(params, chunk, sched, blocks, group, stream);
+    });
+  };
+  const auto launch_chunks = [&] {
+    return a.dtype == DataType::kBFloat16 ? launch.template operator()<__nv_bfloat16>()
+                                          : launch.template operator()<__half>();
+  };
+  if (sched.loop != ChunkLoop::kLaunchPerChunk) {
+    // One call for every chunk (Note [fused p2p persistent]).
+    sched.num_chunks = static_cast<int>(num_chunks);
+    chunk.offset = 0;
+    return launch_chunks();
+  }
+  sched.num_chunks = 1;
   for (chunk.offset = 0; chunk.offset < per_rank; chunk.offset += chunk.capacity) {
-    const auto launch = [&]<typename T>() {
-      return COMMLIB_DISPATCH_WORLD_SIZE(
-          world, kWorldSize, [&] { return launch_typed<T, kWorldSize>(params, chunk, blocks, group, stream); });
-    };
-    status = a.dtype == DataType::kBFloat16 ? launch.template operator()<__nv_bfloat16>()
-                                            : launch.template operator()<__half>();
+    status = launch_chunks();
     if (!status.is_ok()) return status;
   }
   return Status::ok();

@@ -5,6 +5,8 @@ computed on the CPU (Note [fused rmsnorm arithmetic]) must match bit for bit; an
 within the dtype's rounding; NCCL-free. Outputs are NaN-poisoned first; sharded rows a rank does
 not own must come back untouched. The multimem variant is never run (DESIGN.md, Safety).
 """
+import re
+
 import pytest
 import torch
 
@@ -101,6 +103,92 @@ def test_fused_gpu_barrier_kernel_row_groups(ranks):
     # 132 CTAs give groups of 32, 64, 128 and 256 threads; hidden 8 (one pack), 1032 (129 packs:
     # zero-padded tree) and 16384 (64 packs per thread of a warp). Same bits for every group size.
     ranks(2, env=NO_LL).run(_gpu_case, "bfloat16", [301], [8, 1032, 16384], (1, 20, 40, 132))
+
+
+# The barrier kernel's chunk loop (COMMLIB_FUSED_PERSISTENT: 0 one call per chunk, 1 one pipelined
+# call, 2 one in-order call; Note [fused p2p persistent]) and replicated mode's gather
+# (COMMLIB_FUSED_REP_GATHER: out_res pushes out and residual rows, res only residual rows that every
+# rank normalises itself; Note [fused p2p residual gather]). A small workspace makes many chunks:
+# 64 KiB holds 5 (out_res) or 7 (res, sharded) rows of hidden 1032 per half, 1 MiB 10 or 16 rows of
+# hidden 8192, so 77 and 1001 tokens run 6..100 chunks, an odd or even count, the last one short.
+# The LL kernel is off so that 3 tokens (one short chunk) run the barrier kernel too; num_sms 3
+# gives blocks uneven row counts, 132 groups of up to 512 threads per row (phase C's row groups).
+CHUNK_LOOPS = ["0", "1", "2"]
+REP_GATHERS = ["out_res", "res"]
+
+
+@pytest.mark.parametrize("rep_gather", REP_GATHERS)
+@pytest.mark.parametrize("persistent", CHUNK_LOOPS)
+@pytest.mark.parametrize("workspace,hidden", [(1 << 16, 1032), (1 << 20, 8192)])
+def test_fused_gpu_chunk_loop_and_gather(ranks, persistent, rep_gather, workspace, hidden):
+    env = {"COMMLIB_GPU_WORKSPACE_BYTES": str(workspace), **NO_LL,
+           "COMMLIB_FUSED_PERSISTENT": persistent, "COMMLIB_FUSED_REP_GATHER": rep_gather}
+    ranks(2, env=env).run(_gpu_case, "bfloat16", [3, 77, 1001], [hidden], (None, 3, 132))
+
+
+def test_fused_gpu_chunk_loop_fp16_default_workspace(ranks):
+    # The default workspace (64 MiB: 682 rows of hidden 8192 per half replicated, 1024 sharded or
+    # with res) and 2100 tokens (1050 per rank): 2 chunks, the second short; fp16.
+    for rep_gather in REP_GATHERS:
+        ranks(2, env={"COMMLIB_FUSED_REP_GATHER": rep_gather}).run(_gpu_case, "float16", [2100], [8192])
+
+
+def test_fused_gpu_bad_schedule_knobs(ranks):
+    ranks(2, env={"COMMLIB_FUSED_PERSISTENT": "3"}).run(_bad_knob, "COMMLIB_FUSED_PERSISTENT=3")
+    ranks(2, env={"COMMLIB_FUSED_REP_GATHER": "out"}).run(_bad_knob, "COMMLIB_FUSED_REP_GATHER='out'")
+
+
+def _bad_knob(ctx, message):
+    dev = torch.device("cuda", ctx.device)
+    x = torch.randn(300, 1024, device=dev, dtype=torch.bfloat16)  # 150 rows per rank: barrier kernel
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ctx.comm.fused_allreduce_rmsnorm(x, x.clone(), torch.ones(1024, dtype=torch.bfloat16, device=dev))
+    return True
+
+
+def _graph_chunks(ctx, tokens):
+    # Graph replay of multi-chunk calls in both modes: each replay advances the call counter by the
+    # chunk count (odd here, so consecutive replays start in different workspace halves), with an
+    # eager all_reduce (the reference) between replays.
+    from commlib.fused import reference_rmsnorm
+    dev = torch.device("cuda", ctx.device)
+    comm = ctx.comm
+    n, rank, hidden, dtype, eps = ctx.world_size, ctx.rank, 8192, torch.bfloat16, 1e-5
+    for mode in ("replicated", "sharded"):
+        xs, residual0, weight = make_inputs(n, tokens, hidden, dtype, salt=31)
+        x = xs[rank].to(dev)
+        w = weight.to(dev)
+        residual = residual0.to(dev)
+        out = torch.empty_like(x)
+        comm.fused_allreduce_rmsnorm(x, residual, w, eps, out=out, residual_mode=mode)  # first-use set-up
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            comm.fused_allreduce_rmsnorm(x, residual, w, eps, out=out, residual_mode=mode)
+        lo, hi = (0, tokens) if mode == "replicated" else comm.token_slice(tokens)
+        for step in range(3):
+            x.copy_(make_inputs(n, tokens, hidden, dtype, salt=40 + step)[0][rank].to(dev))
+            residual.copy_(residual0.to(dev))
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            summed = x.clone()
+            comm.all_reduce(summed)
+            ref_out, ref_res = reference_rmsnorm(summed.cpu(), residual0, weight, eps)
+            where = f"{mode} graph replay {step}"
+            assert torch.equal(bits(out.cpu()), bits(ref_out)), f"{where}: out"
+            assert torch.equal(bits(residual.cpu()[lo:hi]), bits(ref_res[lo:hi])), f"{where}: residual"
+    return True
+
+
+@pytest.mark.parametrize("rep_gather", REP_GATHERS)
+@pytest.mark.parametrize("persistent", CHUNK_LOOPS)
+def test_fused_gpu_graph_replay_chunks(ranks, persistent, rep_gather):
+    # 1 MiB workspace, 281 tokens (141 rows per rank): 15 chunks of 10 rows (replicated out_res) or
+    # 9 of 16 (sharded, res).
+    env = {"COMMLIB_GPU_WORKSPACE_BYTES": str(1 << 20), "COMMLIB_FUSED_PERSISTENT": persistent,
+           "COMMLIB_FUSED_REP_GATHER": rep_gather}
+    ranks(2, env=env).run(_graph_chunks, 281)
 
 
 # Huge LL limits and no one-shot: the two-shot LL kernel runs whenever the slice fits the LL buffer.
