@@ -65,7 +65,7 @@ const std::vector<Knob>& knobs() {
       {"COMMLIB_FUSED_ONESHOT_SHARDED_MAX_TOKENS", "8",
        "COMMLIB_FUSED_ONESHOT_MAX_TOKENS for residual_mode=\"sharded\" (the owners' residual rows "
        "travel too); 0: never."},
-      {"COMMLIB_FUSED_LL_BYTES_PER_CTA", "8192",
+      {"COMMLIB_FUSED_LL_BYTES_PER_CTA", "2048",
        "Fused all-reduce + RMSNorm, LL kernels (one-shot and two-shot): the CTA count chosen by size "
        "is at least the x bytes a rank pushes divided by this (at most 128); 0: by rows only."},
       {"COMMLIB_FUSED_LL_ROW_CTAS", "0",
@@ -76,7 +76,7 @@ const std::vector<Knob>& knobs() {
        "Fused all-reduce + RMSNorm, barrier kernel: how the chunks of rows that fit one workspace half "
        "run. 0: one kernel call per chunk; 1: one kernel call loops over all chunks, gathering chunk k "
        "while chunk k + 1's x is pushed; 2: one kernel call, chunks strictly one after another."},
-      {"COMMLIB_FUSED_REP_GATHER", "out_res",
+      {"COMMLIB_FUSED_REP_GATHER", "res",
        "Fused all-reduce + RMSNorm, barrier kernel, replicated residual: what the owner of a row pushes "
        "to the peers. out_res: the normalised row and the new residual row; res: only the new residual "
        "row, which every rank then normalises itself (same bits; 1/3 fewer NVLink bytes, one more "
