@@ -678,6 +678,10 @@ Status launch_rs_rmsnorm_ag_p2p(const RsRmsNormAgP2pParams& params, Stream strea
     }
     chunk.capacity = std::min(fit, per_rank);
   }
+  // COMMLIB_FUSED_CHUNK_ROWS caps a chunk below what a half holds: more, shorter chunks, whose
+  // gather the pipelined loop overlaps with the next chunk's push (Note [fused p2p persistent]).
+  const int64_t chunk_rows = env::get_int("COMMLIB_FUSED_CHUNK_ROWS");
+  if (chunk_rows > 0) chunk.capacity = std::min(chunk.capacity, chunk_rows);
   const int64_t num_chunks = (per_rank + chunk.capacity - 1) / chunk.capacity;
   const int64_t rows_per_unit = rows_per_work_unit(a.hidden);
   const int cap = params.tuned_max_blocks > 0 ? params.tuned_max_blocks : kFusedP2pDefaultMaxBlocks;

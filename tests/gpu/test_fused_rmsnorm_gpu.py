@@ -83,9 +83,12 @@ def test_fused_gpu_num_sms(ranks):
     ranks(2).run(_gpu_case, "bfloat16", [1, 5, 300], [8192], (1, 2, 4, 16, 32, 132))
 
 
-def test_fused_gpu_many_chunks(ranks):
-    # A 1 MiB workspace holds a few rows of hidden 8192 per call, so the launcher runs many calls.
-    ranks(2, env={"COMMLIB_GPU_WORKSPACE_BYTES": str(1 << 20)}).run(_gpu_case, "bfloat16", [1, 77, 1000], [8192])
+@pytest.mark.parametrize("env", [{"COMMLIB_GPU_WORKSPACE_BYTES": str(1 << 20)}, {"COMMLIB_FUSED_CHUNK_ROWS": "7"}],
+                         ids=["small-workspace", "chunk-rows"])
+def test_fused_gpu_many_chunks(ranks, env):
+    # A 1 MiB workspace holds a few rows of hidden 8192 per half, and COMMLIB_FUSED_CHUNK_ROWS caps
+    # a chunk at 7 rows: many chunks (1000 tokens: 72 of 7 rows, the last one short).
+    ranks(2, env=env).run(_gpu_case, "bfloat16", [1, 77, 1000], [8192])
 
 
 NO_ONESHOT = {"COMMLIB_FUSED_ONESHOT_MAX_TOKENS": "0", "COMMLIB_FUSED_ONESHOT_SHARDED_MAX_TOKENS": "0"}
