@@ -48,8 +48,9 @@ const std::vector<Knob>& knobs() {
        "Path of the crossover cache written by commlib-tune; empty: ~/.cache/commlib/tune.json "
        "when it exists, else the built-in table."},
       {"COMMLIB_FUSED_NUM_SMS", "0",
-       "CTAs of the fused all-reduce + RMSNorm kernel; 0 chooses by size (at most 16, or at most "
-       "commlib-tune's fused_num_sms for this world size when the tune file has one)."},
+       "CTAs of the fused all-reduce + RMSNorm kernel; 0 chooses by size (barrier kernel: at most "
+       "132, or commlib-tune's fused_num_sms for this world size when the tune file has one; LL "
+       "kernels: see COMMLIB_FUSED_LL_BYTES_PER_CTA)."},
       {"COMMLIB_FUSED_LL_MAX_BYTES", "262144",
        "Fused all-reduce + RMSNorm on GPU: when each rank's token slice has at most this many bytes "
        "and at most COMMLIB_FUSED_LL_MAX_ROWS rows (and fits the LL buffer) it runs the barrier-free LL kernel "

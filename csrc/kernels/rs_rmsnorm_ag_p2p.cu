@@ -680,6 +680,8 @@ Status launch_rs_rmsnorm_ag_p2p(const RsRmsNormAgP2pParams& params, Stream strea
   }
   // COMMLIB_FUSED_CHUNK_ROWS caps a chunk below what a half holds: more, shorter chunks, whose
   // gather the pipelined loop overlaps with the next chunk's push (Note [fused p2p persistent]).
+  // On 2x H200 (hidden 8192) 128- or 256-row chunks were slower at 1024-4096 tokens than one chunk
+  // per half (fused-rmsnorm-2026-11-30-j.md): the two barriers per chunk cost more than the overlap.
   const int64_t chunk_rows = env::get_int("COMMLIB_FUSED_CHUNK_ROWS");
   if (chunk_rows > 0) chunk.capacity = std::min(chunk.capacity, chunk_rows);
   const int64_t num_chunks = (per_rank + chunk.capacity - 1) / chunk.capacity;
