@@ -7,7 +7,9 @@
 //
 // Collective: every rank calls it with the same num_tokens, hidden, dtype, residual mode and eps.
 // Each rank reduces and normalises only the tokens of its slice (Note [token slices]); the
-// normalised rows are then gathered so every rank holds all of `out`.
+// normalised rows are then gathered so every rank holds all of `out`. (On GPU two variants let a
+// rank normalise other rows as well, with the same bits: Note [fused one-shot] and Note [fused p2p
+// residual gather].)
 //
 // Note [token slices]
 // Tokens are ceil-split: with c = ceil(num_tokens / world_size), rank r owns the rows
