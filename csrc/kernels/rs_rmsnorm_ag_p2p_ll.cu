@@ -608,16 +608,15 @@ Status launch_rs_rmsnorm_ag_p2p_ll(const RsRmsNormAgP2pParams& params, Stream st
   // The tuned count (measured on the barrier kernel at a large batch) does not apply here.
   // One-shot: every rank normalises every row (Note [fused one-shot]). Either way the by-size CTA
   // count also covers the x bytes this rank pushes at COMMLIB_FUSED_LL_BYTES_PER_CTA per CTA.
-  const size_t pushed = static_cast<size_t>(world - 1) * (one_shot ? a.num_tokens : per_rank) * a.hidden *
-                        dtype_size(a.dtype);
+  const int64_t rows = one_shot ? a.num_tokens : per_rank;  // rows a rank normalises and pushes to each peer
+  const size_t row_bytes = static_cast<size_t>(a.hidden) * dtype_size(a.dtype);
+  const size_t pushed = static_cast<size_t>(world - 1) * rows * row_bytes;
   const int64_t bytes_per_cta = env::get_int("COMMLIB_FUSED_LL_BYTES_PER_CTA");
   const int push_ctas = bytes_per_cta > 0 ? static_cast<int>(std::min<int64_t>(
                                                 (pushed + bytes_per_cta - 1) / bytes_per_cta, kLLMaxPushBlocks))
                                           : 0;
   const int cap = std::max(one_shot ? kLLOneShotMaxBlocks : kFusedDefaultMaxBlocks, push_ctas);
-  const FusedLLGrid grid =
-      fused_ll_grid(one_shot ? a.num_tokens : per_rank, a.hidden, params.num_blocks, cap, push_ctas);
-  const size_t row_bytes = static_cast<size_t>(a.hidden) * dtype_size(a.dtype);
+  const FusedLLGrid grid = fused_ll_grid(rows, a.hidden, params.num_blocks, cap, push_ctas);
   const LLGeometry geo{region_bytes, grid.row_ctas, one_shot ? oneshot_residual_offset(a.num_tokens, row_bytes) : 0};
   auto go = [&](auto kernel) {
     cudaLaunchConfig_t config{};
