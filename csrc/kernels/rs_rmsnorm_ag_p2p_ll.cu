@@ -636,9 +636,9 @@ Status launch_rs_rmsnorm_ag_p2p_ll(const RsRmsNormAgP2pParams& params, Stream st
     cluster.val.clusterDim.y = 1;
     cluster.val.clusterDim.z = 1;
     cudaLaunchAttribute attrs[2] = {cluster, {}};
-    const unsigned num_clusters = grid.row_ctas > 1 ? 1 : 0;
-    config.attrs = attrs + 1 - num_clusters;  // the cluster attribute only when it is used
-    config.numAttrs = num_clusters + launch_order_attribute(order, &attrs[1]);
+    const unsigned num_cluster_attrs = grid.row_ctas > 1 ? 1 : 0;
+    config.attrs = attrs + 1 - num_cluster_attrs;  // the cluster attribute only when it is used
+    config.numAttrs = num_cluster_attrs + launch_order_attribute(order, &attrs[1]);
     cudaError_t err = cudaLaunchKernelEx(&config, kernel, params, geo, order);
     if (err == cudaSuccess) err = cudaGetLastError();
     if (err != cudaSuccess) {
