@@ -38,9 +38,12 @@
 //    triggers early: its CTAs are all resident when it does.
 //    Cost: CTAs waiting in .wait hold registers and shared memory that kernels of other streams
 //    could use meanwhile (e.g. a GEMM beside the fused kernel in the TokenWeave overlap).
-// 4. COMMLIB_PDL=0 (default): launched with <<<>>> as before, and the kernel skips both
-//    instructions (the order is a kernel argument), so not even another library's PDL kernel
+// 4. COMMLIB_PDL=0 (default): launched as before, without the attribute, and the kernel skips
+//    both instructions (the order is a kernel argument), so not even another library's PDL kernel
 //    after ours is launched earlier than today.
+// Kernels launched without the attribute (tree, barrier fused, all_to_all_v, multimem) neither
+// wait nor trigger: a PDL kernel after one of them starts when it has exited (implicit trigger) and
+// still waits for its completion; one of them after a PDL kernel is in plain stream order.
 #pragma once
 
 #include <cuda_runtime.h>
