@@ -155,6 +155,8 @@ def render(rows, args):
         f"- machine: {torch.cuda.get_device_name(0)} x{args.world}, torch {torch.__version__}, "
         f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, {platform.node()}",
         f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='minutes')}",
+        "- COMMLIB_* environment: " + (", ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
+                                                 if k.startswith("COMMLIB_")) or "none (defaults)"),
         "- bf16, random top-k routing, identity experts; µs per dispatch+combine (median, slowest rank)",
         "",
         "| model | tokens/rank | commlib graph | commlib eager | (a) NCCL host-sync | (b) AG+RS graph "

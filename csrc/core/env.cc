@@ -85,6 +85,12 @@ const std::vector<Knob>& knobs() {
        "to the peers. out_res: the normalised row and the new residual row; res: only the new residual "
        "row, which every rank then normalises itself (same bits; 1/3 fewer NVLink bytes, one more "
        "local pass)."},
+      {"COMMLIB_PDL", "0",
+       "Programmatic dependent launch (sm_90) of the EP dispatch / combine, fused LL and flat / flat "
+       "LL all-reduce kernels: 1: each may be scheduled while the previous kernel of its stream "
+       "finishes and waits on the GPU (griddepcontrol.wait) before touching memory; 0: plain stream "
+       "order. Read at every launch (a graph keeps the value it was captured with). Note [programmatic "
+       "dependent launch] (csrc/kernels/pdl.cuh)."},
       {"COMMLIB_ENABLE_MULTICAST", "0",
        "Opt in to NVLink multicast (NVLS multimem) kernels. Refused whenever "
        "COMMLIB_DISABLE_MULTICAST=1, NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 or "

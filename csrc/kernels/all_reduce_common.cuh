@@ -82,10 +82,11 @@ inline Status check_common(const char* what, DataType dtype, ReduceOp op, const 
   return Status::ok();
 }
 
-inline Status cuda_status(const char* what) {
-  const cudaError_t err = cudaGetLastError();
+inline Status cuda_status(const char* what, cudaError_t err) {
   if (err == cudaSuccess) return Status::ok();
   return Status(StatusCode::kCudaError, detail::concat(what, ": kernel launch failed: ", cudaGetErrorString(err)));
 }
+
+inline Status cuda_status(const char* what) { return cuda_status(what, cudaGetLastError()); }
 
 }  // namespace commlib::kernels

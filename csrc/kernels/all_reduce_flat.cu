@@ -5,6 +5,7 @@
 #include "commlib/device/barrier.cuh"
 #include "commlib/device/dispatch.cuh"
 #include "kernels/all_reduce_common.cuh"
+#include "kernels/pdl.cuh"
 
 namespace commlib::kernels {
 namespace {
@@ -13,7 +14,8 @@ constexpr int kFlatThreads = 256;
 constexpr int kFlatMaxBlocks = 48;
 
 template <typename T, int kWorldSize, ReduceOp kOp>
-__global__ void __launch_bounds__(kFlatThreads) all_reduce_flat_kernel(AllReduceFlatParams p, size_t half_bytes) {
+__global__ void __launch_bounds__(kFlatThreads) all_reduce_flat_kernel(AllReduceFlatParams p, size_t half_bytes, LaunchOrder order) {
+  pdl_begin(order);  // before call_begin reads the counter the previous kernel advanced
   constexpr int N = Pack<T>::kNumElems;
   const device::CallInfo call = device::call_begin(p.barrier);
   if (!call.ok) return;
@@ -70,6 +72,10 @@ Status launch_all_reduce_flat(const AllReduceFlatParams& params, Stream stream) 
   const size_t chunk = half_bytes / esize;  // a multiple of the pack, so chunks keep alignment
   if (chunk == 0) return Status(StatusCode::kInvalidArgument, detail::concat(what, ": workspace too small"));
   const int max_blocks = params.max_blocks > 0 ? std::min(params.max_blocks, kMaxBarrierBlocks) : kFlatMaxBlocks;
+  LaunchOrder order = LaunchOrder::kStream;
+  status = read_launch_order(what, &order);
+  if (!status.is_ok()) return status;
+  cudaError_t err = cudaSuccess;
   for (size_t first = 0; first < params.count; first += chunk) {
     AllReduceFlatParams p = params;
     p.count = std::min(chunk, params.count - first);
@@ -81,13 +87,15 @@ Status launch_all_reduce_flat(const AllReduceFlatParams& params, Stream stream) 
     COMMLIB_DISPATCH_FLOAT_DTYPE(p.dtype, T, return Status(StatusCode::kInvalidArgument, what), [&] {
       COMMLIB_DISPATCH_WORLD_SIZE(p.barrier.world_size, kWorldSize, [&] {
         if (p.op == ReduceOp::kAvg) {
-          all_reduce_flat_kernel<T, kWorldSize, ReduceOp::kAvg><<<blocks, threads, 0, stream>>>(p, half_bytes);
+          err = launch_kernel(all_reduce_flat_kernel<T, kWorldSize, ReduceOp::kAvg>, dim3(blocks), dim3(threads), 0,
+                              stream, order, p, half_bytes, order);
         } else {
-          all_reduce_flat_kernel<T, kWorldSize, ReduceOp::kSum><<<blocks, threads, 0, stream>>>(p, half_bytes);
+          err = launch_kernel(all_reduce_flat_kernel<T, kWorldSize, ReduceOp::kSum>, dim3(blocks), dim3(threads), 0,
+                              stream, order, p, half_bytes, order);
         }
       });
     });
-    status = cuda_status(what);
+    status = cuda_status(what, err);
     if (!status.is_ok()) return status;
   }
   return Status::ok();

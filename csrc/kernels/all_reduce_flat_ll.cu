@@ -5,6 +5,7 @@
 #include "commlib/device/barrier.cuh"
 #include "commlib/device/dispatch.cuh"
 #include "kernels/all_reduce_common.cuh"
+#include "kernels/pdl.cuh"
 
 namespace commlib::kernels {
 namespace {
@@ -14,7 +15,8 @@ constexpr int kLLThreads = 128;
 constexpr int kLLMaxBlocks = 64;
 
 template <typename T, int kWorldSize, ReduceOp kOp>
-__global__ void __launch_bounds__(kLLThreads) all_reduce_flat_ll_kernel(AllReduceFlatLLParams p) {
+__global__ void __launch_bounds__(kLLThreads) all_reduce_flat_ll_kernel(AllReduceFlatLLParams p, LaunchOrder order) {
+  pdl_begin(order);  // before call_begin reads the counter the previous kernel advanced
   constexpr int N = Pack<T>::kNumElems;
   constexpr int kCap = kWorldSize > 0 ? kWorldSize : kMaxDeviceRanks;
   const device::CallInfo call = device::call_begin(p.barrier);
@@ -98,6 +100,10 @@ Status launch_all_reduce_flat_ll(const AllReduceFlatLLParams& params, Stream str
     return Status(StatusCode::kInvalidArgument, detail::concat(what, ": LL buffer too small"));
   }
   const int max_blocks = params.max_blocks > 0 ? std::min(params.max_blocks, kMaxBarrierBlocks) : kLLMaxBlocks;
+  LaunchOrder order = LaunchOrder::kStream;
+  status = read_launch_order(what, &order);
+  if (!status.is_ok()) return status;
+  cudaError_t err = cudaSuccess;
   for (size_t first = 0; first < params.count; first += chunk) {
     AllReduceFlatLLParams p = params;
     p.count = std::min(chunk, params.count - first);
@@ -109,13 +115,15 @@ Status launch_all_reduce_flat_ll(const AllReduceFlatLLParams& params, Stream str
     COMMLIB_DISPATCH_FLOAT_DTYPE(p.dtype, T, return Status(StatusCode::kInvalidArgument, what), [&] {
       COMMLIB_DISPATCH_WORLD_SIZE(p.barrier.world_size, kWorldSize, [&] {
         if (p.op == ReduceOp::kAvg) {
-          all_reduce_flat_ll_kernel<T, kWorldSize, ReduceOp::kAvg><<<blocks, threads, 0, stream>>>(p);
+          err = launch_kernel(all_reduce_flat_ll_kernel<T, kWorldSize, ReduceOp::kAvg>, dim3(blocks), dim3(threads), 0,
+                              stream, order, p, order);
         } else {
-          all_reduce_flat_ll_kernel<T, kWorldSize, ReduceOp::kSum><<<blocks, threads, 0, stream>>>(p);
+          err = launch_kernel(all_reduce_flat_ll_kernel<T, kWorldSize, ReduceOp::kSum>, dim3(blocks), dim3(threads), 0,
+                              stream, order, p, order);
         }
       });
     });
-    status = cuda_status(what);
+    status = cuda_status(what, err);
     if (!status.is_ok()) return status;
   }
   return Status::ok();

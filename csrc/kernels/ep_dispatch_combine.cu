@@ -9,6 +9,7 @@
 #include "commlib/device/dispatch.cuh"
 #include "commlib/device/vec.cuh"
 #include "kernels/ep_params.hpp"
+#include "kernels/pdl.cuh"
 
 namespace commlib::kernels {
 namespace {
@@ -395,7 +396,8 @@ __device__ __forceinline__ void expand_token(const EPParams& p, int s, int64_t t
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EPMode mode) {
+__global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EPMode mode, LaunchOrder order) {
+  pdl_begin(order);  // before the first read of seq, flags, x, topk (a previous kernel wrote them)
   extern __shared__ int32_t counts[];  // [2][num_experts]: before chunk (then running), totals
   __shared__ T* lists[kWarps][kEPMaxTopk];
   const EPConfig& c = p.config;
@@ -559,7 +561,8 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
 __device__ __forceinline__ int64_t zigzag(int64_t k, int64_t n) { return (k & 1) ? n - 1 - (k >> 1) : k >> 1; }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPMode mode) {
+__global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPMode mode, LaunchOrder order) {
+  pdl_begin(order);  // before the first read of seq, flags, expert_out (a previous kernel wrote them)
   __shared__ const T* srcs[kWarps][kEPMaxTopk];
   __shared__ float weights[kWarps][kEPMaxTopk];
   const EPConfig& c = p.config;
@@ -657,8 +660,7 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPM
   trace(EPTracePoint::kCombineEnd, 0);
 }
 
-Status cuda_status(const char* what) {
-  const cudaError_t err = cudaGetLastError();
+Status cuda_status(const char* what, cudaError_t err) {
   if (err == cudaSuccess) return Status::ok();
   return Status(StatusCode::kCudaError, detail::concat(what, ": kernel launch failed: ", cudaGetErrorString(err)));
 }
@@ -763,21 +765,31 @@ Status launch_ep_dispatch(const EPParams& p, EPMode mode, Stream stream) {
   const char* what = has(mode, EPMode::kSend) ? "EPBuffer.dispatch" : "EPBuffer.dispatch_recv";
   Status status = check_params(p, what);
   if (!status.is_ok()) return status;
+  LaunchOrder order = LaunchOrder::kStream;
+  status = read_launch_order(what, &order);
+  if (!status.is_ok()) return status;
   const size_t smem = 2 * static_cast<size_t>(p.config.num_experts) * sizeof(int32_t);
+  cudaError_t err = cudaSuccess;
   COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, return Status(StatusCode::kInvalidArgument, what), [&] {
-    ep_dispatch_kernel<T><<<p.grid.num_blocks(), kThreads, smem, stream>>>(p, mode);
+    err = launch_kernel(ep_dispatch_kernel<T>, dim3(p.grid.num_blocks()), dim3(kThreads), smem, stream, order, p, mode,
+                        order);
   });
-  return cuda_status(what);
+  return cuda_status(what, err);
 }
 
 Status launch_ep_combine(const EPParams& p, EPMode mode, Stream stream) {
   const char* what = has(mode, EPMode::kSend) ? "EPBuffer.combine" : "EPBuffer.combine_recv";
   Status status = check_params(p, what);
   if (!status.is_ok()) return status;
+  LaunchOrder order = LaunchOrder::kStream;
+  status = read_launch_order(what, &order);
+  if (!status.is_ok()) return status;
+  cudaError_t err = cudaSuccess;
   COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, return Status(StatusCode::kInvalidArgument, what), [&] {
-    ep_combine_kernel<T><<<p.grid.num_blocks(), kThreads, 0, stream>>>(p, mode);
+    err = launch_kernel(ep_combine_kernel<T>, dim3(p.grid.num_blocks()), dim3(kThreads), 0, stream, order, p, mode,
+                        order);
   });
-  return cuda_status(what);
+  return cuda_status(what, err);
 }
 
 }  // namespace commlib::kernels

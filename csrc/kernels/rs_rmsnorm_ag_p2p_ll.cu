@@ -73,6 +73,7 @@
 #include "commlib/device/barrier.cuh"
 #include "commlib/device/dispatch.cuh"
 #include "commlib/env.hpp"
+#include "kernels/pdl.cuh"
 #include "kernels/rs_rmsnorm_ag_common.cuh"
 
 namespace commlib::kernels {
@@ -188,12 +189,13 @@ __device__ __forceinline__ float pairwise_root(float (&v)[kN]) {
 
 template <typename T, int kWorldSize, int kVecs, bool kOneShot>
 __global__ void __launch_bounds__(kLLMaxThreads)
-    rs_rmsnorm_ag_p2p_ll_kernel(RsRmsNormAgP2pParams p, LLGeometry geo) {
+    rs_rmsnorm_ag_p2p_ll_kernel(RsRmsNormAgP2pParams p, LLGeometry geo, LaunchOrder order) {
   constexpr int kCap = kWorldSize > 0 ? kWorldSize : kMaxDeviceRanks;
   __shared__ float warp_roots[2][kLLMaxWarps];  // by row parity (Note [fused LL row split])
   __shared__ float node_values[2][kLLMaxThreads];  // one CTA per row: level N, by row parity
   __shared__ float cta_root[2];
   __shared__ uint32_t cta_failed[2];
+  pdl_begin(order);  // before call_begin reads the counter the previous kernel advanced, and x
   const device::CallInfo call = device::call_begin(p.barrier);
   // A poisoned communicator: no pushes and no waits, but every cluster barrier is still met.
   int failed = call.ok ? 0 : 1;
@@ -618,6 +620,9 @@ Status launch_rs_rmsnorm_ag_p2p_ll(const RsRmsNormAgP2pParams& params, Stream st
   const int cap = std::max(one_shot ? kLLOneShotMaxBlocks : kFusedDefaultMaxBlocks, push_ctas);
   const FusedLLGrid grid = fused_ll_grid(rows, a.hidden, params.num_blocks, cap, push_ctas);
   const LLGeometry geo{region_bytes, grid.row_ctas, one_shot ? oneshot_residual_offset(a.num_tokens, row_bytes) : 0};
+  LaunchOrder order = LaunchOrder::kStream;
+  status = read_launch_order(what, &order);
+  if (!status.is_ok()) return status;
   auto go = [&](auto kernel) {
     cudaLaunchConfig_t config{};
     config.gridDim = dim3(static_cast<unsigned>(grid.blocks));
@@ -629,9 +634,11 @@ Status launch_rs_rmsnorm_ag_p2p_ll(const RsRmsNormAgP2pParams& params, Stream st
     cluster.val.clusterDim.x = static_cast<unsigned>(grid.row_ctas);
     cluster.val.clusterDim.y = 1;
     cluster.val.clusterDim.z = 1;
-    config.attrs = &cluster;
-    config.numAttrs = grid.row_ctas > 1 ? 1 : 0;
-    cudaError_t err = cudaLaunchKernelEx(&config, kernel, params, geo);
+    cudaLaunchAttribute attrs[2] = {cluster, {}};
+    const unsigned num_cluster_attrs = grid.row_ctas > 1 ? 1 : 0;
+    config.attrs = attrs + 1 - num_cluster_attrs;  // the cluster attribute only when it is used
+    config.numAttrs = num_cluster_attrs + launch_order_attribute(order, &attrs[1]);
+    cudaError_t err = cudaLaunchKernelEx(&config, kernel, params, geo, order);
     if (err == cudaSuccess) err = cudaGetLastError();
     if (err != cudaSuccess) {
       return Status(StatusCode::kCudaError, detail::concat(what, ": kernel launch failed (", grid.blocks, " CTAs of ",

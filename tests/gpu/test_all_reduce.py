@@ -230,6 +230,21 @@ def test_cuda_graph_1000_replays_with_changing_inputs(ranks, algo, symmetric):
     assert all(ranks(2).run(_graph_replay, algo, symmetric))
 
 
+# Note [programmatic dependent launch] (csrc/kernels/pdl.cuh): with COMMLIB_PDL=1 the flat and LL
+# kernels (two per replay, back to back) may start while the previous kernel finishes.
+PDL_ENVS = {"ll": {"COMMLIB_PDL": "1"}, "flat-barrier": {"COMMLIB_PDL": "1", "COMMLIB_FLAT_LL_MAX_BYTES": "0"}}
+
+
+@pytest.mark.parametrize("kernel", list(PDL_ENVS))
+def test_cuda_graph_replays_with_pdl(ranks, kernel):
+    assert all(ranks(2, env=PDL_ENVS[kernel]).run(_graph_replay, "flat", False))
+
+
+def test_two_streams_with_pdl(ranks):
+    # Calls that change streams wait for the previous stream with an event (a full dependency).
+    assert all(ranks(2, env=PDL_ENVS["ll"]).run(_two_communicators_two_streams))
+
+
 def test_tree_graph_replays_many_chunks_per_launch(ranks):
     # 50_001 bf16 elements over 64 KiB halves: two chunks per launch, two launches per replay.
     assert all(ranks(2, env=TREE_STRESS_ENV).run(_graph_replay, "tree", False))

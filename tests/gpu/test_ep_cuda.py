@@ -160,9 +160,85 @@ def _graph_replay(ctx, split):
     return True
 
 
+# Note [programmatic dependent launch] (csrc/kernels/pdl.cuh): the same tests with each kernel
+# allowed to start while the previous kernel of its stream finishes.
+PDL = {"COMMLIB_PDL": "1"}
+
+
+@pytest.mark.parametrize("pdl", [False, True], ids=["stream-order", "pdl"])
 @pytest.mark.parametrize("split", [False, True])
-def test_graph_replay_with_changing_routing(ranks, split):
-    ranks(2).run(_graph_replay, split)
+def test_graph_replay_with_changing_routing(ranks, split, pdl):
+    ranks(2, env=PDL if pdl else None).run(_graph_replay, split)
+
+
+def _back_to_back(ctx, split):
+    """Eager dispatch + experts + combine, several calls with new routing each and no host sync in
+    between (inputs staged on the GPU first), every call's output checked at the end against the
+    documented combine. Split phases make dispatch_send -> dispatch_recv, combine_send ->
+    combine_recv and combine_recv -> the next dispatch_send direct kernel-to-kernel pairs."""
+    import commlib
+    n, me = ctx.world_size, ctx.rank
+    dev = torch.device("cuda", ctx.device)
+    E, K, H, T = 16, 4, 4104, 8  # a decode grid: few chunks, each row over several column parts
+    L = E // n
+    buf = commlib.EPBuffer(ctx.comm, T, H, E, K, torch.bfloat16, device=dev)
+    steps = [(21, "random"), (22, "masked"), (23, "one_expert"), (24, "random"), (25, "masked"), (26, "random")]
+    all_inputs = []
+    for seed, kind in steps:
+        inputs = []
+        for s in range(n):
+            idx, w = make_routing(s, T, E, K, kind, seed)
+            inputs.append((make_tokens(s, T, H, torch.bfloat16, seed), idx, w))
+        all_inputs.append(inputs)
+    staged = [tuple(t.to(dev) for t in inputs[me]) for inputs in all_inputs]
+    outs = [torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=dev) for _ in steps]
+    torch.cuda.synchronize(dev)
+    ctx.comm.barrier()
+    for (x, idx, w), out in zip(staged, outs):
+        if split:
+            handle = buf.dispatch_send(x, idx, w)
+            res = buf.dispatch_recv(handle)
+            buf.combine_send(expert_fn(res.expert_x, me * L), res.handle, out=out)
+            buf.combine_recv()
+        else:
+            res = buf.dispatch(x, idx, w)
+            buf.combine(expert_fn(res.expert_x, me * L), res.handle, out=out)
+    torch.cuda.synchronize(dev)
+    for (seed, kind), inputs, out in zip(steps, all_inputs, outs):
+        rows, _ = simulate(inputs, E, buf.capacity, n)
+        want, _ = reference_combine(me, inputs, rows, E, n, H, torch.bfloat16, buf.capacity)
+        assert torch.equal(out.cpu(), want), f"call {seed} ({kind}): combine"
+    buf.check()
+    return True
+
+
+@pytest.mark.parametrize("pdl", [False, True], ids=["stream-order", "pdl"])
+@pytest.mark.parametrize("split", [False, True])
+def test_eager_back_to_back_calls(ranks, split, pdl):
+    ranks(2, env=PDL if pdl else None).run(_back_to_back, split)
+
+
+def test_pdl_every_grid_shape(ranks):
+    # Both case lists (every grid shape of Note [EP GPU protocol]) with COMMLIB_PDL=1.
+    pool = ranks(2, env=PDL)
+    pool.run(_dispatch_combine, "column_parts")
+    pool.run(_dispatch_combine, "basic")
+
+
+def _bad_pdl_knob(ctx):
+    import re
+
+    import commlib
+    dev = torch.device("cuda", ctx.device)
+    buf = commlib.EPBuffer(ctx.comm, 4, 64, 8, 2, torch.bfloat16, device=dev)
+    idx, w = make_routing(ctx.rank, 4, 8, 2, "random", 1)
+    with pytest.raises(ValueError, match=re.escape("EPBuffer.dispatch: COMMLIB_PDL=2 invalid; valid: 0, 1")):
+        buf.dispatch(make_tokens(ctx.rank, 4, 64, torch.bfloat16, 1).to(dev), idx.to(dev), w.to(dev))
+    return True
+
+
+def test_bad_pdl_knob_is_a_clear_error(ranks):
+    ranks(2, env={"COMMLIB_PDL": "2"}).run(_bad_pdl_knob)
 
 
 def _invalid_ids(ctx):

@@ -259,8 +259,78 @@ def _mixed_sequence(ctx):
     return True
 
 
-def test_fused_gpu_mixed_kernels_and_all_reduce(ranks):
-    ranks(2).run(_mixed_sequence)
+# Note [programmatic dependent launch] (csrc/kernels/pdl.cuh): the LL and flat kernels may start
+# while the previous kernel of their stream finishes.
+PDL = {"COMMLIB_PDL": "1"}
+
+
+@pytest.mark.parametrize("pdl", [False, True], ids=["stream-order", "pdl"])
+def test_fused_gpu_mixed_kernels_and_all_reduce(ranks, pdl):
+    ranks(2, env=PDL if pdl else None).run(_mixed_sequence)
+
+
+def _back_to_back(ctx):
+    # Fused calls (one-shot LL, two-shot LL, barrier kernel) and LL all-reduces back to back with no
+    # host sync in between (inputs staged first), every result checked at the end: with COMMLIB_PDL=1
+    # each kernel is scheduled while the previous one finishes.
+    from commlib.fused import reference_rmsnorm
+    dev = torch.device("cuda", ctx.device)
+    comm = ctx.comm
+    n, rank, hidden, dtype, eps = ctx.world_size, ctx.rank, 4096, torch.bfloat16, 1e-6
+    steps = [(1, "replicated"), (4, "sharded"), (16, "sharded"), (24, "replicated"), (2, "sharded"),
+             (33, "replicated"), (7, "replicated"), (1, "replicated")]
+    staged, refs = [], []
+    for step, (tokens, mode) in enumerate(steps):
+        xs, residual0, weight = make_inputs(n, tokens, hidden, dtype, salt=300 + step)
+        summed = sum(t.double() for t in xs)  # a second all-reduce input, checked against the ordered sum
+        x = xs[rank].to(dev)
+        ref_sum = x.clone()
+        comm.all_reduce(ref_sum)
+        refs.append((reference_rmsnorm(ref_sum.cpu(), residual0, weight, eps), ref_sum.cpu(), summed))
+        out = torch.full((tokens, hidden), float("nan"), dtype=dtype, device=dev)
+        staged.append((x, x.clone(), residual0.to(dev), weight.to(dev), out, mode))
+    torch.cuda.synchronize()
+    comm.barrier()
+    for x, x_ar, residual, w, out, mode in staged:
+        comm.fused_allreduce_rmsnorm(x, residual, w, eps, residual_mode=mode, out=out)
+        comm.all_reduce(x_ar)  # a flat / LL all-reduce right after the fused kernel
+    torch.cuda.synchronize()
+    for step, ((tokens, mode), (x, x_ar, residual, w, out, _), ((ref_out, ref_res), ref_sum, summed)) in enumerate(
+            zip(steps, staged, refs)):
+        assert torch.equal(bits(out.cpu()), bits(ref_out)), f"step {step} ({tokens} tokens, {mode}): out"
+        lo, hi = (0, tokens) if mode == "replicated" else comm.token_slice(tokens)
+        assert torch.equal(bits(residual.cpu()[lo:hi]), bits(ref_res[lo:hi])), f"step {step}: residual"
+        assert torch.equal(bits(x_ar.cpu()), bits(ref_sum)), f"step {step}: all_reduce"
+        torch.testing.assert_close(x_ar.cpu().double(), summed, rtol=TOL[dtype], atol=TOL[dtype])
+    return True
+
+
+@pytest.mark.parametrize("pdl", [False, True], ids=["stream-order", "pdl"])
+def test_fused_gpu_back_to_back(ranks, pdl):
+    ranks(2, env=PDL if pdl else None).run(_back_to_back)
+
+
+@pytest.mark.parametrize("row_ctas", ["1", "2"])
+def test_fused_gpu_pdl_ll_kernels(ranks, row_ctas):
+    # COMMLIB_PDL=1 with the two-shot LL kernel (clusters of 2: both launch attributes) and the
+    # one-shot kernel.
+    ranks(2, env={"COMMLIB_FUSED_LL_ROW_CTAS": row_ctas, **LL_ALWAYS, **PDL}).run(
+        _gpu_case, "bfloat16", [1, 7, 16], [1032, 8192], (None, 3))
+    ranks(2, env={"COMMLIB_FUSED_LL_ROW_CTAS": row_ctas, **PDL}).run(_gpu_case, "bfloat16", [1, 2, 7, 16], [8192])
+
+
+def _bad_pdl_knob(ctx):
+    dev = torch.device("cuda", ctx.device)
+    x = torch.randn(2, 1024, device=dev, dtype=torch.bfloat16)  # LL kernel
+    with pytest.raises(ValueError, match=re.escape("COMMLIB_PDL=2 invalid; valid: 0, 1")):
+        ctx.comm.fused_allreduce_rmsnorm(x, x.clone(), torch.ones(1024, dtype=torch.bfloat16, device=dev))
+    with pytest.raises(ValueError, match=re.escape("COMMLIB_PDL=2 invalid; valid: 0, 1")):
+        ctx.comm.all_reduce(x, algo="flat")
+    return True
+
+
+def test_fused_gpu_bad_pdl_knob(ranks):
+    ranks(2, env={"COMMLIB_PDL": "2"}).run(_bad_pdl_knob)
 
 
 def test_fused_gpu_knob_num_sms(ranks):
@@ -316,10 +386,11 @@ def _graph_and_compile(ctx, tokens):
 
 
 # 37: barrier kernel; 4: one-shot LL kernel (default limit), or the two-shot LL kernel without it.
+@pytest.mark.parametrize("pdl", [False, True], ids=["stream-order", "pdl"])
 @pytest.mark.parametrize("tokens, env", [(37, {}), (4, {}), (4, NO_ONESHOT)],
                          ids=["barrier", "one-shot", "two-shot-ll"])
-def test_fused_gpu_graph_capture_and_compile(ranks, tokens, env):
-    ranks(2, env=env).run(_graph_and_compile, tokens)
+def test_fused_gpu_graph_capture_and_compile(ranks, tokens, env, pdl):
+    ranks(2, env={**env, **PDL} if pdl else env).run(_graph_and_compile, tokens)
 
 
 def _bad_inputs_gpu(ctx):

@@ -68,6 +68,18 @@ __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_re
 // fence.acq_rel.gpu: the same, for observers on this device only.
 __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
+// griddepcontrol (sm_90; Note [programmatic dependent launch] in csrc/kernels/pdl.cuh). Both are
+// no-ops in a grid launched without programmatic stream serialization.
+// .wait: blocks until every prerequisite grid has completed and its memory operations are
+// performed and visible to this grid. The "memory" clobber keeps the compiler from hoisting any
+// load above it.
+__device__ __forceinline__ void griddepcontrol_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+// .launch_dependents: this CTA allows the dependent grid to be scheduled once every CTA of this
+// grid has issued it or exited; it publishes nothing (the dependent's .wait does).
+__device__ __forceinline__ void griddepcontrol_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 // %globaltimer: nanoseconds, comparable across the SMs of one device (used for bounded waits).
 __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t t;
