@@ -19,9 +19,20 @@ constexpr int kWarps = kThreads / 32;
 // Warps of a fused dispatch block that push rows to peers; the others expand the own chunk meanwhile.
 constexpr int kPushWarps = kWarps / 2;
 constexpr unsigned kFullMask = 0xffffffffu;
-// 16-byte packs in flight per lane in a row copy, and per lane and route in a weighted sum.
+// 16-byte packs in flight per lane in a row copy, and those an expansion loads before it reads the
+// routing (Note [EP GPU protocol]: one per lane covers a decode row's part).
 constexpr int kCopyUnroll = 8;
-constexpr int kSumUnroll = 4;
+constexpr int kExpandFirstUnroll = 1;
+// Packs in flight per lane in the combine's sums, as (packs a lane per source, sources loaded
+// together) (weighted_sum_packs). Grids whose rows are split into column parts (decode sizes: a
+// lane holds about one pack of a row) load the routes of a token together, and the owner ranks'
+// partials two at a time; others load 4 packs a lane of one source after another. Measured at
+// world 1 (bench/results/ep-local-2026-11-30.md); larger shapes spill (512 threads leave 128
+// registers a thread).
+struct SumShape {
+  int unroll, sources;
+};
+constexpr SumShape kRouteSumDecode{1, 8}, kRankSumDecode{2, 2}, kSumLarge{4, 1};
 // Smallest chunk of tokens (more chunks than this only add flag traffic).
 constexpr int64_t kMinTokensPerChunk = 2;
 // Blocks the grid aims for when chunks are few (decode): chunks x column parts (Note [EP GPU protocol]).
@@ -304,48 +315,68 @@ __device__ __forceinline__ void copy_row(T* const* dsts, int num_dsts, const T* 
   }
 }
 
-// dst = round(sum over r ascending of fp32(w[r]) * fp32(src[r])) with separate rounding of every
-// product and sum (Note [EP layout]: no fused multiply-add); no sources gives zeros; ws == nullptr
-// means every weight is 1.
-template <typename T>
-__device__ __forceinline__ void weighted_sum_row(T* dst, const T* const* srcs, const float* ws, int num_srcs,
-                                                 int64_t hidden, Cols cols, int lane) {
+// The vector part of weighted_sum_row: the packs of kRoutes routes are loaded before any is summed
+// (in flight together: at decode sizes a lane holds one pack per route and the sum costs one memory
+// round trip, not one per route); they are then summed in route order.
+template <typename T, int kUnroll, int kRoutes>
+__device__ __forceinline__ void weighted_sum_packs(T* dst, const T* const* srcs, const float* ws, int num_srcs,
+                                                   Cols cols, int lane) {
   using V = device::Vec<T>;
   constexpr int N = V::kNumElems;
-  bool vec = aligned16(dst) && (hidden * sizeof(T)) % 16 == 0;
-  for (int r = 0; r < num_srcs; ++r) vec = vec && aligned16(srcs[r]);
-  if (vec) {
-    const int64_t num_packs = cols.end / N;
-    for (int64_t base = cols.begin / N; base < num_packs; base += 32 * kSumUnroll) {
-      device::Acc<N> acc[kSumUnroll];
+  const int64_t num_packs = cols.end / N;
+  for (int64_t base = cols.begin / N; base < num_packs; base += 32 * kUnroll) {
+    device::Acc<N> acc[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kSumUnroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
 #pragma unroll
-        for (int i = 0; i < N; ++i) acc[u].v[i] = 0.0f;
-      }
-      for (int r = 0; r < num_srcs; ++r) {
-        const T* src = srcs[r];
-        const float w = ws != nullptr ? ws[r] : 1.0f;
-        V y[kSumUnroll];
+      for (int i = 0; i < N; ++i) acc[u].v[i] = 0.0f;
+    }
+    for (int r0 = 0; r0 < num_srcs; r0 += kRoutes) {
+      V y[kRoutes][kUnroll];
 #pragma unroll
-        for (int u = 0; u < kSumUnroll; ++u) {
-          const int64_t v = base + u * 32 + lane;
-          if (v < num_packs) y[u] = V::load(src + v * N);
-        }
+      for (int r = 0; r < kRoutes; ++r) {
+        if (r0 + r < num_srcs) {
+          const T* src = srcs[r0 + r];
 #pragma unroll
-        for (int u = 0; u < kSumUnroll; ++u) {
-#pragma unroll
-          for (int i = 0; i < N; ++i) {
-            acc[u].v[i] = __fadd_rn(acc[u].v[i], __fmul_rn(w, device::to_float<T>(y[u].elems[i])));
+          for (int u = 0; u < kUnroll; ++u) {
+            const int64_t v = base + u * 32 + lane;
+            if (v < num_packs) y[r][u] = V::load(src + v * N);
           }
         }
       }
 #pragma unroll
-      for (int u = 0; u < kSumUnroll; ++u) {
-        const int64_t v = base + u * 32 + lane;
-        if (v < num_packs) device::acc_cast<T, N>(acc[u]).store(dst + v * N);
+      for (int r = 0; r < kRoutes; ++r) {
+        if (r0 + r < num_srcs) {
+          const float w = ws != nullptr ? ws[r0 + r] : 1.0f;
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+              acc[u].v[i] = __fadd_rn(acc[u].v[i], __fmul_rn(w, device::to_float<T>(y[r][u].elems[i])));
+            }
+          }
+        }
       }
     }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t v = base + u * 32 + lane;
+      if (v < num_packs) device::acc_cast<T, N>(acc[u]).store(dst + v * N);
+    }
+  }
+}
+
+// dst = round(sum over r ascending of fp32(w[r]) * fp32(src[r])) with separate rounding of every
+// product and sum (Note [EP layout]: no fused multiply-add); no sources gives zeros; ws == nullptr
+// means every weight is 1. Loads kRoutes sources' packs together, kUnroll packs a lane each
+// (weighted_sum_packs).
+template <typename T, int kUnroll, int kRoutes>
+__device__ __forceinline__ void weighted_sum_row(T* dst, const T* const* srcs, const float* ws, int num_srcs,
+                                                 int64_t hidden, Cols cols, int lane) {
+  bool vec = aligned16(dst) && (hidden * sizeof(T)) % 16 == 0;
+  for (int r = 0; r < num_srcs; ++r) vec = vec && aligned16(srcs[r]);
+  if (vec) {
+    weighted_sum_packs<T, kUnroll, kRoutes>(dst, srcs, ws, num_srcs, cols, lane);
   } else {
     for (int64_t e = cols.begin + lane; e < cols.end; e += 32) {
       float acc = 0.0f;
@@ -357,33 +388,40 @@ __device__ __forceinline__ void weighted_sum_row(T* dst, const T* const* srcs, c
   }
 }
 
-// dst = round(sum over r ascending of fp32(src[r])); no sources gives zeros. The same arithmetic
-// as weighted_sum_row with every weight 1 (a product by 1.0f is exact).
-template <typename T>
-__device__ __forceinline__ void sum_rows(T* dst, const T* const* srcs, int num_srcs, int64_t hidden, Cols cols,
-                                         int lane) {
-  weighted_sum_row(dst, srcs, nullptr, num_srcs, hidden, cols, lane);
-}
-
 // ---- dispatch ----
 
 // Columns `cols` of token t of source s (of chunk i) into this rank's expert rows: route (s, t, k)
 // to local expert l lands at base(s, l) + j (Note [EP GPU protocol]). If `record`, recv_pos
 // records it (-1: dropped); exactly one warp of the grid records each route (the chunk lead's
-// warp with the first columns), so no two blocks write the same word.
+// warp with the first columns), so no two blocks write the same word. The row's first packs are
+// loaded with the routing (a route's expert and j together): at decode sizes (one pack per lane)
+// the row, the routing and the totals take two dependent memory round trips instead of three.
 template <typename T>
 __device__ __forceinline__ void expand_token(const EPParams& p, int s, int64_t t, int i, const T* src, T** list,
                                              Cols cols, bool record, int lane) {
+  using V = device::Vec<T>;
+  constexpr int N = V::kNumElems;
   const EPConfig& c = p.config;
   const int64_t num_local = c.num_experts / p.world_size;
+  const bool vec = aligned16(src) && aligned16(p.expert_x) && (c.hidden * sizeof(T)) % 16 == 0;
+  const int64_t first_end = min64(cols.end, cols.begin + 32 * kExpandFirstUnroll * N);  // the packs loaded first
+  V first[kExpandFirstUnroll];
+  if (vec) {
+#pragma unroll
+    for (int u = 0; u < kExpandFirstUnroll; ++u) {
+      const int64_t v = cols.begin / N + u * 32 + lane;
+      if (v < first_end / N) first[u] = V::load(src + v * N);
+    }
+  }
   T* dst = nullptr;
   bool keep = false;
   if (lane < c.topk) {
     const size_t at = route(p, s, t * c.topk + lane);
     const int32_t e = piece<const int32_t>(p, p.rank, p.layout.meta_idx)[at];
+    const int32_t j = piece<const int32_t>(p, p.rank, p.layout.meta_j)[at];
     if (e >= 0 && e / num_local == p.rank) {
       const int64_t l = e - p.rank * num_local;
-      int64_t pos = piece<const int32_t>(p, p.rank, p.layout.meta_j)[at];
+      int64_t pos = j;
       for (int q = 0; q < s; ++q) pos += totals_of(p, p.rank, q, i)[l];
       keep = pos < c.capacity;
       if (record) p.recv_pos[at] = keep ? static_cast<int32_t>(pos) : -1;
@@ -391,8 +429,41 @@ __device__ __forceinline__ void expand_token(const EPParams& p, int s, int64_t t
     }
   }
   const int num_dsts = warp_list(list, keep, dst, lane);
-  copy_row(list, num_dsts, src, c.hidden, cols, lane);
+  if (vec) {
+    for (int d = 0; d < num_dsts; ++d) {
+#pragma unroll
+      for (int u = 0; u < kExpandFirstUnroll; ++u) {
+        const int64_t v = cols.begin / N + u * 32 + lane;
+        if (v < first_end / N) first[u].store(list[d] + v * N);
+      }
+    }
+    copy_row(list, num_dsts, src, c.hidden, Cols{first_end, cols.end}, lane);
+  } else {
+    copy_row(list, num_dsts, src, c.hidden, cols, lane);
+  }
   __syncwarp();  // the list is rewritten by the next token
+}
+
+// expert_counts of this rank's experts, and the overflow word of every rank for them, written by
+// threads [first, first + count) of the block (chunk 0's lead: every owner raises the overflow
+// word of every rank for its own experts).
+__device__ __forceinline__ void write_expert_counts(const EPParams& p, int first, int count) {
+  const EPConfig& c = p.config;
+  const int n = p.world_size, me = p.rank;
+  const int64_t num_local = c.num_experts / n;
+  for (int64_t l = static_cast<int>(threadIdx.x) - first; l < num_local; l += count) {
+    int64_t total = 0;
+    for (int s = 0; s < n; ++s) total += totals_of(p, me, s, 0)[l];
+    p.expert_counts[l] = static_cast<int32_t>(min64(total, c.capacity));
+    if (total > c.capacity) {
+      const int64_t e = me * num_local + l;
+      for (int d = 0; d < n; ++d) {
+        auto* word = reinterpret_cast<unsigned long long*>(piece<int64_t>(p, d, p.layout.overflow));
+        atomicAdd_system(word, static_cast<unsigned long long>(total - c.capacity));
+        atomicMax_system(word + 1, (static_cast<unsigned long long>(total) << 24) | static_cast<unsigned long long>(e));
+      }
+    }
+  }
 }
 
 template <typename T>
@@ -530,28 +601,17 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
   trace(EPTracePoint::kDispatchDataLanded, 0);
   const int64_t items = chunk_tokens_total(p, role.chunk, me);
   const int parts = parts_for<T>(items, kWarps, cols.size());
+  // Block 0 writes expert_counts with the warps the expansion leaves idle (decode sizes), else
+  // with every thread after it.
+  const int busy = static_cast<int>(min64(items * parts, kWarps));
+  if (b == 0 && busy < kWarps && warp >= busy) write_expert_counts(p, busy * 32, kThreads - busy * 32);
   for (int64_t w = warp; w < items * parts; w += kWarps) {
     const auto [s, t] = nth_token(p, role.chunk, me, w / parts);
     const int sub = static_cast<int>(w % parts);
     expand_token<T>(p, s, t, role.chunk, piece<const T>(p, me, p.layout.land_x) + row(p, s, t), lists[warp],
                     sub_cols<T>(cols, sub, parts), is_lead && sub == 0, lane);
   }
-  if (b == 0) {
-    // Chunk 0's lead: every owner raises the overflow word of every rank for its own experts.
-    for (int64_t l = threadIdx.x; l < num_local; l += kThreads) {
-      int64_t total = 0;
-      for (int s = 0; s < n; ++s) total += totals_of(p, me, s, 0)[l];
-      p.expert_counts[l] = static_cast<int32_t>(min64(total, c.capacity));
-      if (total > c.capacity) {
-        const int64_t e = me * num_local + l;
-        for (int d = 0; d < n; ++d) {
-          auto* word = reinterpret_cast<unsigned long long*>(piece<int64_t>(p, d, p.layout.overflow));
-          atomicAdd_system(word, static_cast<unsigned long long>(total - c.capacity));
-          atomicMax_system(word + 1, (static_cast<unsigned long long>(total) << 24) | static_cast<unsigned long long>(e));
-        }
-      }
-    }
-  }
+  if (b == 0 && busy == kWarps) write_expert_counts(p, 0, kThreads);
   trace(EPTracePoint::kDispatchEnd, 0);
 }
 
@@ -560,7 +620,7 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
 // A permutation of [0, n): 0, n - 1, 1, n - 2, ... (k even: k / 2 from the front; k odd: from the back).
 __device__ __forceinline__ int64_t zigzag(int64_t k, int64_t n) { return (k & 1) ? n - 1 - (k >> 1) : k >> 1; }
 
-template <typename T>
+template <typename T, bool kDecodeGrid>
 __global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPMode mode, LaunchOrder order) {
   pdl_begin(order);  // before the first read of seq, flags, expert_out (a previous kernel wrote them)
   __shared__ const T* srcs[kWarps][kEPMaxTopk];
@@ -619,8 +679,9 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPM
       }
       __syncwarp();
       T* dst = piece<T>(p, s, p.layout.land_y) + row(p, me, t);
-      weighted_sum_row(dst, srcs[warp], weights[warp], __popc(mask), c.hidden,
-                       sub_cols<T>(cols, static_cast<int>(item % parts), parts), lane);
+      constexpr SumShape shape = kDecodeGrid ? kRouteSumDecode : kSumLarge;
+      weighted_sum_row<T, shape.unroll, shape.sources>(dst, srcs[warp], weights[warp], __popc(mask), c.hidden,
+                                                       sub_cols<T>(cols, static_cast<int>(item % parts), parts), lane);
       __syncwarp();  // the lists are rewritten by the next token
     }
     __syncthreads();
@@ -629,13 +690,14 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPM
   }
   if (!recv) return;
 
-  // This part's columns of the partials of block b of every peer.
+  // This part's columns of the partials of block b of every peer (the own token count, written in
+  // the dispatch kernel, is loaded while they are waited for).
+  const int64_t items = chunk_tokens(p, me, role.chunk);
+  const int parts = parts_for<T>(items, kWarps, cols.size());
   const FlagSet partials{p.layout.combine_flags, b, other_ranks(p), EPPhaseId::kCombineLanded};
   const FlagSet none{p.layout.combine_flags, b, 0u, EPPhaseId::kCombineLanded};
   if (wait_block(p, partials, none, value, seq)) return;
   trace(EPTracePoint::kCombineLanded, 0);
-  const int64_t items = chunk_tokens(p, me, role.chunk);
-  const int parts = parts_for<T>(items, kWarps, cols.size());
   const T* land_y = piece<const T>(p, me, p.layout.land_y);
   for (int64_t w = warp; w < items * parts; w += kWarps) {
     const int64_t t = t_begin + w / parts;
@@ -643,8 +705,11 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPM
     const unsigned owners = __reduce_or_sync(kFullMask, e >= 0 ? 1u << static_cast<unsigned>(e / num_local) : 0u);
     const bool keep = lane < n && ((owners >> lane) & 1u);
     const int num_srcs = warp_list(srcs[warp], keep, keep ? land_y + row(p, lane, t) : nullptr, lane);
-    sum_rows(static_cast<T*>(p.out) + t * c.hidden, srcs[warp], num_srcs, c.hidden,
-             sub_cols<T>(cols, static_cast<int>(w % parts), parts), lane);
+    // Every weight 1: the plain sum of the partials in rank order (a product by 1.0f is exact).
+    constexpr SumShape shape = kDecodeGrid ? kRankSumDecode : kSumLarge;
+    weighted_sum_row<T, shape.unroll, shape.sources>(static_cast<T*>(p.out) + t * c.hidden, srcs[warp], nullptr,
+                                                     num_srcs, c.hidden,
+                                                     sub_cols<T>(cols, static_cast<int>(w % parts), parts), lane);
     __syncwarp();
   }
   // The last block to finish advances seq (every block read it above, before counting itself).
@@ -786,8 +851,9 @@ Status launch_ep_combine(const EPParams& p, EPMode mode, Stream stream) {
   if (!status.is_ok()) return status;
   cudaError_t err = cudaSuccess;
   COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, return Status(StatusCode::kInvalidArgument, what), [&] {
-    err = launch_kernel(ep_combine_kernel<T>, dim3(p.grid.num_blocks()), dim3(kThreads), 0, stream, order, p, mode,
-                        order);
+    // Rows split into column parts (decode sizes): a lane holds about one pack of a row.
+    auto* kernel = p.grid.num_parts > 1 ? ep_combine_kernel<T, true> : ep_combine_kernel<T, false>;
+    err = launch_kernel(kernel, dim3(p.grid.num_blocks()), dim3(kThreads), 0, stream, order, p, mode, order);
   });
   return cuda_status(what, err);
 }
