@@ -28,7 +28,8 @@ ERROR_GRACE_S = 20.0
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs >= 2 CUDA GPUs (skipped otherwise)")
+    config.addinivalue_line("markers", "gpu: needs CUDA GPUs, as many as the test's world_size parameter "
+                            "(2 without one); skipped otherwise")
 
 
 def num_gpus() -> int:
@@ -40,12 +41,14 @@ def num_gpus() -> int:
 
 
 def pytest_collection_modifyitems(config, items):
-    if num_gpus() >= 2:
-        return
-    skip = pytest.mark.skip(reason="needs >= 2 CUDA GPUs")
+    have = num_gpus()
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" not in item.keywords:
+            continue
+        params = getattr(item, "callspec", None)
+        need = max(1, int(params.params.get("world_size", 2))) if params is not None else 2
+        if have < need:
+            item.add_marker(pytest.mark.skip(reason=f"needs >= {need} CUDA GPUs"))
 
 
 class RankContext:

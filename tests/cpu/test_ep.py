@@ -31,7 +31,7 @@ def cases_basic(n):
     ]
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_dispatch_combine_matches_simulation(ranks, world_size):
     cases = [c for c in cases_basic(world_size) if c[0] % world_size == 0]
     ranks(world_size).run(_dispatch_combine, cases)

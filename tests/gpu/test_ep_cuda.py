@@ -1,4 +1,5 @@
-"""EPBuffer and the dynamic all_to_all_v on CUDA (>= 2 GPUs). (Named test_ep_cuda.py: pytest's
+"""EPBuffer and the dynamic all_to_all_v on CUDA (2 GPUs; the EPBuffer tests also at world 1, on
+one GPU: every kernel path but the NVLink traffic). (Named test_ep_cuda.py: pytest's
 default import mode forbids two test modules named test_ep.py.)
 
 References: the pure-torch simulation of every rank (tests/ep_reference.py; Note [EP layout]),
@@ -11,6 +12,9 @@ import torch
 from ep_reference import expert_fn, make_routing, make_tokens, reference_combine, run_dispatch_combine, simulate
 
 pytestmark = pytest.mark.gpu
+# World sizes of the EPBuffer tests: 1 runs every kernel path except the NVLink traffic on one GPU
+# (tests/conftest.py runs a GPU test when there are as many GPUs as its world_size).
+WORLDS = [1, 2]
 
 
 def _cases(ctx, which):
@@ -56,12 +60,12 @@ def _dispatch_combine(ctx, which):
     return run_dispatch_combine(ctx, _cases(ctx, which), f"cuda:{ctx.device}")
 
 
-@pytest.mark.parametrize("world_size", [2])
+@pytest.mark.parametrize("world_size", WORLDS)
 def test_dispatch_combine_matches_simulation(ranks, world_size):
     ranks(world_size).run(_dispatch_combine, "basic")
 
 
-@pytest.mark.parametrize("world_size", [2])
+@pytest.mark.parametrize("world_size", WORLDS)
 def test_decode_column_parts_match_simulation(ranks, world_size):
     ranks(world_size).run(_dispatch_combine, "column_parts")
 
@@ -87,8 +91,22 @@ def _same_as_cpu(ctx):
     return True
 
 
-def test_gpu_matches_cpu_bitwise(ranks):
-    ranks(2).run(_same_as_cpu)
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_gpu_matches_cpu_bitwise(ranks, world_size):
+    ranks(world_size).run(_same_as_cpu)
+
+
+def _ep_step(buf, x, idx, w, out, split, first_expert):
+    """Dispatch, the identity-like experts of tests/ep_reference.py, combine into `out` (fused or the
+    split phases); returns the dispatch result."""
+    if split:
+        res = buf.dispatch_recv(buf.dispatch_send(x, idx, w))
+        buf.combine_send(expert_fn(res.expert_x, first_expert), res.handle, out=out)
+        buf.combine_recv()
+    else:
+        res = buf.dispatch(x, idx, w)
+        buf.combine(expert_fn(res.expert_x, first_expert), res.handle, out=out)
+    return res
 
 
 def _graph_replay(ctx, split):
@@ -106,15 +124,7 @@ def _graph_replay(ctx, split):
     out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
 
     def step():
-        if split:
-            handle = buf.dispatch_send(sx, sidx, sw)
-            res = buf.dispatch_recv(handle)
-            buf.combine_send(expert_fn(res.expert_x, me * L), res.handle, out=out)
-            buf.combine_recv()
-        else:
-            res = buf.dispatch(sx, sidx, sw)
-            buf.combine(expert_fn(res.expert_x, me * L), res.handle, out=out)
-        return res
+        return _ep_step(buf, sx, sidx, sw, out, split, me * L)
 
     def load(seed, kind):
         inputs = []
@@ -165,10 +175,11 @@ def _graph_replay(ctx, split):
 PDL = {"COMMLIB_PDL": "1"}
 
 
+@pytest.mark.parametrize("world_size", WORLDS)
 @pytest.mark.parametrize("pdl", [False, True], ids=["stream-order", "pdl"])
 @pytest.mark.parametrize("split", [False, True])
-def test_graph_replay_with_changing_routing(ranks, split, pdl):
-    ranks(2, env=PDL if pdl else None).run(_graph_replay, split)
+def test_graph_replay_with_changing_routing(ranks, split, pdl, world_size):
+    ranks(world_size, env=PDL if pdl else None).run(_graph_replay, split)
 
 
 def _back_to_back(ctx, split):
@@ -195,14 +206,7 @@ def _back_to_back(ctx, split):
     torch.cuda.synchronize(dev)
     ctx.comm.barrier()
     for (x, idx, w), out in zip(staged, outs):
-        if split:
-            handle = buf.dispatch_send(x, idx, w)
-            res = buf.dispatch_recv(handle)
-            buf.combine_send(expert_fn(res.expert_x, me * L), res.handle, out=out)
-            buf.combine_recv()
-        else:
-            res = buf.dispatch(x, idx, w)
-            buf.combine(expert_fn(res.expert_x, me * L), res.handle, out=out)
+        _ep_step(buf, x, idx, w, out, split, me * L)
     torch.cuda.synchronize(dev)
     for (seed, kind), inputs, out in zip(steps, all_inputs, outs):
         rows, _ = simulate(inputs, E, buf.capacity, n)
@@ -212,15 +216,17 @@ def _back_to_back(ctx, split):
     return True
 
 
+@pytest.mark.parametrize("world_size", WORLDS)
 @pytest.mark.parametrize("pdl", [False, True], ids=["stream-order", "pdl"])
 @pytest.mark.parametrize("split", [False, True])
-def test_eager_back_to_back_calls(ranks, split, pdl):
-    ranks(2, env=PDL if pdl else None).run(_back_to_back, split)
+def test_eager_back_to_back_calls(ranks, split, pdl, world_size):
+    ranks(world_size, env=PDL if pdl else None).run(_back_to_back, split)
 
 
-def test_pdl_every_grid_shape(ranks):
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_pdl_every_grid_shape(ranks, world_size):
     # Both case lists (every grid shape of Note [EP GPU protocol]) with COMMLIB_PDL=1.
-    pool = ranks(2, env=PDL)
+    pool = ranks(world_size, env=PDL)
     pool.run(_dispatch_combine, "column_parts")
     pool.run(_dispatch_combine, "basic")
 
