@@ -18,6 +18,9 @@ constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 // Warps of a fused dispatch block that push rows to peers; the others expand the own chunk meanwhile.
 constexpr int kPushWarps = kWarps / 2;
+// The same for large grids (one column part a row): the pushes are bound by the link, the own
+// chunk's expansion by the warps doing it.
+constexpr int kPushWarpsLarge = 4;
 constexpr unsigned kFullMask = 0xffffffffu;
 // 16-byte packs in flight per lane in a row copy, and those an expansion loads before it reads the
 // routing (Note [EP GPU protocol]: one per lane covers a decode row's part).
@@ -549,7 +552,7 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
 
   // 3. Rows: pushing warps store this block's columns of each token of the chunk into its remote
   // owners' land_x, while (fused kernel) the other warps expand the own chunk from x.
-  const int num_push_warps = send ? (recv ? kPushWarps : kWarps) : 0;
+  const int num_push_warps = send ? (recv ? (p.grid.num_parts > 1 ? kPushWarps : kPushWarpsLarge) : kWarps) : 0;
   bool failed = false;
   if (warp < num_push_warps) {
     const int64_t items = clamp64(p.num_tokens - t_begin, 0, p.grid.tokens_per_chunk);
@@ -586,7 +589,7 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
                         is_lead && sub == 0, lane);
       }
     }
-    trace(EPTracePoint::kDispatchOwnExpanded, kPushWarps * 32);
+    trace(EPTracePoint::kDispatchOwnExpanded, num_push_warps * 32);
   }
   if (!recv) return;
 
