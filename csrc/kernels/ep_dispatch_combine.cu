@@ -16,10 +16,12 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
-// Warps of a fused dispatch block that push rows to peers; the others expand the own chunk meanwhile.
+// Warps of a fused dispatch block that push rows to peers in decode grids (rows split into column
+// parts); the others expand the own chunk meanwhile. 4 was slower at 32-128 tokens.
 constexpr int kPushWarps = kWarps / 2;
 // The same for large grids (one column part a row): the pushes are bound by the link, the own
-// chunk's expansion by the warps doing it.
+// chunk's expansion by the warps doing it; of 2, 4, 6, 8 and 12, 4 was fastest. Both measured at
+// world 2 (bench/results/ep-dispatch-combine-2026-11-30-j.md, -k.md).
 constexpr int kPushWarpsLarge = 4;
 constexpr unsigned kFullMask = 0xffffffffu;
 // 16-byte packs in flight per lane in a row copy, and those an expansion loads before it reads the
