@@ -7,6 +7,7 @@
 
 #include "commlib/device/vec.cuh"
 #include "kernels/all_reduce_params.hpp"
+#include "kernels/pdl.cuh"
 
 namespace commlib::kernels {
 
@@ -80,11 +81,6 @@ inline Status check_common(const char* what, DataType dtype, ReduceOp op, const 
                                                                kMaxDeviceRanks));
   }
   return Status::ok();
-}
-
-inline Status cuda_status(const char* what, cudaError_t err) {
-  if (err == cudaSuccess) return Status::ok();
-  return Status(StatusCode::kCudaError, detail::concat(what, ": kernel launch failed: ", cudaGetErrorString(err)));
 }
 
 inline Status cuda_status(const char* what) { return cuda_status(what, cudaGetLastError()); }

@@ -17,6 +17,7 @@
 #include "commlib/device/barrier.cuh"
 #include "commlib/device/dispatch.cuh"
 #include "kernels/all_to_all_v_params.hpp"
+#include "kernels/pdl.cuh"
 
 namespace commlib::kernels {
 namespace {
@@ -125,11 +126,7 @@ Status launch_all_to_all_v(const AllToAllVParams& p, Stream stream) {
   COMMLIB_DISPATCH_WORLD_SIZE(p.barrier.world_size, kWorldSize, [&] {
     all_to_all_v_kernel<kWorldSize><<<blocks, kThreads, 0, stream>>>(p, half_bytes);
   });
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    return Status(StatusCode::kCudaError, detail::concat(what, ": kernel launch failed: ", cudaGetErrorString(err)));
-  }
-  return Status::ok();
+  return cuda_status(what, cudaGetLastError());
 }
 
 }  // namespace commlib::kernels

@@ -730,11 +730,6 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPM
   trace(EPTracePoint::kCombineEnd, 0);
 }
 
-Status cuda_status(const char* what, cudaError_t err) {
-  if (err == cudaSuccess) return Status::ok();
-  return Status(StatusCode::kCudaError, detail::concat(what, ": kernel launch failed: ", cudaGetErrorString(err)));
-}
-
 Status check_params(const EPParams& p, const char* what) {
   if (p.world_size < 1 || p.world_size > kMaxDeviceRanks) {
     return Status(StatusCode::kInvalidArgument,

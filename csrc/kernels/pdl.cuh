@@ -102,6 +102,12 @@ cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size
   return err != cudaSuccess ? err : cudaGetLastError();
 }
 
+// The Status of a kernel launch that returned `err` (launch_kernel, or cudaGetLastError).
+inline Status cuda_status(const char* what, cudaError_t err) {
+  if (err == cudaSuccess) return Status::ok();
+  return Status(StatusCode::kCudaError, detail::concat(what, ": kernel launch failed: ", cudaGetErrorString(err)));
+}
+
 // The prologue of a kernel that may be launched in `order`: every thread of every block calls it
 // first, before any memory access and any early return (Note [programmatic dependent launch]).
 __device__ __forceinline__ void pdl_begin(LaunchOrder order) {
