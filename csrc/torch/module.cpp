@@ -103,6 +103,9 @@ PYBIND11_MODULE(_C, m) {
     }
   });
   bind_communicator(m);
+  m.def("last_error_kind", [] { return static_cast<int>(last_error_kind); },
+        "commlib's class of this thread's last DistBackendError from a torch.ops.ddacomm op: 0 CommError, "
+        "1 TimeoutError, 2 PeerError");
   m.def("knobs", [] {
     std::vector<std::tuple<std::string, std::string, std::string>> out;
     for (const auto& k : commlib::env::knobs()) out.emplace_back(k.name, k.default_value, k.meaning);

@@ -38,6 +38,12 @@ void with_contiguous(at::Tensor& t, F&& body) {
   t.copy_(work);
 }
 
+// commlib's class of the last error that translate_errors turned into DistBackendError on this
+// thread (the dispatcher knows only torch's classes): commlib's Python wrappers of torch.ops.ddacomm
+// ops re-raise it as commlib.TimeoutError / PeerError / CommError (`_C.last_error_kind`).
+enum class ErrorKind : int { kComm = 0, kTimeout = 1, kPeer = 2 };
+inline thread_local ErrorKind last_error_kind = ErrorKind::kComm;
+
 // Runs `body`, turning commlib's typed errors into torch's (one error currency per layer):
 // InvalidArgument -> ValueError, TypeMismatch -> TypeError, other commlib errors ->
 // DistBackendError. For code reached through the c10d backend or the torch dispatcher.
@@ -50,6 +56,9 @@ void translate_errors(F&& body) {
   } catch (const TypeMismatch& e) {
     TORCH_CHECK_TYPE(false, e.what());
   } catch (const Error& e) {
+    last_error_kind = dynamic_cast<const Timeout*>(&e) != nullptr     ? ErrorKind::kTimeout
+                      : dynamic_cast<const PeerError*>(&e) != nullptr ? ErrorKind::kPeer
+                                                                      : ErrorKind::kComm;
     C10_THROW_ERROR(DistBackendError, e.what());
   }
 }

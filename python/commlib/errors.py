@@ -19,4 +19,14 @@ class PeerError(CommError):
     """Ranks disagreed (world size, collective, sizes) or a peer process exited."""
 
 
+def from_dispatcher(error: dist.DistBackendError) -> CommError:
+    """commlib's class for ``error``, raised by a ``torch.ops.ddacomm`` op on this thread (the
+    torch dispatcher carries only ``DistBackendError``); same message."""
+    if isinstance(error, CommError):
+        return error
+    from commlib import _C
+    kind = _C.last_error_kind()
+    return (TimeoutError if kind == 1 else PeerError if kind == 2 else CommError)(str(error))
+
+
 __all__ = ["CommError", "TimeoutError", "PeerError"]

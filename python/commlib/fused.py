@@ -21,8 +21,10 @@ from typing import Optional, Tuple
 import math
 
 import torch
+import torch.distributed as dist
 
 from . import _C
+from .errors import from_dispatcher
 
 RESIDUAL_MODES = ("replicated", "sharded")
 ALGOS = ("auto", "p2p", "multimem")
@@ -108,8 +110,11 @@ def fused_allreduce_rmsnorm(comm, x: torch.Tensor, residual: torch.Tensor, weigh
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     elif not isinstance(out, torch.Tensor):
         raise TypeError(f"fused_allreduce_rmsnorm: out must be a torch.Tensor, got {type(out).__name__}")
-    torch.ops.ddacomm.fused_allreduce_rmsnorm(x, residual, weight, float(eps), out, op_handle(comm),
-                                              residual_mode, int(num_sms or 0), algo)
+    try:
+        torch.ops.ddacomm.fused_allreduce_rmsnorm(x, residual, weight, float(eps), out, op_handle(comm),
+                                                  residual_mode, int(num_sms or 0), algo)
+    except dist.DistBackendError as e:
+        raise from_dispatcher(e) from None
     return out, residual
 
 

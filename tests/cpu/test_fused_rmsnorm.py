@@ -189,6 +189,31 @@ def test_row_larger_than_slot_raises(ranks):
     ranks(2, env={"COMMLIB_SHM_SLOT_BYTES": "65536"}).run(_slot_too_small)
 
 
+def _slow_peer(ctx):
+    import datetime
+    import time
+
+    import commlib
+    # The op goes through torch.ops.ddacomm, whose errors the dispatcher carries as
+    # DistBackendError; commlib.fused re-raises them as commlib's classes, like every other call.
+    comm = ctx.new_comm("fused-slow", timeout=datetime.timedelta(seconds=4))  # 4 s: see test_host_collectives
+    comm.barrier()
+    if ctx.rank == 1:
+        time.sleep(8)
+        return "slept"
+    xs, residual, weight = make_inputs(0, 2, 5, 64, torch.float32)
+    with pytest.raises(commlib.TimeoutError, match="rank 0 timed out .* waiting for rank 1"):
+        comm.fused_allreduce_rmsnorm(xs[0], residual, weight)
+    with pytest.raises(commlib.PeerError, match="unusable"):
+        comm.fused_allreduce_rmsnorm(xs[0], residual, weight)
+    comm.close()
+    return "timed out"
+
+
+def test_slow_peer_times_out_with_commlib_errors(ranks):
+    assert ranks(2).run(_slow_peer) == ["timed out", "slept"]
+
+
 def _compiled(ctx):
     from commlib.fused import reference_rmsnorm
     comm = ctx.comm

@@ -141,6 +141,32 @@ def test_fused_gpu_bad_schedule_knobs(ranks):
     ranks(2, env={"COMMLIB_FUSED_REP_GATHER": "out"}).run(_bad_knob, "COMMLIB_FUSED_REP_GATHER='out'")
 
 
+def _dead_peer(ctx):
+    # Rank 1 never joins the second call: rank 0's barrier kernel must time out with a clear error,
+    # not hang, and report it on the next call.
+    import commlib
+    from datetime import timedelta
+    dev = torch.device("cuda", ctx.device)
+    comm = ctx.new_comm("fused-timeout", timeout=timedelta(seconds=2))
+    x = torch.randn(300, 1024, device=dev, dtype=torch.bfloat16)  # 150 rows per rank: barrier kernel
+    w = torch.ones(1024, dtype=torch.bfloat16, device=dev)
+    comm.fused_allreduce_rmsnorm(x, x.clone(), w)  # both ranks: creates the GPU state
+    torch.cuda.synchronize()
+    if ctx.rank == 0:
+        comm.fused_allreduce_rmsnorm(x, x.clone(), w)
+        torch.cuda.synchronize()
+        with pytest.raises(commlib.TimeoutError, match=r"rank 0 waited \d+ ms for rank 1 at phase 'inputs ready"):
+            comm.check_gpu_error()
+        with pytest.raises(commlib.TimeoutError, match=r"a GPU wait of this communicator timed out"):
+            comm.fused_allreduce_rmsnorm(x, x.clone(), w)
+    comm.close()
+    return True
+
+
+def test_fused_gpu_dead_peer_times_out(ranks):
+    assert all(ranks(2).run(_dead_peer, timeout=120))
+
+
 def _bad_knob(ctx, message):
     dev = torch.device("cuda", ctx.device)
     x = torch.randn(300, 1024, device=dev, dtype=torch.bfloat16)  # 150 rows per rank: barrier kernel

@@ -19,7 +19,8 @@
 // its own part of call k - 1, so such a kernel must give block b the same data in every call.
 // Every wait is bounded by BarrierDevice::timeout_ns: on expiry the first waiter records rank,
 // peer, phase, block and elapsed time in the host-mapped DeviceErrorWord, the state is poisoned
-// (later calls return at once) and the kernel returns; the host raises Timeout naming them.
+// (later calls return at once, and waits still spinning in this call give up) and the kernel
+// returns; the host raises Timeout naming them.
 #pragma once
 
 #include <cstdint>
@@ -81,6 +82,29 @@ __device__ __forceinline__ void record_timeout(const BarrierDevice& bar, int pee
   record_timeout(bar.state, bar.error, bar.rank, peer, phase, elapsed, call);
 }
 
+// Waits (this thread) until *flag >= value, acquire at system scope: what the writer published
+// before its release store of that value is then visible to this thread. Bounded: false when
+// BarrierDevice::timeout_ns passed (the first such waiter records peer and phase and poisons the
+// state) or when another wait of this rank already failed (poisoned: a dead peer costs one timeout,
+// not one per flag).
+__device__ __forceinline__ bool wait_flag(const BarrierDevice& bar, const uint64_t* flag, uint64_t value, int peer,
+                                          int phase, uint64_t call) {
+  if (ld_acquire_sys_u64(flag) >= value) return true;
+  const uint64_t start = globaltimer_ns();
+  uint32_t spins = 0;
+  while (ld_acquire_sys_u64(flag) < value) {
+    if ((++spins & 255u) == 0u) {
+      if (ld_volatile_u32(&bar.state->poisoned) != 0) return false;
+      const uint64_t elapsed = globaltimer_ns() - start;
+      if (elapsed > bar.timeout_ns) {
+        record_timeout(bar, peer, phase, elapsed, call);
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
 // How a block announces that it reached a barrier phase.
 enum class BarrierArrival {
   kRelease,  // after a block-wide sync, with release semantics: publishes the block's earlier writes
@@ -109,20 +133,7 @@ __device__ __forceinline__ bool barrier_block(const BarrierDevice& bar, uint64_t
     }
     const uint64_t* mine = bar.flags[bar.rank] + blockIdx.x * kMaxDeviceRanks + t;
     // Makes peer t's writes before its release visible to this block (with the __syncthreads below).
-    if (ld_acquire_sys_u64(mine) < value) {
-      const uint64_t start = globaltimer_ns();
-      uint32_t spins = 0;
-      while (ld_acquire_sys_u64(mine) < value) {
-        if ((++spins & 255u) == 0u) {
-          const uint64_t elapsed = globaltimer_ns() - start;
-          if (elapsed > bar.timeout_ns) {
-            record_timeout(bar, t, phase, elapsed, call);
-            failed = 1;
-            break;
-          }
-        }
-      }
-    }
+    failed = wait_flag(bar, mine, value, t, phase, call) ? 0 : 1;
   }
   return __syncthreads_or(failed) == 0;
 }
