@@ -94,18 +94,13 @@ PYBIND11_MODULE(_C, m) {
       PyErr_SetString(PyExc_ValueError, e.what());
     } catch (const commlib::TypeMismatch& e) {
       PyErr_SetString(PyExc_TypeError, e.what());
-    } catch (const commlib::Timeout& e) {
-      set_python_error("TimeoutError", e);
-    } catch (const commlib::PeerError& e) {
-      set_python_error("PeerError", e);
     } catch (const commlib::Error& e) {
-      set_python_error("CommError", e);
+      set_python_error(error_class_name(e), e);
     }
   });
   bind_communicator(m);
-  m.def("last_error_kind", [] { return static_cast<int>(last_error_kind); },
-        "commlib's class of this thread's last DistBackendError from a torch.ops.ddacomm op: 0 CommError, "
-        "1 TimeoutError, 2 PeerError");
+  m.def("last_error_class", [] { return std::string(last_error_class); },
+        "commlib.errors class name of this thread's last DistBackendError from a torch.ops.ddacomm op");
   m.def("knobs", [] {
     std::vector<std::tuple<std::string, std::string, std::string>> out;
     for (const auto& k : commlib::env::knobs()) out.emplace_back(k.name, k.default_value, k.meaning);

@@ -38,11 +38,17 @@ void with_contiguous(at::Tensor& t, F&& body) {
   t.copy_(work);
 }
 
-// commlib's class of the last error that translate_errors turned into DistBackendError on this
+// The commlib.errors class of a communication error: TimeoutError, PeerError or CommError.
+inline const char* error_class_name(const Error& e) {
+  if (dynamic_cast<const Timeout*>(&e) != nullptr) return "TimeoutError";
+  if (dynamic_cast<const PeerError*>(&e) != nullptr) return "PeerError";
+  return "CommError";
+}
+
+// error_class_name of the last error that translate_errors turned into DistBackendError on this
 // thread (the dispatcher knows only torch's classes): commlib's Python wrappers of torch.ops.ddacomm
-// ops re-raise it as commlib.TimeoutError / PeerError / CommError (`_C.last_error_kind`).
-enum class ErrorKind : int { kComm = 0, kTimeout = 1, kPeer = 2 };
-inline thread_local ErrorKind last_error_kind = ErrorKind::kComm;
+// ops re-raise it as that commlib.errors class (`_C.last_error_class`).
+inline thread_local const char* last_error_class = "CommError";
 
 // Runs `body`, turning commlib's typed errors into torch's (one error currency per layer):
 // InvalidArgument -> ValueError, TypeMismatch -> TypeError, other commlib errors ->
@@ -56,9 +62,7 @@ void translate_errors(F&& body) {
   } catch (const TypeMismatch& e) {
     TORCH_CHECK_TYPE(false, e.what());
   } catch (const Error& e) {
-    last_error_kind = dynamic_cast<const Timeout*>(&e) != nullptr     ? ErrorKind::kTimeout
-                      : dynamic_cast<const PeerError*>(&e) != nullptr ? ErrorKind::kPeer
-                                                                      : ErrorKind::kComm;
+    last_error_class = error_class_name(e);
     C10_THROW_ERROR(DistBackendError, e.what());
   }
 }

@@ -25,8 +25,7 @@ def from_dispatcher(error: dist.DistBackendError) -> CommError:
     if isinstance(error, CommError):
         return error
     from commlib import _C
-    kind = _C.last_error_kind()
-    return (TimeoutError if kind == 1 else PeerError if kind == 2 else CommError)(str(error))
+    return globals()[_C.last_error_class()](str(error))
 
 
 __all__ = ["CommError", "TimeoutError", "PeerError"]

@@ -85,8 +85,8 @@ __device__ __forceinline__ void record_timeout(const BarrierDevice& bar, int pee
 // Waits (this thread) until *flag >= value, acquire at system scope: what the writer published
 // before its release store of that value is then visible to this thread. Bounded: false when
 // BarrierDevice::timeout_ns passed (the first such waiter records peer and phase and poisons the
-// state) or when another wait of this rank already failed (poisoned: a dead peer costs one timeout,
-// not one per flag).
+// state) or when another wait of this rank already failed (poisoned: the other waits stop instead
+// of each running out its own timeout).
 __device__ __forceinline__ bool wait_flag(const BarrierDevice& bar, const uint64_t* flag, uint64_t value, int peer,
                                           int phase, uint64_t call) {
   if (ld_acquire_sys_u64(flag) >= value) return true;
