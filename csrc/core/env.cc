@@ -79,7 +79,9 @@ const std::vector<Knob>& knobs() {
        "while chunk k + 1's x is pushed; 2: one kernel call, chunks strictly one after another."},
       {"COMMLIB_FUSED_CHUNK_ROWS", "0",
        "Fused all-reduce + RMSNorm, barrier kernel: most rows per rank in one chunk (0: as many as "
-       "a workspace half holds). Shorter chunks let the chunk loop overlap more."},
+       "a workspace half holds, except in replicated mode with the res gather, where a slice of more "
+       "than 8 MiB and less than 1.5 halves runs in 8 MiB chunks). Shorter chunks let the chunk loop "
+       "overlap more."},
       {"COMMLIB_FUSED_REP_GATHER", "res",
        "Fused all-reduce + RMSNorm, barrier kernel, replicated residual: what the owner of a row pushes "
        "to the peers. out_res: the normalised row and the new residual row; res: only the new residual "

@@ -41,6 +41,10 @@ constexpr int kFusedDefaultMaxBlocks = 16;
 // saturate the link for a plain copy). Callers that overlap the op with compute pass num_sms (or
 // COMMLIB_FUSED_NUM_SMS, or the tune file's fused_num_sms) to cap it.
 constexpr int kFusedP2pDefaultMaxBlocks = kFusedMaxBlocks;
+// The barrier kernel's chunk size in replicated mode (residual gather) when COMMLIB_FUSED_CHUNK_ROWS
+// is 0 and the rank's slice would otherwise run as one chunk, or one full chunk and a short one:
+// 8 MiB, 512 rows of hidden 8192 (launch_rs_rmsnorm_ag_p2p).
+constexpr size_t kFusedRepSplitBytes = size_t{8} << 20;
 
 struct RsRmsNormAgP2pParams {
   FusedRmsNormArgs args{};            // x, residual, weight, out: this rank's, 16-byte aligned

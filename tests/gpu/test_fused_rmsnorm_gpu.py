@@ -130,8 +130,9 @@ def test_fused_gpu_chunk_loop_and_gather(ranks, persistent, rep_gather, workspac
 
 
 def test_fused_gpu_chunk_loop_fp16_default_workspace(ranks):
-    # The default workspace (64 MiB: 682 rows of hidden 8192 per half replicated, 1024 sharded or
-    # with res) and 2100 tokens (1050 per rank): 2 chunks, the second short; fp16.
+    # The default workspace (64 MiB: 682 rows of hidden 8192 per half replicated with out_res, 1024
+    # sharded or with res) and 2100 tokens (1050 per rank): 2 chunks, the second short; replicated
+    # with res, the default: 8 MiB chunks of 512 rows (512, 512, 26; kFusedRepSplitBytes); fp16.
     for rep_gather in REP_GATHERS:
         ranks(2, env={"COMMLIB_FUSED_REP_GATHER": rep_gather}).run(_gpu_case, "float16", [2100], [8192])
 
