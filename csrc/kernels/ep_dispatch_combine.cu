@@ -167,27 +167,7 @@ __device__ __forceinline__ void named_barrier(int id, int count) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
 
-// ---- bounded flag waits (Note [flag barrier]'s discipline: bounded, recorded, poison-aware) ----
-
-// Spins until *flag >= value (acquire, system scope: makes the writer's stores before its release
-// visible to this thread). Returns true if it gave up (timeout recorded, or another wait failed).
-__device__ __forceinline__ bool wait_flag(const uint64_t* flag, uint64_t value, const BarrierDevice& bar, int peer,
-                                          EPPhaseId phase, uint64_t seq) {
-  if (device::ld_acquire_sys_u64(flag) >= value) return false;
-  const uint64_t start = device::globaltimer_ns();
-  uint32_t spins = 0;
-  while (device::ld_acquire_sys_u64(flag) < value) {
-    if ((++spins & 255u) == 0u) {
-      if (device::ld_volatile_u32(&bar.state->poisoned) != 0) return true;
-      const uint64_t elapsed = device::globaltimer_ns() - start;
-      if (elapsed > bar.timeout_ns) {
-        device::record_timeout(bar.state, bar.error, bar.rank, peer, static_cast<int>(phase), elapsed, seq);
-        return true;
-      }
-    }
-  }
-  return false;
-}
+// ---- bounded flag waits (device::wait_flag: bounded, recorded, poison-aware) ----
 
 // The flags one wait covers: flags[q][block] of this rank's piece for every rank q in `ranks`.
 struct FlagSet {
@@ -197,10 +177,11 @@ struct FlagSet {
   EPPhaseId phase;
 };
 
-// Lane q of a waiting warp waits for rank q's flag of `set` (if q is in it).
+// Lane q of a waiting warp waits for rank q's flag of `set` (if q is in it); true if it gave up.
 __device__ __forceinline__ bool wait_lane(const EPParams& p, const FlagSet& set, uint64_t value, uint64_t seq, int q) {
   if (q >= p.world_size || ((set.ranks >> q) & 1u) == 0u) return false;
-  return wait_flag(piece<uint64_t>(p, p.rank, set.flags) + slot(p, q, set.block), value, p.barrier, q, set.phase, seq);
+  return !device::wait_flag(p.barrier, piece<uint64_t>(p, p.rank, set.flags) + slot(p, q, set.block), value, q,
+                            static_cast<int>(set.phase), seq);
 }
 
 // Block-wide (every thread calls it): warp 0 waits for `first`, warp 1 for `second` at the same
