@@ -13,6 +13,10 @@
 namespace commlib::kernels {
 namespace {
 
+// 16-byte packs a lane loads (or polls) together when it pushes or expands a row.
+constexpr int kLLExpandPacks = 4;
+// Owner ranks whose partial lines a lane polls together in the combine (registers scale with it).
+constexpr int kLLOwnersAtOnce = 4;
 // Routes of one chunk (shared-memory arrays per source rank).
 constexpr int kLLChunkRoutes = static_cast<int>(kEPLLMaxChunkTokens * kEPMaxTopk);
 
@@ -65,6 +69,25 @@ __device__ __forceinline__ void store_pack_any(T* row, int64_t v, const device::
     pack.store(row + v * N);
   } else {
     pack.store_partial(row + v * N, N);
+  }
+}
+
+// The combine's sums as LL lines when an expert row is not 16-byte aligned: the same arithmetic
+// element by element (out of line: it would otherwise cost the aligned path registers).
+template <typename T>
+__device__ __noinline__ void weighted_sum_lines_unaligned(uint4* dst, const T* const* srcs, const float* ws,
+                                                          int num_srcs, Cols cols, uint32_t flag, int lane) {
+  using V = device::Vec<T>;
+  constexpr int N = V::kNumElems;
+  for (int64_t v = cols.begin / N + lane; v < cols.end / N; v += 32) {
+    V pack;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      float acc = 0.0f;
+      for (int r = 0; r < num_srcs; ++r) acc = __fadd_rn(acc, __fmul_rn(ws[r], device::to_float<T>(srcs[r][v * N + i])));
+      pack.elems[i] = device::from_float<T>(acc);
+    }
+    device::ll_store(dst + 2 * v, raw_of(pack), flag);
   }
 }
 
@@ -221,10 +244,20 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_ll_kernel(EPParams p,
       const T* src = x + t * c.hidden;
       const bool aligned = aligned16(src);
       const Cols sc = sub_cols<T>(cols, static_cast<int>(w % parts), parts);
-      for (int64_t v = sc.begin / N + lane; v < sc.end / N; v += 32) {
-        const uint4 raw = raw_of(load_pack_any(src, v, aligned));
+      for (int64_t v0 = sc.begin / N + lane; v0 < sc.end / N; v0 += 32 * kLLExpandPacks) {
+        uint4 raw[kLLExpandPacks];
+#pragma unroll
+        for (int u = 0; u < kLLExpandPacks; ++u) {
+          if (v0 + 32 * u < sc.end / N) raw[u] = raw_of(load_pack_any(src, v0 + 32 * u, aligned));
+        }
         for (int d = 0; d < n; ++d) {
-          if ((owners >> d) & 1u) device::ll_store(zone_row(p, dispatch_zone(p, d, me, b), tl, v - first_pack), raw, flag);
+          if (((owners >> d) & 1u) == 0u) continue;
+          uint4* zone = dispatch_zone(p, d, me, b);
+#pragma unroll
+          for (int u = 0; u < kLLExpandPacks; ++u) {
+            const int64_t v = v0 + 32 * u;
+            if (v < sc.end / N) device::ll_store(zone_row(p, zone, tl, v - first_pack), raw[u], flag);
+          }
         }
       }
     }
@@ -306,25 +339,31 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_ll_kernel(EPParams p,
     if (!__any_sync(kFullMask, local)) continue;  // no lines were sent for this token
     const int num_dsts = warp_list(lists[warp], keep, dst, lane);
     const Cols sc = sub_cols<T>(cols, sub, parts);
-    const T* own = x + t * c.hidden;
-    const bool own_aligned = aligned16(own);
-    uint4* zone = s == me ? nullptr : dispatch_zone(p, me, s, b);
-    for (int64_t v = sc.begin / N + lane; v < sc.end / N; v += 32) {
-      V pack;
-      if (s == me) {
-        pack = load_pack_any(own, v, own_aligned);
-      } else {
-        uint4* lines = zone_row(p, zone, tl, v - first_pack);
-        const uint4* src[1] = {lines};
-        const int peer[1] = {s};
-        uint4 lo[1], hi[1];
-        device::ll_wait_all<1>(src, peer, lo, hi, flag, p.barrier, static_cast<int>(EPPhaseId::kDispatchLanded), seq,
-                               lost);
+    if (s == me) {
+      copy_row(lists[warp], num_dsts, x + t * c.hidden, c.hidden, sc, lane);
+    } else {  // kLLExpandPacks packs a lane polled together, then stored to every expert row
+      uint4* zone = dispatch_zone(p, me, s, b);
+      for (int64_t v0 = sc.begin / N + lane; v0 < sc.end / N; v0 += 32 * kLLExpandPacks) {
+        const uint4* src[kLLExpandPacks];
+        int peer[kLLExpandPacks];
+        uint4 lo[kLLExpandPacks], hi[kLLExpandPacks];
+#pragma unroll
+        for (int u = 0; u < kLLExpandPacks; ++u) {
+          const int64_t v = v0 + 32 * u;
+          src[u] = v < sc.end / N ? zone_row(p, zone, tl, v - first_pack) : nullptr;
+          peer[u] = s;
+        }
+        device::ll_wait_all<kLLExpandPacks>(src, peer, lo, hi, flag, p.barrier,
+                                            static_cast<int>(EPPhaseId::kDispatchLanded), seq, lost);
         if (lost) break;
-        clear_pair(lines);
-        pack = vec_of<T>(device::ll_payload(lo[0], hi[0]));
+#pragma unroll
+        for (int u = 0; u < kLLExpandPacks; ++u) {
+          if (src[u] == nullptr) continue;
+          clear_pair(const_cast<uint4*>(src[u]));
+          const V pack = vec_of<T>(device::ll_payload(lo[u], hi[u]));
+          for (int d = 0; d < num_dsts; ++d) pack.store(lists[warp][d] + (v0 + 32 * u) * N);  // rows are aligned
+        }
       }
-      for (int d = 0; d < num_dsts; ++d) pack.store(lists[warp][d] + v * N);  // expert rows are aligned
     }
     lost = __any_sync(kFullMask, lost);
     __syncwarp();  // the list is rewritten by the next token
@@ -398,19 +437,8 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_ll_kernel(EPParams p, 
         weighted_sum_packs<T, kRouteSumDecode.unroll, kRouteSumDecode.sources>(
             srcs[warp], weights[warp], num_srcs, sc, lane,
             [&](int64_t v, const V& pack) { device::ll_store(dst + 2 * v, raw_of(pack), flag); });
-      } else {  // the same sums element by element
-        for (int64_t v = sc.begin / N + lane; v < sc.end / N; v += 32) {
-          V pack;
-#pragma unroll
-          for (int i = 0; i < N; ++i) {
-            float acc = 0.0f;
-            for (int r = 0; r < num_srcs; ++r) {
-              acc = __fadd_rn(acc, __fmul_rn(weights[warp][r], device::to_float<T>(srcs[warp][r][v * N + i])));
-            }
-            pack.elems[i] = device::from_float<T>(acc);
-          }
-          device::ll_store(dst + 2 * v, raw_of(pack), flag);
-        }
+      } else {
+        weighted_sum_lines_unaligned(dst, srcs[warp], weights[warp], num_srcs, sc, flag, lane);
       }
       __syncwarp();  // the lists are rewritten by the next token
     }
@@ -431,31 +459,34 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_ll_kernel(EPParams p, 
     T* dst = out + t * c.hidden;
     const bool aligned = aligned16(dst);
     const Cols sc = sub_cols<T>(cols, static_cast<int>(w % parts), parts);
-    for (int64_t v = sc.begin / N + lane; v < sc.end / N; v += 32) {
-      const uint4* src[kMaxDeviceRanks];
-      int peer[kMaxDeviceRanks];
-      uint4 lo[kMaxDeviceRanks], hi[kMaxDeviceRanks];
-#pragma unroll
-      for (int d = 0; d < kMaxDeviceRanks; ++d) {
-        const bool owner = d < n && ((owners >> d) & 1u);
-        src[d] = owner ? combine_row(p, me, d, t) + 2 * v : nullptr;
-        peer[d] = d;
-      }
-      device::ll_wait_all<kMaxDeviceRanks>(src, peer, lo, hi, flag, p.barrier,
-                                           static_cast<int>(EPPhaseId::kCombineLanded), seq, failed);
-      if (failed) break;
+    for (int64_t v = sc.begin / N + lane; v < sc.end / N && !failed; v += 32) {
       device::Acc<N> acc;
 #pragma unroll
       for (int i = 0; i < N; ++i) acc.v[i] = 0.0f;
+      // kLLOwnersAtOnce ranks' lines polled together, the groups in rank order.
+      for (int d0 = 0; d0 < n; d0 += kLLOwnersAtOnce) {
+        const uint4* src[kLLOwnersAtOnce];
+        int peer[kLLOwnersAtOnce];
+        uint4 lo[kLLOwnersAtOnce], hi[kLLOwnersAtOnce];
 #pragma unroll
-      for (int d = 0; d < kMaxDeviceRanks; ++d) {
-        if (src[d] == nullptr) continue;
-        clear_pair(const_cast<uint4*>(src[d]));
-        const V y = vec_of<T>(device::ll_payload(lo[d], hi[d]));
+        for (int u = 0; u < kLLOwnersAtOnce; ++u) {
+          const int d = d0 + u;
+          src[u] = d < n && ((owners >> d) & 1u) ? combine_row(p, me, d, t) + 2 * v : nullptr;
+          peer[u] = d;
+        }
+        device::ll_wait_all<kLLOwnersAtOnce>(src, peer, lo, hi, flag, p.barrier,
+                                             static_cast<int>(EPPhaseId::kCombineLanded), seq, failed);
+        if (failed) break;
 #pragma unroll
-        for (int i = 0; i < N; ++i) acc.v[i] = __fadd_rn(acc.v[i], __fmul_rn(1.0f, device::to_float<T>(y.elems[i])));
+        for (int u = 0; u < kLLOwnersAtOnce; ++u) {
+          if (src[u] == nullptr) continue;
+          clear_pair(const_cast<uint4*>(src[u]));
+          const V y = vec_of<T>(device::ll_payload(lo[u], hi[u]));
+#pragma unroll
+          for (int i = 0; i < N; ++i) acc.v[i] = __fadd_rn(acc.v[i], __fmul_rn(1.0f, device::to_float<T>(y.elems[i])));
+        }
       }
-      store_pack_any(dst, v, device::acc_cast<T, N>(acc), aligned);
+      if (!failed) store_pack_any(dst, v, device::acc_cast<T, N>(acc), aligned);
     }
     failed = __any_sync(kFullMask, failed);
   }
