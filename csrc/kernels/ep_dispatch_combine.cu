@@ -411,6 +411,7 @@ EPSymmetricLayout ep_symmetric_layout(const EPConfig& c, int world_size, const E
   // LL lines start at zero too (flag 0 is never valid).
   take(l.ll_dispatch, slots * static_cast<size_t>(ll.zone_lines) * 16);
   take(l.ll_combine, static_cast<size_t>(world_size) * c.max_tokens_per_rank * ll.row_packs * 2 * 16);
+  take(l.ll_combine_sync, ll.zone_lines > 0 ? slots * 2 * 16 : 0);
   l.control_end = at;
   take(l.num_tokens, chunk_slots * sizeof(int32_t));
   take(l.totals, chunk_slots * num_local * sizeof(int32_t));

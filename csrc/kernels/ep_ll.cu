@@ -39,6 +39,11 @@ __device__ __forceinline__ uint4* combine_row(const EPParams& p, int r, int d, i
          (static_cast<size_t>(d) * p.config.max_tokens_per_rank + t) * 2 * p.ll.row_packs;
 }
 
+// The sync pair of writer d, block b in rank r's piece (Note [EP LL protocol]).
+__device__ __forceinline__ uint4* combine_sync(const EPParams& p, int r, int d, int b) {
+  return piece<uint4>(p, r, p.layout.ll_combine_sync) + 2 * slot(p, d, b);
+}
+
 __device__ __forceinline__ void clear_pair(uint4* lines) {
   const uint4 zero{0u, 0u, 0u, 0u};
   device::st_v4_u32(lines, zero);
@@ -442,6 +447,9 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_ll_kernel(EPParams p, 
       }
       __syncwarp();  // the lists are rewritten by the next token
     }
+    // Block b of every peer hears from this block whatever the chunk held (Note [EP LL protocol]).
+    const int q = static_cast<int>(threadIdx.x);
+    if (q < n && q != me) device::ll_store(combine_sync(p, q, me, blockIdx.x), uint4{1u, 1u, 1u, 1u}, flag);
     trace(EPTracePoint::kCombineSignalled, 0);
   }
   if (!recv) return;
@@ -489,6 +497,17 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_ll_kernel(EPParams p, 
       if (!failed) store_pack_any(dst, v, device::acc_cast<T, N>(acc), aligned);
     }
     failed = __any_sync(kFullMask, failed);
+  }
+  // The peers' sync pairs for this block (thread q: rank q).
+  const int q = static_cast<int>(threadIdx.x);
+  if (q < n && q != me && !failed) {
+    uint4* lines = combine_sync(p, me, q, blockIdx.x);
+    const uint4* src[1] = {lines};
+    const int peer[1] = {q};
+    uint4 lo[1], hi[1];
+    device::ll_wait_all<1>(src, peer, lo, hi, flag, p.barrier, static_cast<int>(EPPhaseId::kCombineLanded), seq,
+                           failed);
+    if (!failed) clear_pair(lines);
   }
   trace(EPTracePoint::kCombineLanded, 0);
   // The last block to finish advances seq (every block read it above, before counting itself).

@@ -90,10 +90,17 @@
 // combine, block b of owner d: the partials of chunk i (as above) go into the source's line rows
 //   [d][t] instead of land_y; block b of source s polls the lines of t's owners, clears them and
 //   sums them in rank order. Tokens with no route to d get no lines from d (s knows the owners).
+// Every block b also hears from block b of every peer in each receive, whatever its chunk holds,
+//   as on the flag path: the dispatch's meta part always goes out, and in the combine block b of
+//   every rank sends a sync pair to every peer (ll_combine_sync), which block b of the peer polls.
+//   Without it a rank whose tokens of a chunk have no expert on a peer would finish its combine
+//   without waiting for that peer, and its next dispatch could overwrite lines the peer has not
+//   read yet (found by back-to-back eager calls after a skewed routing).
 // Reuse without a reset: a reader clears every line it consumed, before the writer can write that
-//   line again (the same argument as for land_x and land_y above: the next write of a zone comes
-//   after a kernel boundary of the reader and a flag or line that the reader sent after it).
-//   The flag is checked too, so a line is never taken from an earlier call even without the clear.
+//   line again (the same argument as for land_x and land_y above, with the meta parts and sync
+//   pairs for the flags: the next write of a zone comes after a kernel boundary of the reader and
+//   a line that the reader sent after it). The flag is checked too, so a line is never taken from
+//   an earlier call even without the clear.
 #pragma once
 
 #include <cstddef>
@@ -157,6 +164,7 @@ struct EPSymmetricLayout {
   size_t combine_flags = 0;  // uint64 [world][blocks]
   size_t ll_dispatch = 0;    // LL path: 16-byte lines [world][blocks][EPLLGeometry::zone_lines]
   size_t ll_combine = 0;     // LL path: 16-byte lines [world][max_tokens][2 * EPLLGeometry::row_packs]
+  size_t ll_combine_sync = 0;  // LL path: 16-byte line pairs [world][blocks]: "block b of rank d is in this combine"
   size_t num_tokens = 0;     // int32 [world][chunks]: source s's token count (each chunk's lead writes its slot)
   size_t totals = 0;         // int32 [world][chunks][L]: routes of s to each of this rank's experts
   size_t meta_idx = 0;       // int32 [world][max_tokens][topk] (-1: none or invalid)
