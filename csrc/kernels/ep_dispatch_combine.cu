@@ -206,7 +206,9 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
   // Block 0 writes expert_counts with the warps the expansion leaves idle (decode sizes), else
   // with every thread after it.
   const int busy = static_cast<int>(min64(items * parts, kWarps));
-  if (b == 0 && busy < kWarps && warp >= busy) write_expert_counts(p, busy * 32, kThreads - busy * 32, totals_in_piece(p));
+  if (b == 0 && busy < kWarps && warp >= busy) {
+    write_expert_counts(p, busy * 32, kThreads - busy * 32, totals_in_piece(p));
+  }
   for (int64_t w = warp; w < items * parts; w += kWarps) {
     const auto [s, t] = nth_token(p, role.chunk, me, w / parts);
     const int sub = static_cast<int>(w % parts);

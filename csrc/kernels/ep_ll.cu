@@ -89,7 +89,9 @@ __device__ __noinline__ void weighted_sum_lines_unaligned(uint4* dst, const T* c
 #pragma unroll
     for (int i = 0; i < N; ++i) {
       float acc = 0.0f;
-      for (int r = 0; r < num_srcs; ++r) acc = __fadd_rn(acc, __fmul_rn(ws[r], device::to_float<T>(srcs[r][v * N + i])));
+      for (int r = 0; r < num_srcs; ++r) {
+        acc = __fadd_rn(acc, __fmul_rn(ws[r], device::to_float<T>(srcs[r][v * N + i])));
+      }
       pack.elems[i] = device::from_float<T>(acc);
     }
     device::ll_store(dst + 2 * v, raw_of(pack), flag);
@@ -293,7 +295,9 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_ll_kernel(EPParams p,
     if (k == 0) {
       const int64_t chunk_n = clamp64(static_cast<int32_t>(word) - t_begin, 0, tpc);
       chunk_count[s] = static_cast<int32_t>(chunk_n);
-      if (is_lead) piece<int32_t>(p, me, p.layout.num_tokens)[chunk_slot(p, s, role.chunk)] = static_cast<int32_t>(word);
+      if (is_lead) {
+        piece<int32_t>(p, me, p.layout.num_tokens)[chunk_slot(p, s, role.chunk)] = static_cast<int32_t>(word);
+      }
     } else if (k <= num_local) {
       tot[s * num_local + k - 1] = static_cast<int32_t>(word);
     } else {

@@ -164,7 +164,7 @@ struct EPSymmetricLayout {
   size_t combine_flags = 0;  // uint64 [world][blocks]
   size_t ll_dispatch = 0;    // LL path: 16-byte lines [world][blocks][EPLLGeometry::zone_lines]
   size_t ll_combine = 0;     // LL path: 16-byte lines [world][max_tokens][2 * EPLLGeometry::row_packs]
-  size_t ll_combine_sync = 0;  // LL path: 16-byte line pairs [world][blocks]: "block b of rank d is in this combine"
+  size_t ll_combine_sync = 0;  // LL path: line pairs [world][blocks]: block b of rank d is in this combine
   size_t num_tokens = 0;     // int32 [world][chunks]: source s's token count (each chunk's lead writes its slot)
   size_t totals = 0;         // int32 [world][chunks][L]: routes of s to each of this rank's experts
   size_t meta_idx = 0;       // int32 [world][max_tokens][topk] (-1: none or invalid)

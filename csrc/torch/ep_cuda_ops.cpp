@@ -109,8 +109,8 @@ EPCudaState* ep_cuda_create(Communicator& comm, const EPConfig& config, at::Devi
   state->cuda = &cuda;
   state->device = device;
   state->sym = cuda.allocate_symmetric(layout.total);  // collective
-  // Only the control words, overflow word, flags and LL lines must start at zero (every other region is
-  // written before it is read); the host barrier keeps peers from raising flags before that.
+  // Only the control words, overflow word, flags and LL lines must start at zero (every other region
+  // is written before it is read); the host barrier keeps peers from raising flags before that.
   cuda_ok(cudaMemset(state->sym->local(), 0, layout.control_end), what, "cudaMemset");
   cuda_ok(cudaDeviceSynchronize(), what, "cudaDeviceSynchronize");
   comm.barrier_host();
@@ -145,7 +145,9 @@ EPCudaState* ep_cuda_create(Communicator& comm, const EPConfig& config, at::Devi
 
 void ep_cuda_destroy(EPCudaState* state) { delete state; }
 
-const char* ep_cuda_kernels(const EPCudaState& state) { return state.params.path == kernels::EPPath::kLL ? "ll" : "flags"; }
+const char* ep_cuda_kernels(const EPCudaState& state) {
+  return state.params.path == kernels::EPPath::kLL ? "ll" : "flags";
+}
 
 namespace {
 
