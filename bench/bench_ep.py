@@ -137,8 +137,8 @@ def worker(rank, world, port, args, q):
             dist.all_reduce(t_cross, op=dist.ReduceOp.MAX)
             flag = torch.tensor([0.0 if ok else 1.0], device=dev)
             dist.all_reduce(flag)
-            rows.append(dict(model=m["name"], tokens=T, graph=t_graph, eager=t_eager, a=t_a, b=t_b,
-                             gbps=2 * float(t_cross) / (t_graph * 1e3), ok=float(flag) == 0))
+            rows.append(dict(model=m["name"], tokens=T, kernels=buf.kernels, graph=t_graph, eager=t_eager, a=t_a,
+                             b=t_b, gbps=2 * float(t_cross) / (t_graph * 1e3), ok=float(flag) == 0))
             del buf
             torch.cuda.empty_cache()
     if rank == 0:
@@ -159,13 +159,14 @@ def render(rows, args):
                                                  if k.startswith("COMMLIB_")) or "none (defaults)"),
         "- bf16, random top-k routing, identity experts; µs per dispatch+combine (median, slowest rank)",
         "",
-        "| model | tokens/rank | commlib graph | commlib eager | (a) NCCL host-sync | (b) AG+RS graph "
+        "| model | tokens/rank | kernels | commlib graph | commlib eager | (a) NCCL host-sync | (b) AG+RS graph "
         "| speedup vs best | payload GB/s/dir | check |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
         best = min(r["a"], r["b"])
-        lines.append(f"| {r['model']} | {r['tokens']} | {r['graph']:.1f} | {r['eager']:.1f} | {r['a']:.1f} | "
+        lines.append(f"| {r['model']} | {r['tokens']} | {r['kernels']} | {r['graph']:.1f} | {r['eager']:.1f} | "
+                     f"{r['a']:.1f} | "
                      f"{r['b']:.1f} | {best / r['graph']:.2f}x | {r['gbps']:.0f} | {'ok' if r['ok'] else 'FAIL'} |")
     return "\n".join(lines) + "\n"
 

@@ -87,6 +87,11 @@ const std::vector<Knob>& knobs() {
        "to the peers. out_res: the normalised row and the new residual row; res: only the new residual "
        "row, which every rank then normalises itself (same bits; 1/3 fewer NVLink bytes, one more "
        "local pass)."},
+      {"COMMLIB_EP_LL", "0",
+       "EPBuffer on GPU: 1: buffers with a decode grid (column parts, at most 4 tokens a chunk, rows a "
+       "whole number of 16-byte packs) run dispatch / combine over flag-carrying lines (Note [EP LL "
+       "protocol], csrc/kernels/ep_ll.cu); 0: the flag kernels. Read when a buffer is created; "
+       "used only if every rank asks for it."},
       {"COMMLIB_PDL", "0",
        "Programmatic dependent launch (sm_90) of the EP dispatch / combine, fused LL and flat / flat "
        "LL all-reduce kernels: 1: each may be scheduled while the previous kernel of its stream "

@@ -69,6 +69,38 @@
 //     meta[d][(i, 0)] = n + 1.
 // Residency: blocks spin on flags of other blocks (of peers, and of their own rank's lead), so the
 //   grid is at most one block per SM of the smallest GPU and all blocks run at once.
+//
+// Note [EP LL protocol]
+// Decode grids (P > 1 column parts, at most kEPLLMaxChunkTokens tokens a chunk, rows a whole number
+// of 16-byte packs) can run both phases over flag-carrying lines instead (ep_ll.cu; Note [LL lines]
+// for the line format): no release fence, no separate flag, no meta round; the routing travels in
+// the same kind of lines as the rows. Same grid, same results bit for bit (same positions, same
+// sums in the same order). flag = seq mod (2^32 - 1) + 1, never 0.
+// dispatch, block b = (i, p) of source s: every block (not only the lead) counts s's routes per
+//   expert and computes j for chunk i's routes (as the lead does above; the chunk's routes live in
+//   shared memory). To every peer d it writes, into d's zone [s][b]: a meta part (s's token count,
+//   s's totals of d's experts, then (expert, j, weight) of each route of chunk i; fixed length, so
+//   the reader knows what to poll) and part p of each chunk-i token with an expert on d.
+// dispatch, block b of receiver d: polls the meta part of every peer's zone [s][b] (and clears
+//   it), then expands every source's tokens of chunk i (its own from x, the peers' by polling and
+//   clearing their lines) into expert rows at base(s, l) + j. Part 0 writes meta_idx, meta_w,
+//   meta_j, the token counts and recv_pos of the chunk into d's own piece for the combine; block
+//   0 writes expert_counts and the overflow words. In split mode the send kernel's part 0 also
+//   stores s's own routing and totals there, which the receive kernel reads back.
+// combine, block b of owner d: the partials of chunk i (as above) go into the source's line rows
+//   [d][t] instead of land_y; block b of source s polls the lines of t's owners, clears them and
+//   sums them in rank order. Tokens with no route to d get no lines from d (s knows the owners).
+// Every block b also hears from block b of every peer in each receive, whatever its chunk holds,
+//   as on the flag path: the dispatch's meta part always goes out, and in the combine block b of
+//   every rank sends a sync pair to every peer (ll_combine_sync), which block b of the peer polls.
+//   Without it a rank whose tokens of a chunk have no expert on a peer would finish its combine
+//   without waiting for that peer, and its next dispatch could overwrite lines the peer has not
+//   read yet (found by back-to-back eager calls after a skewed routing).
+// Reuse without a reset: a reader clears every line it consumed, before the writer can write that
+//   line again (the same argument as for land_x and land_y above, with the meta parts and sync
+//   pairs for the flags: the next write of a zone comes after a kernel boundary of the reader and
+//   a line that the reader sent after it). The flag is checked too, so a line is never taken from
+//   an earlier call even without the clear.
 #pragma once
 
 #include <cstddef>
@@ -88,6 +120,12 @@ using Stream = CUstream_st*;
 // Barrier phase ids recorded in DeviceErrorWord::phase (distinct from the all-reduce's).
 enum class EPPhaseId : int { kDispatchLanded = 16, kCombineLanded = 17, kDispatchMeta = 18 };
 const char* ep_phase_name(int phase);
+
+// Largest chunk (tokens) of the LL path (Note [EP LL protocol]).
+constexpr int64_t kEPLLMaxChunkTokens = 4;
+
+// Which kernels run a buffer's calls (fixed at creation, the same on every rank).
+enum class EPPath : int { kFlags = 0, kLL = 1 };
 
 // Which part of a phase a launch runs (bit flags; kBoth is the fused single kernel).
 enum class EPMode : int { kSend = 1, kRecv = 2, kBoth = 3 };
@@ -124,6 +162,9 @@ struct EPSymmetricLayout {
   size_t meta_flags = 0;     // uint64 [world][blocks]
   size_t data_flags = 0;     // uint64 [world][blocks]
   size_t combine_flags = 0;  // uint64 [world][blocks]
+  size_t ll_dispatch = 0;    // LL path: 16-byte lines [world][blocks][EPLLGeometry::zone_lines]
+  size_t ll_combine = 0;     // LL path: 16-byte lines [world][max_tokens][2 * EPLLGeometry::row_packs]
+  size_t ll_combine_sync = 0;  // LL path: line pairs [world][blocks]: block b of rank d is in this combine
   size_t num_tokens = 0;     // int32 [world][chunks]: source s's token count (each chunk's lead writes its slot)
   size_t totals = 0;         // int32 [world][chunks][L]: routes of s to each of this rank's experts
   size_t meta_idx = 0;       // int32 [world][max_tokens][topk] (-1: none or invalid)
@@ -134,7 +175,20 @@ struct EPSymmetricLayout {
   size_t control_end = 0;    // [0, control_end) must be zero at creation (the flags)
   size_t total = 0;
 };
-EPSymmetricLayout ep_symmetric_layout(const EPConfig& config, int world_size, const EPGrid& grid);
+// Sizes of the LL path's line zones (Note [EP LL protocol]); all zero on the flag path.
+struct EPLLGeometry {
+  int64_t meta_words = 0;  // words of a zone's meta part: token count, totals of the reader's experts, routes
+  int64_t meta_pairs = 0;  // line pairs (4 words each) of the meta part
+  int64_t part_packs = 0;  // 16-byte packs of the widest column part
+  int64_t zone_lines = 0;  // lines of one zone [s][b]: meta, then tokens_per_chunk rows of part_packs packs
+  int64_t row_packs = 0;   // 16-byte packs of a whole row (combine lines)
+};
+// Whether the LL path can run this config and grid: a decode grid (P > 1), chunks of at most
+// kEPLLMaxChunkTokens tokens, rows a whole number of 16-byte packs.
+bool ep_ll_eligible(const EPConfig& config, const EPGrid& grid);
+EPLLGeometry ep_ll_geometry(const EPConfig& config, int world_size, const EPGrid& grid, EPPath path);
+EPSymmetricLayout ep_symmetric_layout(const EPConfig& config, int world_size, const EPGrid& grid,
+                                      const EPLLGeometry& ll);
 
 // The grid of both kernels for at most max_blocks blocks (one per SM of the smallest GPU): chunks
 // of at least 2 tokens, then column parts while the grid has fewer than ~128 blocks.
@@ -147,6 +201,8 @@ struct EPParams {
   int rank = 0;
   int world_size = 1;
   EPGrid grid{};
+  EPPath path = EPPath::kFlags;
+  EPLLGeometry ll{};
   SymmetricBufferDevice sym{};  // every rank's piece (EPSymmetricLayout)
   EPSymmetricLayout layout{};
   BarrierDevice barrier{};      // only its state (poisoned), error word and timeout are used
@@ -173,8 +229,12 @@ constexpr int kEPTracePoints = 12;
 // The last call's %globaltimer values (ns) per point on the current device; empty unless built
 // with COMMLIB_EP_TRACE.
 std::vector<int64_t> ep_trace_snapshot();
+std::vector<int64_t> ep_ll_trace_snapshot();  // the LL kernels' (ep_trace_snapshot picks the later call)
 
 Status launch_ep_dispatch(const EPParams& params, EPMode mode, Stream stream);
 Status launch_ep_combine(const EPParams& params, EPMode mode, Stream stream);
+// The LL path's kernels (launch_ep_dispatch / launch_ep_combine call them when params.path is kLL).
+Status launch_ep_dispatch_ll(const EPParams& params, EPMode mode, Stream stream);
+Status launch_ep_combine_ll(const EPParams& params, EPMode mode, Stream stream);
 
 }  // namespace commlib::kernels

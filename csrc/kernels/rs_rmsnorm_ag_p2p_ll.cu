@@ -72,6 +72,7 @@
 
 #include "commlib/device/barrier.cuh"
 #include "commlib/device/dispatch.cuh"
+#include "commlib/device/ll.cuh"
 #include "commlib/env.hpp"
 #include "kernels/pdl.cuh"
 #include "kernels/rs_rmsnorm_ag_common.cuh"
@@ -107,70 +108,6 @@ struct LLGeometry {
   int row_ctas;         // C of Note [fused LL row split]; the launch's cluster size when > 1
   size_t r_offset;      // one-shot: bytes from a slot's region X to its residual lines (Note [fused one-shot])
 };
-
-// Stores a raw pack as the two LL lines at dst: {word 0, flag, word 1, flag}, {word 2, flag, ...}.
-__device__ __forceinline__ void ll_store(uint4* dst, const uint4& raw, uint32_t flag) {
-  device::st_volatile_v4_u32(dst, uint4{raw.x, flag, raw.y, flag});
-  device::st_volatile_v4_u32(dst + 1, uint4{raw.z, flag, raw.w, flag});
-}
-
-__device__ __forceinline__ bool ll_ready(const uint4& lo, const uint4& hi, uint32_t flag) {
-  return lo.y == flag && lo.w == flag && hi.y == flag && hi.w == flag;
-}
-
-// The payload (a raw pack) of the two lines lo, hi.
-__device__ __forceinline__ uint4 ll_payload(const uint4& lo, const uint4& hi) { return uint4{lo.x, lo.z, hi.x, hi.z}; }
-
-// Waits until the two lines at src[u] carry `flag`, for every u with src[u] != nullptr, polling
-// all of them at once (one round trip when they have all landed, not one per pack), and leaves
-// them in lo[u], hi[u] (ll_payload). Entries without a source read as zeros. On timeout it records
-// (rank, the peer of a missing entry, phase) in the error word and sets `failed`; a thread that has
-// failed does not wait again (its lines are then garbage, never pushed).
-template <int kN>
-__device__ __forceinline__ void ll_wait_all(const uint4* const (&src)[kN], const int (&peer)[kN], uint4 (&lo)[kN],
-                                            uint4 (&hi)[kN], uint32_t flag, const BarrierDevice& bar,
-                                            FusedRmsNormPhase phase, uint64_t call, int& failed) {
-  uint32_t pending = 0;
-#pragma unroll
-  for (int u = 0; u < kN; ++u) {
-    lo[u] = hi[u] = uint4{0u, 0u, 0u, 0u};
-    if (src[u] != nullptr && !failed) {
-      lo[u] = device::ld_volatile_v4_u32(src[u]);
-      hi[u] = device::ld_volatile_v4_u32(src[u] + 1);
-    }
-  }
-#pragma unroll
-  for (int u = 0; u < kN; ++u) {
-    if (src[u] != nullptr && !failed && !ll_ready(lo[u], hi[u], flag)) pending |= 1u << u;
-  }
-  if (pending == 0) return;
-  const uint64_t start = device::globaltimer_ns();
-  while (true) {
-#pragma unroll
-    for (int u = 0; u < kN; ++u) {
-      if ((pending >> u) & 1u) {
-        lo[u] = device::ld_volatile_v4_u32(src[u]);
-        hi[u] = device::ld_volatile_v4_u32(src[u] + 1);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kN; ++u) {
-      if (((pending >> u) & 1u) && ll_ready(lo[u], hi[u], flag)) pending &= ~(1u << u);
-    }
-    if (pending == 0) return;
-    const uint64_t elapsed = device::globaltimer_ns() - start;
-    if (elapsed > bar.timeout_ns) {
-      int who = -1;
-#pragma unroll
-      for (int u = 0; u < kN; ++u) {
-        if (who < 0 && ((pending >> u) & 1u)) who = peer[u];
-      }
-      device::record_timeout(bar, who, static_cast<int>(phase), elapsed, call);
-      failed = 1;
-      return;
-    }
-  }
-}
 
 // Root of the pairwise tree over v (pairs (i, i + kN / 2) first): levels of Note [fused rmsnorm
 // arithmetic]. v is overwritten.
@@ -254,7 +191,7 @@ __global__ void __launch_bounds__(kLLMaxThreads)
 #pragma unroll
         for (int u = 0; u < kLLPushUnroll; ++u) {
           const int64_t idx = base + u * num_threads;
-          if (idx < total) ll_store(dst + 2 * idx, v[u], flag);
+          if (idx < total) device::ll_store(dst + 2 * idx, v[u], flag);
         }
       }
     }
@@ -277,7 +214,7 @@ __global__ void __launch_bounds__(kLLMaxThreads)
 #pragma unroll
         for (int j = 0; j < kVecs; ++j) {
           const int k = node + j * nodes;
-          if (k < num_packs) ll_store(dst + 2 * k, v[j], flag);
+          if (k < num_packs) device::ll_store(dst + 2 * k, v[j], flag);
         }
       }
     }
@@ -328,11 +265,12 @@ __global__ void __launch_bounds__(kLLMaxThreads)
         src[s] = wanted ? region(rank, kLLRegionX, s) + line0 + 2 * k : nullptr;
       }
       uint4 lo[kCap], hi[kCap];
-      ll_wait_all<kCap>(src, peer, lo, hi, flag, p.barrier, FusedRmsNormPhase::kLLInputs, call.call, failed);
+      device::ll_wait_all<kCap>(src, peer, lo, hi, flag, p.barrier, static_cast<int>(FusedRmsNormPhase::kLLInputs),
+                                  call.call, failed);
 #pragma unroll
       for (int s = 0; s < kCap; ++s) {  // rank order (Note [reduction order])
         if (kWorldSize == 0 && s >= world) continue;
-        const uint4 xs = s == rank ? own[0] : ll_payload(lo[s], hi[s]);
+        const uint4 xs = s == rank ? own[0] : device::ll_payload(lo[s], hi[s]);
 #pragma unroll
         for (int e = 0; e < kGroup; ++e) acc[0][e] = s == 0 ? raw_elem<T>(xs, e) : __fadd_rn(acc[0][e], raw_elem<T>(xs, e));
       }
@@ -351,11 +289,12 @@ __global__ void __launch_bounds__(kLLMaxThreads)
             peer[j] = s;
             src[j] = k < num_packs ? region(rank, kLLRegionX, s) + line0 + 2 * k : nullptr;
           }
-          ll_wait_all<kVecs>(src, peer, lo, hi, flag, p.barrier, FusedRmsNormPhase::kLLInputs, call.call, failed);
+          device::ll_wait_all<kVecs>(src, peer, lo, hi, flag, p.barrier, static_cast<int>(FusedRmsNormPhase::kLLInputs),
+                                      call.call, failed);
         }
 #pragma unroll
         for (int j = 0; j < kVecs; ++j) {
-          const uint4 xs = s == rank ? own[j] : ll_payload(lo[j], hi[j]);
+          const uint4 xs = s == rank ? own[j] : device::ll_payload(lo[j], hi[j]);
 #pragma unroll
           for (int e = 0; e < kGroup; ++e) acc[j][e] = s == 0 ? raw_elem<T>(xs, e) : __fadd_rn(acc[j][e], raw_elem<T>(xs, e));
         }
@@ -373,9 +312,10 @@ __global__ void __launch_bounds__(kLLMaxThreads)
         src[j] = k < num_packs ? residual_lines(rank, owner) + res_line0 + 2 * k : nullptr;
       }
       uint4 lo[kVecs], hi[kVecs];
-      ll_wait_all<kVecs>(src, peer, lo, hi, flag, p.barrier, FusedRmsNormPhase::kLLInputs, call.call, failed);
+      device::ll_wait_all<kVecs>(src, peer, lo, hi, flag, p.barrier, static_cast<int>(FusedRmsNormPhase::kLLInputs),
+                                  call.call, failed);
 #pragma unroll
-      for (int j = 0; j < kVecs; ++j) res[j] = ll_payload(lo[j], hi[j]);
+      for (int j = 0; j < kVecs; ++j) res[j] = device::ll_payload(lo[j], hi[j]);
     } else if constexpr (!kPreload) {
       load_local(res, res_row);
     }
@@ -454,8 +394,8 @@ __global__ void __launch_bounds__(kLLMaxThreads)
       if constexpr (!kOneShot) {
         for (int step = 1; step < world; ++step) {
           const int d = (rank + step) % world;
-          ll_store(region(d, kLLRegionO, rank) + line0 + 2 * k, y, flag);
-          if (replicated) ll_store(region(d, kLLRegionR, rank) + line0 + 2 * k, res[j], flag);
+          device::ll_store(region(d, kLLRegionO, rank) + line0 + 2 * k, y, flag);
+          if (replicated) device::ll_store(region(d, kLLRegionR, rank) + line0 + 2 * k, res[j], flag);
         }
       }
       device::st_v4_u32(out_row + k * 16, y);
@@ -493,16 +433,17 @@ __global__ void __launch_bounds__(kLLMaxThreads)
         peer[u] = peer[kLLGatherPacks + u] = d;
       }
       uint4 lo[kN], hi[kN];
-      ll_wait_all<kN>(src, peer, lo, hi, flag, p.barrier, FusedRmsNormPhase::kLLRows, call.call, failed);
+      device::ll_wait_all<kN>(src, peer, lo, hi, flag, p.barrier, static_cast<int>(FusedRmsNormPhase::kLLRows),
+                                  call.call, failed);
       if (failed) break;
 #pragma unroll
       for (int u = 0; u < kLLGatherPacks; ++u) {
         const int64_t idx = base + u * num_threads;
         if (idx >= total) continue;
-        device::st_v4_u32(out + base_offset + idx * 16, ll_payload(lo[u], hi[u]));
+        device::st_v4_u32(out + base_offset + idx * 16, device::ll_payload(lo[u], hi[u]));
         if (replicated) {
           device::st_v4_u32(residual + base_offset + idx * 16,
-                            ll_payload(lo[kLLGatherPacks + u], hi[kLLGatherPacks + u]));
+                            device::ll_payload(lo[kLLGatherPacks + u], hi[kLLGatherPacks + u]));
         }
       }
     }

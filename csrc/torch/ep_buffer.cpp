@@ -167,6 +167,13 @@ EPState EPBufferTorch::host_state() {
   return st;
 }
 
+std::string EPBufferTorch::kernels() const {
+#if defined(COMMLIB_TORCH_CUDA)
+  if (cuda_) return ep_cuda_kernels(*cuda_);
+#endif
+  return "host";
+}
+
 void EPBufferTorch::check() {
   const at::Tensor word = t_.overflow.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
   const int64_t* w = word.data_ptr<int64_t>();
@@ -223,7 +230,8 @@ void bind(py::module_& m) {
       .def_property_readonly("meta_num_tokens", [](const EPBufferTorch& b) { return b.tensors().meta_num_tokens; })
       .def("check", &EPBufferTorch::check, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("overflow_word", [](const EPBufferTorch& b) { return b.tensors().overflow; })
-      .def_property_readonly("capacity", [](const EPBufferTorch& b) { return b.config().capacity; });
+      .def_property_readonly("capacity", [](const EPBufferTorch& b) { return b.config().capacity; })
+      .def_property_readonly("kernels", &EPBufferTorch::kernels);
 }
 
 BindingRegistrar registrar("ep", bind);

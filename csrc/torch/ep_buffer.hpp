@@ -43,6 +43,8 @@ class EPBufferTorch {
   const EPTensors& tensors() const { return t_; }
   const EPConfig& config() const { return config_; }
   at::Device device() const { return device_; }
+  // Which kernels run the calls: "host" (CPU), "flags" or "ll" (CUDA, Note [EP LL protocol]).
+  std::string kernels() const;
 
  private:
   EPState host_state();
@@ -63,6 +65,7 @@ void ep_cuda_destroy(EPCudaState* state);
 void ep_cuda_dispatch(EPCudaState& state, const at::Tensor& x, const at::Tensor& topk_idx,
                       const at::Tensor& topk_weights, EPPhase phase);
 void ep_cuda_combine(EPCudaState& state, const at::Tensor& expert_out, at::Tensor& out, EPPhase phase);
+const char* ep_cuda_kernels(const EPCudaState& state);
 #endif
 
 }  // namespace commlib::torch_layer

@@ -9,6 +9,7 @@
 #include <map>
 #include <mutex>
 
+#include "commlib/env.hpp"
 #include "core/cuda_comm.hpp"
 #include "kernels/all_to_all_v_params.hpp"
 #include "kernels/ep_params.hpp"
@@ -83,20 +84,33 @@ EPCudaState* ep_cuda_create(Communicator& comm, const EPConfig& config, at::Devi
   // Block b of every rank pairs with block b of the peers (Note [EP GPU protocol]), so every rank
   // launches the same grid (chunks x column parts), at most one block per SM of the smallest GPU
   // (all blocks resident).
+  // The LL path (Note [EP LL protocol]) only when every rank asks for it (COMMLIB_EP_LL).
   int num_sms = 0;
   cuda_ok(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, cuda.device()), what,
           "cudaDeviceGetAttribute");
-  std::vector<int32_t> all_sms(n);
-  const int32_t my_sms = num_sms;
-  comm.all_gather_host(all_sms.data(), &my_sms, sizeof(int32_t));  // collective
-  const kernels::EPGrid grid = kernels::ep_grid(config, *std::min_element(all_sms.begin(), all_sms.end()));
-  const kernels::EPSymmetricLayout layout = kernels::ep_symmetric_layout(config, n, grid);
+  struct Wish {
+    int32_t sms, ll;
+  };
+  std::vector<Wish> wishes(n);
+  const Wish mine{num_sms, env::get_bool("COMMLIB_EP_LL") ? 1 : 0};
+  comm.all_gather_host(wishes.data(), &mine, sizeof(Wish));  // collective
+  int32_t min_sms = num_sms;
+  bool all_ll = true;
+  for (const Wish& w : wishes) {
+    min_sms = std::min(min_sms, w.sms);
+    all_ll = all_ll && w.ll != 0;
+  }
+  const kernels::EPGrid grid = kernels::ep_grid(config, min_sms);
+  const kernels::EPPath path =
+      all_ll && kernels::ep_ll_eligible(config, grid) ? kernels::EPPath::kLL : kernels::EPPath::kFlags;
+  const kernels::EPLLGeometry ll = kernels::ep_ll_geometry(config, n, grid, path);
+  const kernels::EPSymmetricLayout layout = kernels::ep_symmetric_layout(config, n, grid, ll);
   state->comm = &comm;
   state->cuda = &cuda;
   state->device = device;
   state->sym = cuda.allocate_symmetric(layout.total);  // collective
-  // Only the control words, overflow word and flags must start at zero (every other region is
-  // written before it is read); the host barrier keeps peers from raising flags before that.
+  // Only the control words, overflow word, flags and LL lines must start at zero (every other region
+  // is written before it is read); the host barrier keeps peers from raising flags before that.
   cuda_ok(cudaMemset(state->sym->local(), 0, layout.control_end), what, "cudaMemset");
   cuda_ok(cudaDeviceSynchronize(), what, "cudaDeviceSynchronize");
   comm.barrier_host();
@@ -118,6 +132,8 @@ EPCudaState* ep_cuda_create(Communicator& comm, const EPConfig& config, at::Devi
   p.rank = comm.rank();
   p.world_size = n;
   p.grid = grid;
+  p.path = path;
+  p.ll = ll;
   p.sym = state->sym->device_handle();
   p.layout = layout;
   p.barrier = cuda.barrier_handle();
@@ -128,6 +144,10 @@ EPCudaState* ep_cuda_create(Communicator& comm, const EPConfig& config, at::Devi
 }
 
 void ep_cuda_destroy(EPCudaState* state) { delete state; }
+
+const char* ep_cuda_kernels(const EPCudaState& state) {
+  return state.params.path == kernels::EPPath::kLL ? "ll" : "flags";
+}
 
 namespace {
 

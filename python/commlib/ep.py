@@ -140,6 +140,12 @@ class EPBuffer:
         self._buf.check()
 
     @property
+    def kernels(self) -> str:
+        """Which kernels run this buffer's calls: "host" (CPU), "flags" or "ll" (CUDA; "ll" for decode-sized
+        buffers when ``COMMLIB_EP_LL`` is 1 on every rank: docs/ep.md)."""
+        return self._buf.kernels
+
+    @property
     def overflow_word(self) -> torch.Tensor:
         """The overflow word: [routes dropped, max(count << 24 | expert), invalid ids, 0] (sticky)."""
         return self._buf.overflow_word

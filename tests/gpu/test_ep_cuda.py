@@ -231,6 +231,64 @@ def test_pdl_every_grid_shape(ranks, world_size):
     pool.run(_dispatch_combine, "basic")
 
 
+# Note [EP LL protocol]: decode-grid buffers over flag-carrying lines (COMMLIB_EP_LL=1), the same
+# references and the same bits as the flag kernels.
+LL = {"COMMLIB_EP_LL": "1"}
+
+
+def _ll_suite(ctx):
+    import commlib
+    dev = f"cuda:{ctx.device}"
+    # Which buffers take the LL path: decode grids whose rows are whole 16-byte packs.
+    for T, H, dtype, want in [(8, 4104, torch.bfloat16, "ll"), (1, 7168, torch.bfloat16, "ll"),
+                              (48, 1024, torch.float16, "ll"), (8, 33, torch.float32, "flags"),
+                              (1024, 4096, torch.bfloat16, "flags")]:
+        buf = commlib.EPBuffer(ctx.comm, T, H, 16, 2, dtype, device=dev)
+        assert buf.kernels == want, (T, H, dtype, buf.kernels)
+    _dispatch_combine(ctx, "column_parts")
+    _dispatch_combine(ctx, "basic")
+    _same_as_cpu(ctx)
+    for split in (False, True):
+        _graph_replay(ctx, split)
+        _back_to_back(ctx, split)
+    return True
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+@pytest.mark.parametrize("pdl", [False, True], ids=["stream-order", "pdl"])
+def test_ll_path_matches_simulation(ranks, pdl, world_size):
+    ranks(world_size, env={**LL, **(PDL if pdl else {})}).run(_ll_suite)
+
+
+def _ll_dead_peer(ctx):
+    # Rank 1 never joins the second dispatch: rank 0's LL kernel must give up within the timeout,
+    # record who it waited for, and refuse the next call.
+    from datetime import timedelta
+
+    import commlib
+    dev = torch.device("cuda", ctx.device)
+    comm = ctx.new_comm("ep-ll-timeout", timeout=timedelta(seconds=2))
+    buf = commlib.EPBuffer(comm, 4, 1024, 8, 2, torch.bfloat16, device=dev)
+    assert buf.kernels == "ll"
+    idx, w = make_routing(ctx.rank, 4, 8, 2, "random", 3)
+    x, idx, w = make_tokens(ctx.rank, 4, 1024, torch.bfloat16, 3).to(dev), idx.to(dev), w.to(dev)
+    res = buf.dispatch(x, idx, w)
+    buf.combine(res.expert_x, res.handle)
+    torch.cuda.synchronize()
+    comm.barrier()
+    if ctx.rank == 0:
+        buf.dispatch(x, idx, w)
+        torch.cuda.synchronize()
+        with pytest.raises(commlib.TimeoutError, match=r"rank 0 waited \d+ ms for rank 1"):
+            comm.check_gpu_error()
+    comm.close()
+    return True
+
+
+def test_ll_dead_peer_times_out(ranks):
+    assert all(ranks(2, env=LL).run(_ll_dead_peer, timeout=120))
+
+
 def _bad_pdl_knob(ctx):
     import re
 

@@ -1,0 +1,416 @@
+// Device helpers shared by the EP kernels (ep_dispatch_combine.cu: the flag protocol of Note [EP GPU
+// protocol]; ep_ll.cu: the flag-carrying-line decode path of Note [EP LL protocol]). Included by
+// .cu files only; everything is in an unnamed namespace (one copy per kernel file).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <vector>
+
+#include "commlib/device/barrier.cuh"
+#include "commlib/device/vec.cuh"
+#include "kernels/ep_params.hpp"
+
+namespace commlib::kernels {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+// Warps of a fused dispatch block that push rows to peers in decode grids (rows split into column
+// parts); the others expand the own chunk meanwhile. 4 was slower at 32-128 tokens.
+constexpr int kPushWarps = kWarps / 2;
+// The same for large grids (one column part a row): the pushes are bound by the link, the own
+// chunk's expansion by the warps doing it; of 2, 4, 6, 8 and 12, 4 was fastest. Both measured at
+// world 2 (bench/results/ep-dispatch-combine-2026-11-30-j.md, -k.md).
+constexpr int kPushWarpsLarge = 4;
+constexpr unsigned kFullMask = 0xffffffffu;
+// 16-byte packs in flight per lane in a row copy, and those an expansion loads before it reads the
+// routing (Note [EP GPU protocol]: one per lane covers a decode row's part).
+constexpr int kCopyUnroll = 8;
+constexpr int kExpandFirstUnroll = 1;
+// Packs in flight per lane in the combine's sums, as (packs a lane per source, sources loaded
+// together) (weighted_sum_packs). Grids whose rows are split into column parts (decode sizes: a
+// lane holds about one pack of a row) load the routes of a token together, and the owner ranks'
+// partials two at a time; others load 4 packs a lane of one source after another. Measured at
+// world 1 (bench/results/ep-local-2026-11-30.md); larger shapes spill (512 threads leave 128
+// registers a thread).
+struct SumShape {
+  int unroll, sources;
+};
+constexpr SumShape kRouteSumDecode{1, 8}, kRankSumDecode{2, 2}, kSumLarge{4, 1};
+// Smallest chunk of tokens (more chunks than this only add flag traffic).
+constexpr int64_t kMinTokensPerChunk = 2;
+// Blocks the grid aims for when chunks are few (decode): chunks x column parts (Note [EP GPU protocol]).
+constexpr int kTargetBlocks = 128;
+// Smallest column range of one warp when several warps share a row: one 16-byte pack per lane.
+constexpr int64_t kMinPacksPerWarp = 32;
+// Named barrier id of the pushing warps (0 is __syncthreads).
+constexpr int kPushBarrier = 1;
+
+size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+// Opt-in timing trace, for finding where a call's time goes (build with -DCOMMLIB_EP_TRACE, e.g.
+// `CUDAFLAGS=-DCOMMLIB_EP_TRACE make build`; bench/ep_trace.py reads it): thread `who` of block 0
+// records %globaltimer at each EPTracePoint; ep_trace_snapshot() returns the last call's values.
+#if defined(COMMLIB_EP_TRACE)
+__device__ unsigned long long g_ep_trace[kEPTracePoints];
+__device__ __forceinline__ void trace(EPTracePoint point, int who) {
+  if (blockIdx.x != 0 || static_cast<int>(threadIdx.x) != who) return;
+  if (point == EPTracePoint::kDispatchStart) {  // keep the previous call's end: the gap between calls
+    g_ep_trace[static_cast<int>(EPTracePoint::kPrevCombineEnd)] = g_ep_trace[static_cast<int>(EPTracePoint::kCombineEnd)];
+  }
+  g_ep_trace[static_cast<int>(point)] = device::globaltimer_ns();
+}
+// The last call's values of this kernel file's trace (empty without COMMLIB_EP_TRACE).
+std::vector<int64_t> read_trace() {
+  unsigned long long values[kEPTracePoints] = {};
+  if (cudaMemcpyFromSymbol(values, g_ep_trace, sizeof(values)) != cudaSuccess) return {};
+  return std::vector<int64_t>(values, values + kEPTracePoints);
+}
+#else
+__device__ __forceinline__ void trace(EPTracePoint, int) {}
+std::vector<int64_t> read_trace() { return {}; }
+#endif
+
+__host__ __device__ constexpr bool has(EPMode mode, EPMode part) { return (static_cast<int>(mode) & static_cast<int>(part)) != 0; }
+
+// By value (std::min/max/clamp return references, which can put their operands in local memory).
+__device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+__device__ __forceinline__ int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+__device__ __forceinline__ int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return min64(max64(v, lo), hi); }
+
+// ---- addressing of a rank's piece (Note [EP GPU protocol]) ----
+
+template <typename U>
+__device__ __forceinline__ U* piece(const EPParams& p, int r, size_t offset) {
+  return reinterpret_cast<U*>(p.sym.peer<char>(r) + offset);
+}
+
+// Slot of writer s, block b in a [world][blocks] array (the flags).
+__device__ __forceinline__ size_t slot(const EPParams& p, int s, int b) {
+  return static_cast<size_t>(s) * p.grid.num_blocks() + b;
+}
+
+// Slot of writer s, chunk i in a [world][chunks] array (token counts, totals).
+__device__ __forceinline__ size_t chunk_slot(const EPParams& p, int s, int i) {
+  return static_cast<size_t>(s) * p.grid.num_chunks + i;
+}
+
+// This block's place in the grid: block (chunk, part); lead is the block index of (chunk, 0).
+struct BlockRole {
+  int chunk, part, lead;
+};
+
+__device__ __forceinline__ BlockRole block_role(const EPParams& p) {
+  const int b = static_cast<int>(blockIdx.x);
+  return {b / p.grid.num_parts, b % p.grid.num_parts, b - b % p.grid.num_parts};
+}
+
+// Rank sets as bit masks (bit q: rank q).
+__device__ __forceinline__ unsigned all_ranks(const EPParams& p) { return (1u << p.world_size) - 1u; }
+__device__ __forceinline__ unsigned self_rank(const EPParams& p) { return 1u << p.rank; }
+__device__ __forceinline__ unsigned other_ranks(const EPParams& p) { return all_ranks(p) & ~self_rank(p); }
+__device__ __forceinline__ unsigned ranks_below(const EPParams& p) { return self_rank(p) - 1u; }
+
+// Route i = t * topk + k of source s in a [world][max_tokens][topk] array.
+__device__ __forceinline__ size_t route(const EPParams& p, int s, int64_t i) {
+  return static_cast<size_t>(s) * p.config.max_tokens_per_rank * p.config.topk + i;
+}
+
+// Row t of writer s in a [world][max_tokens][hidden] array (elements).
+__device__ __forceinline__ size_t row(const EPParams& p, int s, int64_t t) {
+  return (static_cast<size_t>(s) * p.config.max_tokens_per_rank + t) * p.config.hidden;
+}
+
+// Tokens of source s in chunk i (s's token count comes from its slot in this rank's piece).
+__device__ __forceinline__ int64_t chunk_tokens(const EPParams& p, int s, int i) {
+  const int64_t num_tokens = piece<const int32_t>(p, p.rank, p.layout.num_tokens)[chunk_slot(p, s, i)];
+  return clamp64(num_tokens - i * p.grid.tokens_per_chunk, 0, p.grid.tokens_per_chunk);
+}
+
+struct SourceToken {
+  int s;
+  int64_t t;
+};
+
+// The r-th token of chunk i over the sources in rank order (skipping `skip`, -1 for none).
+__device__ __forceinline__ SourceToken nth_token(const EPParams& p, int i, int skip, int64_t r) {
+  int s = 0;
+  for (; s < p.world_size; ++s) {
+    if (s == skip) continue;
+    const int64_t count = chunk_tokens(p, s, i);
+    if (r < count) break;
+    r -= count;
+  }
+  return {s, i * p.grid.tokens_per_chunk + r};
+}
+
+__device__ __forceinline__ int64_t chunk_tokens_total(const EPParams& p, int i, int skip) {
+  int64_t total = 0;
+  for (int s = 0; s < p.world_size; ++s) total += s == skip ? 0 : chunk_tokens(p, s, i);
+  return total;
+}
+
+// Source s's routes to each of rank r's experts, as s's lead of chunk i wrote them into r's piece.
+__device__ __forceinline__ int32_t* totals_of(const EPParams& p, int r, int s, int i) {
+  const int64_t num_local = p.config.num_experts / p.world_size;
+  return piece<int32_t>(p, r, p.layout.totals) + chunk_slot(p, s, i) * num_local;
+}
+
+// An expert id as the kernels use it: out-of-range ids become -1 (counted by the sender).
+__device__ __forceinline__ int32_t sanitize(int64_t e, int64_t num_experts) {
+  return e >= 0 && e < num_experts ? static_cast<int32_t>(e) : -1;
+}
+
+__device__ __forceinline__ unsigned lanemask_lt() {
+  unsigned m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+
+// bar.sync on a named barrier among `count` threads (whole warps): orders their memory accesses
+// like __syncthreads does, for the participating threads only.
+__device__ __forceinline__ void named_barrier(int id, int count) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+
+// ---- bounded flag waits (device::wait_flag: bounded, recorded, poison-aware) ----
+
+// The flags one wait covers: flags[q][block] of this rank's piece for every rank q in `ranks`.
+struct FlagSet {
+  size_t flags;
+  int block;
+  unsigned ranks;
+  EPPhaseId phase;
+};
+
+// Lane q of a waiting warp waits for rank q's flag of `set` (if q is in it); true if it gave up.
+__device__ __forceinline__ bool wait_lane(const EPParams& p, const FlagSet& set, uint64_t value, uint64_t seq, int q) {
+  if (q >= p.world_size || ((set.ranks >> q) & 1u) == 0u) return false;
+  return !device::wait_flag(p.barrier, piece<uint64_t>(p, p.rank, set.flags) + slot(p, q, set.block), value, q,
+                            static_cast<int>(set.phase), seq);
+}
+
+// Block-wide (every thread calls it): warp 0 waits for `first`, warp 1 for `second` at the same
+// time; the __syncthreads_or makes the acquired writes visible to the whole block. Returns true on
+// every thread if a wait failed.
+__device__ __forceinline__ bool wait_block(const EPParams& p, const FlagSet& first, const FlagSet& second,
+                                           uint64_t value, uint64_t seq) {
+  const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
+  bool failed = false;
+  if (warp == 0) failed = wait_lane(p, first, value, seq, lane);
+  if (warp == 1) failed = wait_lane(p, second, value, seq, lane);
+  return __syncthreads_or(failed) != 0;
+}
+
+// The same for one warp; __syncwarp shares the visibility.
+__device__ __forceinline__ bool wait_warp(const EPParams& p, const FlagSet& set, uint64_t value, uint64_t seq,
+                                          int lane) {
+  bool failed = wait_lane(p, set, value, seq, lane);
+  failed = __any_sync(kFullMask, failed);
+  __syncwarp();
+  return failed;
+}
+
+// Thread q (rank q in `ranks`) raises flags[rank][b] in rank q's piece (release, system scope:
+// publishes every write this block made before the preceding bar.sync, cumulatively).
+__device__ __forceinline__ void signal_ranks(const EPParams& p, size_t flags, uint64_t value, unsigned ranks) {
+  const int q = static_cast<int>(threadIdx.x);
+  if (q < p.world_size && ((ranks >> q) & 1u) != 0u) {
+    device::st_release_sys_u64(piece<uint64_t>(p, q, flags) + slot(p, p.rank, blockIdx.x), value);
+  }
+}
+
+// ---- warp-wide row operations ----
+
+__device__ __forceinline__ bool aligned16(const void* a) { return (reinterpret_cast<uintptr_t>(a) & 15u) == 0; }
+
+// Appends this lane's item to a warp list in lane order (lanes with keep == false skip); returns
+// the list length. The list is in shared memory; the trailing __syncwarp publishes it to the warp.
+template <typename U>
+__device__ __forceinline__ int warp_list(U* list, bool keep, const U& item, int lane) {
+  const unsigned mask = __ballot_sync(kFullMask, keep);
+  if (keep) list[__popc(mask & lanemask_lt())] = item;
+  __syncwarp();
+  (void)lane;
+  return __popc(mask);
+}
+
+// A row is split into column ranges of whole packs: over the blocks of a chunk (its column parts,
+// Note [EP GPU protocol]), and within a block when there are fewer rows than warps (decode sizes),
+// so that several warps share one row.
+struct Cols {
+  int64_t begin, end;  // elements
+
+  __device__ __forceinline__ int64_t size() const { return end - begin; }
+};
+
+// Part `part` of `parts` of the columns [0, hidden): whole packs; the last non-empty part ends at
+// hidden, trailing parts may be empty.
+template <typename T>
+__device__ __forceinline__ Cols cols_of(int64_t hidden, int part, int parts) {
+  constexpr int N = device::Vec<T>::kNumElems;
+  const int64_t per = ((hidden + N - 1) / N + parts - 1) / parts * N;
+  return {min64(part * per, hidden), min64((part + 1) * per, hidden)};
+}
+
+// Part `part` of `parts` of `range`, whose begin is a whole number of packs: its boundaries are
+// whole packs again, and it ends at range.end.
+template <typename T>
+__device__ __forceinline__ Cols sub_cols(Cols range, int part, int parts) {
+  const Cols c = cols_of<T>(range.size(), part, parts);
+  return {range.begin + c.begin, range.begin + c.end};
+}
+
+// Parts per row for `items` rows of `width` columns shared by `workers` warps (at least
+// kMinPacksPerWarp packs a part).
+template <typename T>
+__device__ __forceinline__ int parts_for(int64_t items, int workers, int64_t width) {
+  constexpr int N = device::Vec<T>::kNumElems;
+  if (items <= 0 || items >= workers) return 1;
+  const int64_t most = max64(1, (width + kMinPacksPerWarp * N - 1) / (kMinPacksPerWarp * N));
+  return static_cast<int>(min64(workers / items, most));
+}
+
+// Copies columns [cols.begin, cols.end) of one row to `num_dsts` rows with the lanes of a warp:
+// the source is read once.
+template <typename T>
+__device__ __forceinline__ void copy_row(T* const* dsts, int num_dsts, const T* src, int64_t hidden, Cols cols,
+                                         int lane) {
+  using V = device::Vec<T>;
+  constexpr int N = V::kNumElems;
+  if (num_dsts == 0) return;
+  bool vec = aligned16(src) && (hidden * sizeof(T)) % 16 == 0;
+  for (int i = 0; i < num_dsts; ++i) vec = vec && aligned16(dsts[i]);
+  if (vec) {
+    const int64_t num_packs = cols.end / N;
+    for (int64_t base = cols.begin / N; base < num_packs; base += 32 * kCopyUnroll) {
+      V buf[kCopyUnroll];
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int64_t v = base + u * 32 + lane;
+        if (v < num_packs) buf[u] = V::load(src + v * N);
+      }
+      for (int i = 0; i < num_dsts; ++i) {
+        T* dst = dsts[i];
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+          const int64_t v = base + u * 32 + lane;
+          if (v < num_packs) buf[u].store(dst + v * N);
+        }
+      }
+    }
+  } else {
+    for (int64_t e = cols.begin + lane; e < cols.end; e += 32) {
+      const T value = src[e];
+      for (int i = 0; i < num_dsts; ++i) dsts[i][e] = value;
+    }
+  }
+}
+
+// The vector part of weighted_sum_row: the packs of kRoutes routes are loaded before any is summed
+// (in flight together: at decode sizes a lane holds one pack per route and the sum costs one memory
+// round trip, not one per route); they are then summed in route order.
+// Each finished pack v (pack index in the row) goes to sink(v, pack).
+template <typename T, int kUnroll, int kRoutes, typename Sink>
+__device__ __forceinline__ void weighted_sum_packs(const T* const* srcs, const float* ws, int num_srcs, Cols cols,
+                                                   int lane, Sink&& sink) {
+  using V = device::Vec<T>;
+  constexpr int N = V::kNumElems;
+  const int64_t num_packs = cols.end / N;
+  for (int64_t base = cols.begin / N; base < num_packs; base += 32 * kUnroll) {
+    device::Acc<N> acc[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) acc[u].v[i] = 0.0f;
+    }
+    for (int r0 = 0; r0 < num_srcs; r0 += kRoutes) {
+      V y[kRoutes][kUnroll];
+#pragma unroll
+      for (int r = 0; r < kRoutes; ++r) {
+        if (r0 + r < num_srcs) {
+          const T* src = srcs[r0 + r];
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const int64_t v = base + u * 32 + lane;
+            if (v < num_packs) y[r][u] = V::load(src + v * N);
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kRoutes; ++r) {
+        if (r0 + r < num_srcs) {
+          const float w = ws != nullptr ? ws[r0 + r] : 1.0f;
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+              acc[u].v[i] = __fadd_rn(acc[u].v[i], __fmul_rn(w, device::to_float<T>(y[r][u].elems[i])));
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t v = base + u * 32 + lane;
+      if (v < num_packs) sink(v, device::acc_cast<T, N>(acc[u]));
+    }
+  }
+}
+
+// dst = round(sum over r ascending of fp32(w[r]) * fp32(src[r])) with separate rounding of every
+// product and sum (Note [EP layout]: no fused multiply-add); no sources gives zeros; ws == nullptr
+// means every weight is 1. Loads kRoutes sources' packs together, kUnroll packs a lane each
+// (weighted_sum_packs).
+template <typename T, int kUnroll, int kRoutes>
+__device__ __forceinline__ void weighted_sum_row(T* dst, const T* const* srcs, const float* ws, int num_srcs,
+                                                 int64_t hidden, Cols cols, int lane) {
+  bool vec = aligned16(dst) && (hidden * sizeof(T)) % 16 == 0;
+  for (int r = 0; r < num_srcs; ++r) vec = vec && aligned16(srcs[r]);
+  if (vec) {
+    constexpr int N = device::Vec<T>::kNumElems;
+    weighted_sum_packs<T, kUnroll, kRoutes>(srcs, ws, num_srcs, cols, lane,
+                                            [dst](int64_t v, const device::Vec<T>& pack) { pack.store(dst + v * N); });
+  } else {
+    for (int64_t e = cols.begin + lane; e < cols.end; e += 32) {
+      float acc = 0.0f;
+      for (int r = 0; r < num_srcs; ++r) {
+        acc = __fadd_rn(acc, __fmul_rn(ws != nullptr ? ws[r] : 1.0f, device::to_float<T>(srcs[r][e])));
+      }
+      dst[e] = device::from_float<T>(acc);
+    }
+  }
+}
+
+// expert_counts of this rank's experts, and the overflow word of every rank for them, written by
+// threads [first, first + count) of the block (chunk 0's lead: every owner raises the overflow
+// word of every rank for its own experts). total(s, l): source s's routes to local expert l.
+template <typename Total>
+__device__ __forceinline__ void write_expert_counts(const EPParams& p, int first, int count, Total&& total_of) {
+  const EPConfig& c = p.config;
+  const int n = p.world_size, me = p.rank;
+  const int64_t num_local = c.num_experts / n;
+  for (int64_t l = static_cast<int>(threadIdx.x) - first; l < num_local; l += count) {
+    int64_t total = 0;
+    for (int s = 0; s < n; ++s) total += total_of(s, l);
+    p.expert_counts[l] = static_cast<int32_t>(min64(total, c.capacity));
+    if (total > c.capacity) {
+      const int64_t e = me * num_local + l;
+      for (int d = 0; d < n; ++d) {
+        auto* word = reinterpret_cast<unsigned long long*>(piece<int64_t>(p, d, p.layout.overflow));
+        atomicAdd_system(word, static_cast<unsigned long long>(total - c.capacity));
+        atomicMax_system(word + 1, (static_cast<unsigned long long>(total) << 24) | static_cast<unsigned long long>(e));
+      }
+    }
+  }
+}
+
+// The totals as the flag path keeps them: each source's, in this rank's piece (chunk 0's slot).
+__device__ __forceinline__ auto totals_in_piece(const EPParams& p) {
+  return [&p](int s, int64_t l) { return totals_of(p, p.rank, s, 0)[l]; };
+}
+
+}  // namespace
+}  // namespace commlib::kernels
