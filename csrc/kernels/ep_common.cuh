@@ -384,6 +384,107 @@ __device__ __forceinline__ void weighted_sum_row(T* dst, const T* const* srcs, c
   }
 }
 
+// Block-wide, at the end of a combine's receive: the last block to finish advances seq (every
+// block read it at its start, before counting itself here).
+__device__ __forceinline__ void advance_seq(EPControl* control, uint64_t seq) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    device::fence_acq_rel_gpu();  // orders this block's read of seq before its count, for the last block
+    const uint32_t done = atomicAdd(&control->blocks_done, 1u);
+    if (done == gridDim.x - 1) {
+      control->blocks_done = 0;
+      control->seq = seq + 1;
+    }
+  }
+}
+
+// Block-wide: counts all of this rank's routes per expert into totals[e] and, for the tokens
+// before t_begin, before[e] (shared memory, [num_experts] each; order-free atomics).
+__device__ __forceinline__ void count_routes(const EPParams& p, int64_t t_begin, int32_t* before, int32_t* totals) {
+  const int64_t num_experts = p.config.num_experts, topk = p.config.topk;
+  for (int64_t e = threadIdx.x; e < num_experts; e += blockDim.x) before[e] = totals[e] = 0;
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < p.num_tokens * topk; i += blockDim.x) {
+    const int32_t e = sanitize(p.topk_idx[i], num_experts);
+    if (e < 0) continue;
+    atomicAdd(&totals[e], 1);
+    if (i < t_begin * topk) atomicAdd(&before[e], 1);
+  }
+  __syncthreads();
+}
+
+// One warp: j of each route i of tokens [t_begin, t_end), walked in (t, k) order 32 at a time
+// (__match_any_sync ranks equal experts within a step; before[] then counts on), and
+// visit(i, e, j) for each, e = -1 for none or an invalid id (those are counted in the overflow
+// word when count_invalid, so each is counted once per rank).
+template <typename Visit>
+__device__ __forceinline__ void rank_routes(const EPParams& p, int64_t t_begin, int64_t t_end, int32_t* before,
+                                            bool count_invalid, int lane, Visit&& visit) {
+  const int64_t topk = p.config.topk;
+  for (int64_t first = t_begin * topk; first < t_end * topk; first += 32) {
+    const int64_t i = first + lane;
+    const bool active = i < t_end * topk;
+    int32_t e = -1;
+    if (active) {
+      const int64_t raw = p.topk_idx[i];
+      e = sanitize(raw, p.config.num_experts);
+      if (raw != -1 && e < 0 && count_invalid) {
+        // Counted on this rank (EPBuffer.check raises) and treated as -1.
+        atomicAdd(reinterpret_cast<unsigned long long*>(piece<int64_t>(p, p.rank, p.layout.overflow)) + 2, 1ull);
+      }
+    }
+    const unsigned same = __match_any_sync(kFullMask, e);
+    int32_t j = -1;
+    if (e >= 0) j = before[e] + __popc(same & lanemask_lt());
+    __syncwarp();
+    if (e >= 0 && lane == __ffs(same) - 1) before[e] += __popc(same);
+    __syncwarp();
+    if (active) visit(i, e, j);
+  }
+}
+
+// This rank's routes of token t of source s, as the warp's list (k order, routes dropped by the
+// capacity left out): expert row y and weight w of each in srcs / weights (shared memory). Every
+// lane gets whether any route is local (the owner's partial is due even when all were dropped),
+// the list length and whether every listed row is 16-byte aligned.
+struct LocalRoutes {
+  bool any;
+  int count;
+  bool aligned;
+};
+
+template <typename T>
+__device__ __forceinline__ LocalRoutes local_routes(const EPParams& p, int s, int64_t t, const int32_t* meta_idx,
+                                                    const float* meta_w, const T** srcs, float* weights, int lane) {
+  const EPConfig& c = p.config;
+  const int64_t num_local = c.num_experts / p.world_size;
+  const int me = p.rank;
+  bool local = false, keep = false;
+  const T* y = nullptr;
+  float w = 0.0f;
+  if (lane < c.topk) {
+    const size_t at = route(p, s, t * c.topk + lane);
+    const int32_t e = meta_idx[at];
+    local = e >= 0 && e / num_local == me;
+    if (local) {
+      const int32_t pos = p.recv_pos[at];
+      keep = pos >= 0;
+      y = static_cast<const T*>(p.expert_out) + ((e - me * num_local) * c.capacity + pos) * c.hidden;
+      w = meta_w[at];
+    }
+  }
+  if (!__any_sync(kFullMask, local)) return {false, 0, true};
+  const unsigned mask = __ballot_sync(kFullMask, keep);
+  if (keep) {
+    const int at = __popc(mask & lanemask_lt());
+    srcs[at] = y;
+    weights[at] = w;
+  }
+  const bool aligned = __all_sync(kFullMask, !keep || aligned16(y));
+  __syncwarp();
+  return {true, __popc(mask), aligned};
+}
+
 // expert_counts of this rank's experts, and the overflow word of every rank for them, written by
 // threads [first, first + count) of the block (chunk 0's lead: every owner raises the overflow
 // word of every rank for its own experts). total(s, l): source s's routes to local expert l.

@@ -94,16 +94,7 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
     const int64_t t_end = min64(num_tokens, t_begin + p.grid.tokens_per_chunk);
     int32_t* before = counts;
     int32_t* totals = counts + num_experts;
-    for (int64_t e = threadIdx.x; e < 2 * num_experts; e += kThreads) counts[e] = 0;
-    __syncthreads();
-    // 1. Per-expert counts of all this rank's routes (order-free: shared atomics).
-    for (int64_t i = threadIdx.x; i < num_tokens * topk; i += kThreads) {
-      const int32_t e = sanitize(p.topk_idx[i], num_experts);
-      if (e < 0) continue;
-      atomicAdd(&totals[e], 1);
-      if (i < t_begin * topk) atomicAdd(&before[e], 1);
-    }
-    __syncthreads();
+    count_routes(p, t_begin, before, totals);  // 1. per-expert counts of all this rank's routes
     // 2. Meta of this chunk to every rank: token count, the totals of its experts, idx / w / j.
     for (int d = 0; d < n; ++d) {
       int32_t* dst = totals_of(p, d, me, role.chunk);
@@ -114,34 +105,15 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
       dst[chunk_slot(p, me, role.chunk)] = static_cast<int32_t>(num_tokens);
     }
     if (warp == 0) {
-      for (int64_t first = t_begin * topk; first < t_end * topk; first += 32) {
-        const int64_t i = first + lane;
-        const bool active = i < t_end * topk;
-        int32_t e = -1;
-        if (active) {
-          const int64_t raw = p.topk_idx[i];
-          e = sanitize(raw, num_experts);
-          if (raw != -1 && e < 0) {
-            // Counted on this rank (EPBuffer.check raises) and treated as -1.
-            atomicAdd(reinterpret_cast<unsigned long long*>(piece<int64_t>(p, me, p.layout.overflow)) + 2, 1ull);
-          }
+      rank_routes(p, t_begin, t_end, before, true, lane, [&](int64_t i, int32_t e, int32_t j) {
+        const float w = p.topk_weights[i];
+        const size_t at = route(p, me, i);
+        for (int d = 0; d < n; ++d) {
+          piece<int32_t>(p, d, p.layout.meta_idx)[at] = e;
+          piece<float>(p, d, p.layout.meta_w)[at] = w;
+          piece<int32_t>(p, d, p.layout.meta_j)[at] = j;
         }
-        const unsigned same = __match_any_sync(kFullMask, e);
-        int32_t j = -1;
-        if (e >= 0) j = before[e] + __popc(same & lanemask_lt());
-        __syncwarp();
-        if (e >= 0 && lane == __ffs(same) - 1) before[e] += __popc(same);
-        __syncwarp();
-        if (active) {
-          const float w = p.topk_weights[i];
-          const size_t at = route(p, me, i);
-          for (int d = 0; d < n; ++d) {
-            piece<int32_t>(p, d, p.layout.meta_idx)[at] = e;
-            piece<float>(p, d, p.layout.meta_w)[at] = w;
-            piece<int32_t>(p, d, p.layout.meta_j)[at] = j;
-          }
-        }
-      }
+      });
     }
     __syncthreads();
     // This rank's other parts of the chunk read its own meta too (they wait for this flag).
@@ -250,7 +222,6 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPM
     // This block's columns of the partials of this rank's routes for every source's tokens of the
     // chunk (the own ones too).
     const float* meta_w = piece<const float>(p, me, p.layout.meta_w);
-    const T* expert_out = static_cast<const T*>(p.expert_out);
     const int64_t items = chunk_tokens_total(p, role.chunk, -1);
     const int parts = parts_for<T>(items, kWarps, cols.size());
     for (int64_t k = warp; k < items * parts; k += kWarps) {
@@ -260,31 +231,11 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPM
       // HBM stay busy together instead of one after the other.
       const int64_t item = parts == 1 ? zigzag(k, items) : k;
       const auto [s, t] = nth_token(p, role.chunk, -1, item / parts);
-      bool local = false, keep = false;
-      const T* y = nullptr;
-      float w = 0.0f;
-      if (lane < topk) {
-        const size_t at = route(p, s, t * topk + lane);
-        const int32_t e = meta_idx[at];
-        local = e >= 0 && e / num_local == me;
-        if (local) {
-          const int32_t pos = p.recv_pos[at];
-          keep = pos >= 0;
-          y = expert_out + ((e - me * num_local) * c.capacity + pos) * c.hidden;
-          w = meta_w[at];
-        }
-      }
-      if (!__any_sync(kFullMask, local)) continue;
-      const unsigned mask = __ballot_sync(kFullMask, keep);
-      if (keep) {
-        const int at = __popc(mask & lanemask_lt());
-        srcs[warp][at] = y;
-        weights[warp][at] = w;
-      }
-      __syncwarp();
+      const LocalRoutes routes = local_routes<T>(p, s, t, meta_idx, meta_w, srcs[warp], weights[warp], lane);
+      if (!routes.any) continue;
       T* dst = piece<T>(p, s, p.layout.land_y) + row(p, me, t);
       constexpr SumShape shape = kDecodeGrid ? kRouteSumDecode : kSumLarge;
-      weighted_sum_row<T, shape.unroll, shape.sources>(dst, srcs[warp], weights[warp], __popc(mask), c.hidden,
+      weighted_sum_row<T, shape.unroll, shape.sources>(dst, srcs[warp], weights[warp], routes.count, c.hidden,
                                                        sub_cols<T>(cols, static_cast<int>(item % parts), parts), lane);
       __syncwarp();  // the lists are rewritten by the next token
     }
@@ -316,16 +267,7 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPM
                                                      sub_cols<T>(cols, static_cast<int>(w % parts), parts), lane);
     __syncwarp();
   }
-  // The last block to finish advances seq (every block read it above, before counting itself).
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    device::fence_acq_rel_gpu();  // orders this block's read of seq before its count, for the last block
-    const uint32_t done = atomicAdd(&control->blocks_done, 1u);
-    if (done == gridDim.x - 1) {
-      control->blocks_done = 0;
-      control->seq = seq + 1;
-    }
-  }
+  advance_seq(control, seq);
   trace(EPTracePoint::kCombineEnd, 0);
 }
 

@@ -98,6 +98,19 @@ __device__ __noinline__ void weighted_sum_lines_unaligned(uint4* dst, const T* c
   }
 }
 
+// Waits for the line pair at `lines` (written by `peer`), clears it and returns its payload; on
+// timeout records it and sets `failed` (the payload is then garbage).
+__device__ __forceinline__ uint4 take_pair(uint4* lines, int peer, uint32_t flag, const EPParams& p, EPPhaseId phase,
+                                           uint64_t seq, int& failed) {
+  const uint4* src[1] = {lines};
+  const int peers[1] = {peer};
+  uint4 lo[1], hi[1];
+  device::ll_wait_all<1>(src, peers, lo, hi, flag, p.barrier, static_cast<int>(phase), seq, failed);
+  if (failed) return uint4{0u, 0u, 0u, 0u};
+  clear_pair(lines);
+  return device::ll_payload(lo[0], hi[0]);
+}
+
 // Word k of the meta part that source `me` writes for reader d (Note [EP LL protocol]): token
 // count, d's num_local totals, then (expert, j, weight bits) of each of chunk i's routes.
 __device__ __forceinline__ uint32_t meta_word(const EPParams& p, int64_t k, int d, const int32_t* totals,
@@ -124,15 +137,9 @@ __device__ __forceinline__ bool poll_meta(const EPParams& p, uint32_t flag, uint
   for (int64_t at = id; at < (n - 1) * pairs && !failed; at += count) {
     const int s = static_cast<int>((me + 1 + at / pairs) % n);
     const int64_t q = at % pairs;
-    uint4* lines = dispatch_zone(p, me, s, b) + 2 * q;
-    const uint4* src[1] = {lines};
-    const int peer[1] = {s};
-    uint4 lo[1], hi[1];
-    device::ll_wait_all<1>(src, peer, lo, hi, flag, p.barrier, static_cast<int>(EPPhaseId::kDispatchMeta), seq,
-                           failed);
+    const uint4 words =
+        take_pair(dispatch_zone(p, me, s, b) + 2 * q, s, flag, p, EPPhaseId::kDispatchMeta, seq, failed);
     if (failed) break;
-    const uint4 words = device::ll_payload(lo[0], hi[0]);
-    clear_pair(lines);
     const uint32_t w[4] = {words.x, words.y, words.z, words.w};
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
@@ -177,47 +184,20 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_ll_kernel(EPParams p,
   if (send) {
     const int64_t num_tokens = p.num_tokens;
     const int64_t chunk_n = clamp64(num_tokens - t_begin, 0, tpc);
-    for (int64_t e = threadIdx.x; e < 2 * num_experts; e += kThreads) counts[e] = 0;
-    __syncthreads();
     // 1. Every block counts all of this rank's routes per expert (the lead's work on the flag path).
-    for (int64_t i = threadIdx.x; i < num_tokens * topk; i += kThreads) {
-      const int32_t e = sanitize(p.topk_idx[i], num_experts);
-      if (e < 0) continue;
-      atomicAdd(&totals[e], 1);
-      if (i < t_begin * topk) atomicAdd(&before[e], 1);
-    }
-    __syncthreads();
-    // 2. j of each route of the chunk, in (t, k) order (Note [EP GPU protocol]).
+    count_routes(p, t_begin, before, totals);
+    // 2. j of each route of the chunk (Note [EP GPU protocol]); invalid ids counted by the lead only.
     if (warp == 0) {
-      for (int64_t first = t_begin * topk; first < (t_begin + chunk_n) * topk; first += 32) {
-        const int64_t i = first + lane;
-        const bool active = i < (t_begin + chunk_n) * topk;
-        int32_t e = -1;
-        if (active) {
-          const int64_t raw = p.topk_idx[i];
-          e = sanitize(raw, num_experts);
-          if (raw != -1 && e < 0 && is_lead) {
-            // Counted on this rank once per route (EPBuffer.check raises) and treated as -1.
-            atomicAdd(reinterpret_cast<unsigned long long*>(piece<int64_t>(p, me, p.layout.overflow)) + 2, 1ull);
-          }
+      rank_routes(p, t_begin, t_begin + chunk_n, before, is_lead, lane, [&](int64_t i, int32_t e, int32_t j) {
+        route_e[me][i - t_begin * topk] = e;
+        route_j[me][i - t_begin * topk] = j;
+        if (is_lead) {  // this rank's own routing, for the combine (and the split receive kernel)
+          const size_t at = route(p, me, i);
+          piece<int32_t>(p, me, p.layout.meta_idx)[at] = e;
+          piece<float>(p, me, p.layout.meta_w)[at] = p.topk_weights[i];
+          piece<int32_t>(p, me, p.layout.meta_j)[at] = j;
         }
-        const unsigned same = __match_any_sync(kFullMask, e);
-        int32_t j = -1;
-        if (e >= 0) j = before[e] + __popc(same & lanemask_lt());
-        __syncwarp();
-        if (e >= 0 && lane == __ffs(same) - 1) before[e] += __popc(same);
-        __syncwarp();
-        if (active) {
-          route_e[me][i - t_begin * topk] = e;
-          route_j[me][i - t_begin * topk] = j;
-          if (is_lead) {  // this rank's own routing, for the combine (and the split receive kernel)
-            const size_t at = route(p, me, i);
-            piece<int32_t>(p, me, p.layout.meta_idx)[at] = e;
-            piece<float>(p, me, p.layout.meta_w)[at] = p.topk_weights[i];
-            piece<int32_t>(p, me, p.layout.meta_j)[at] = j;
-          }
-        }
-      }
+      });
     }
     if (threadIdx.x == 0) chunk_count[me] = static_cast<int32_t>(chunk_n);
     if (is_lead) {
@@ -410,44 +390,20 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_ll_kernel(EPParams p, 
 
   if (send) {
     const float* meta_w = piece<const float>(p, me, p.layout.meta_w);
-    const T* expert_out = static_cast<const T*>(p.expert_out);
     const int64_t items = chunk_tokens_total(p, role.chunk, -1);
     const int parts = parts_for<T>(items, kWarps, cols.size());
     for (int64_t k = warp; k < items * parts; k += kWarps) {
       const auto [s, t] = nth_token(p, role.chunk, -1, k / parts);
-      bool local = false, keep = false;
-      const T* y = nullptr;
-      float w = 0.0f;
-      if (lane < topk) {
-        const size_t at = route(p, s, t * topk + lane);
-        const int32_t e = meta_idx[at];
-        local = e >= 0 && e / num_local == me;
-        if (local) {
-          const int32_t pos = p.recv_pos[at];
-          keep = pos >= 0;
-          y = expert_out + ((e - me * num_local) * c.capacity + pos) * c.hidden;
-          w = meta_w[at];
-        }
-      }
-      if (!__any_sync(kFullMask, local)) continue;
-      const unsigned mask = __ballot_sync(kFullMask, keep);
-      bool aligned = !keep || aligned16(y);
-      if (keep) {
-        const int at = __popc(mask & lanemask_lt());
-        srcs[warp][at] = y;
-        weights[warp][at] = w;
-      }
-      aligned = __all_sync(kFullMask, aligned);
-      __syncwarp();
+      const LocalRoutes routes = local_routes<T>(p, s, t, meta_idx, meta_w, srcs[warp], weights[warp], lane);
+      if (!routes.any) continue;
       uint4* dst = combine_row(p, s, me, t);
       const Cols sc = sub_cols<T>(cols, static_cast<int>(k % parts), parts);
-      const int num_srcs = __popc(mask);
-      if (aligned) {
+      if (routes.aligned) {
         weighted_sum_packs<T, kRouteSumDecode.unroll, kRouteSumDecode.sources>(
-            srcs[warp], weights[warp], num_srcs, sc, lane,
+            srcs[warp], weights[warp], routes.count, sc, lane,
             [&](int64_t v, const V& pack) { device::ll_store(dst + 2 * v, raw_of(pack), flag); });
       } else {
-        weighted_sum_lines_unaligned(dst, srcs[warp], weights[warp], num_srcs, sc, flag, lane);
+        weighted_sum_lines_unaligned(dst, srcs[warp], weights[warp], routes.count, sc, flag, lane);
       }
       __syncwarp();  // the lists are rewritten by the next token
     }
@@ -505,25 +461,10 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_ll_kernel(EPParams p, 
   // The peers' sync pairs for this block (thread q: rank q).
   const int q = static_cast<int>(threadIdx.x);
   if (q < n && q != me && !failed) {
-    uint4* lines = combine_sync(p, me, q, blockIdx.x);
-    const uint4* src[1] = {lines};
-    const int peer[1] = {q};
-    uint4 lo[1], hi[1];
-    device::ll_wait_all<1>(src, peer, lo, hi, flag, p.barrier, static_cast<int>(EPPhaseId::kCombineLanded), seq,
-                           failed);
-    if (!failed) clear_pair(lines);
+    take_pair(combine_sync(p, me, q, blockIdx.x), q, flag, p, EPPhaseId::kCombineLanded, seq, failed);
   }
   trace(EPTracePoint::kCombineLanded, 0);
-  // The last block to finish advances seq (every block read it above, before counting itself).
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    device::fence_acq_rel_gpu();  // orders this block's read of seq before its count, for the last block
-    const uint32_t done = atomicAdd(&control->blocks_done, 1u);
-    if (done == gridDim.x - 1) {
-      control->blocks_done = 0;
-      control->seq = seq + 1;
-    }
-  }
+  advance_seq(control, seq);
   trace(EPTracePoint::kCombineEnd, 0);
 }
 
