@@ -4,7 +4,8 @@
 # next one still runs. Steps:
 #   test:NAME[:SECONDS]     pytest tests/gpu/NAME.py
 #   bench:NAME[:SECONDS]    a benchmark below, its markdown table written to $OUT/NAME.md
-#                           (allreduce, fused, ep, backend, profile = per-kernel times)
+#                           (allreduce, fused, ep, ep-ll = ep at decode sizes with COMMLIB_EP_LL 0
+#                           then 1, backend, profile = per-kernel times)
 #   perf[:SECONDS]          commlib-perf all_reduce sample (ddacomm vs nccl vs symm, graph) + plot
 # Example:  bash bench/gpu_suite.sh test:test_all_reduce:240 bench:allreduce:120
 set -u
@@ -41,6 +42,11 @@ for step in "$@"; do
         allreduce) run_step bench-allreduce "${secs:-180}" "$PY" bench/gpu_all_reduce.py --out "$OUT/allreduce.md" ;;
         fused) run_step bench-fused "${secs:-180}" "$PY" bench/bench_fused_rmsnorm.py --replays 10 --sweep-tokens 1024 --out "$OUT/fused.md" ;;
         ep) run_step bench-ep "${secs:-180}" "$PY" bench/bench_ep.py --tokens 1,8,32,128,512,4096 --out "$OUT/ep.md" ;;
+        ep-ll)
+          for ll in 0 1; do
+            COMMLIB_EP_LL=$ll run_step "bench-ep-ll$ll" "${secs:-120}" "$PY" bench/bench_ep.py --tokens 1,8,32,128 \
+              --out "$OUT/ep-ll$ll.md"
+          done ;;
         profile) run_step bench-profile "${secs:-180}" "$PY" bench/profile_kernels.py --out "$OUT/profile.md" ;;
         backend) run_step bench-backend "${secs:-120}" "$PY" -m torch.distributed.run --nproc_per_node 2 bench/bench_backend.py --out "$OUT/backend.md" ;;
         *) echo "unknown bench $name" ;;
