@@ -261,8 +261,8 @@ def test_ll_path_matches_simulation(ranks, pdl, world_size):
 
 
 def _ll_dead_peer(ctx):
-    # Rank 1 never joins the second dispatch: rank 0's LL kernel must give up within the timeout,
-    # record who it waited for, and refuse the next call.
+    # Rank 1 never joins the second dispatch: rank 0's LL kernel must give up within the timeout
+    # (not hang) and record whom it waited for.
     from datetime import timedelta
 
     import commlib
