@@ -102,6 +102,7 @@ def _bad_inputs(ctx):
     comm = ctx.comm
     n = ctx.world_size
     buf = commlib.EPBuffer(comm, 4, 8, 2 * n, 2, torch.bfloat16)
+    assert buf.kernels == "host"  # CPU buffers run the shared-memory path
     x = torch.randn(3, 8).bfloat16()
     idx = torch.tensor([[0, 1], [1, 0], [0, 1]])
     w = torch.ones(3, 2)
