@@ -166,8 +166,7 @@ def render(rows, args):
     for r in rows:
         best = min(r["a"], r["b"])
         lines.append(f"| {r['model']} | {r['tokens']} | {r['kernels']} | {r['graph']:.1f} | {r['eager']:.1f} | "
-                     f"{r['a']:.1f} | "
-                     f"{r['b']:.1f} | {best / r['graph']:.2f}x | {r['gbps']:.0f} | {'ok' if r['ok'] else 'FAIL'} |")
+                     f"{r['a']:.1f} | {r['b']:.1f} | {best / r['graph']:.2f}x | {r['gbps']:.0f} | {'ok' if r['ok'] else 'FAIL'} |")
     return "\n".join(lines) + "\n"
 
 

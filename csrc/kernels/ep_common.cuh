@@ -445,12 +445,11 @@ __device__ __forceinline__ void rank_routes(const EPParams& p, int64_t t_begin, 
 
 // This rank's routes of token t of source s, as the warp's list (k order, routes dropped by the
 // capacity left out): expert row y and weight w of each in srcs / weights (shared memory). Every
-// lane gets whether any route is local (the owner's partial is due even when all were dropped),
-// the list length and whether every listed row is 16-byte aligned.
+// lane gets whether any route is local (the owner's partial is due even when all were dropped)
+// and the list length.
 struct LocalRoutes {
   bool any;
   int count;
-  bool aligned;
 };
 
 template <typename T>
@@ -473,16 +472,15 @@ __device__ __forceinline__ LocalRoutes local_routes(const EPParams& p, int s, in
       w = meta_w[at];
     }
   }
-  if (!__any_sync(kFullMask, local)) return {false, 0, true};
+  if (!__any_sync(kFullMask, local)) return {false, 0};
   const unsigned mask = __ballot_sync(kFullMask, keep);
   if (keep) {
     const int at = __popc(mask & lanemask_lt());
     srcs[at] = y;
     weights[at] = w;
   }
-  const bool aligned = __all_sync(kFullMask, !keep || aligned16(y));
   __syncwarp();
-  return {true, __popc(mask), aligned};
+  return {true, __popc(mask)};
 }
 
 // expert_counts of this rank's experts, and the overflow word of every rank for them, written by

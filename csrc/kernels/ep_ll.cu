@@ -398,7 +398,9 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_ll_kernel(EPParams p, 
       if (!routes.any) continue;
       uint4* dst = combine_row(p, s, me, t);
       const Cols sc = sub_cols<T>(cols, static_cast<int>(k % parts), parts);
-      if (routes.aligned) {
+      bool aligned = true;
+      for (int r = 0; r < routes.count; ++r) aligned = aligned && aligned16(srcs[warp][r]);
+      if (aligned) {
         weighted_sum_packs<T, kRouteSumDecode.unroll, kRouteSumDecode.sources>(
             srcs[warp], weights[warp], routes.count, sc, lane,
             [&](int64_t v, const V& pack) { device::ll_store(dst + 2 * v, raw_of(pack), flag); });

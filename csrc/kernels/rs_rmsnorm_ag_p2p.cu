@@ -690,9 +690,10 @@ Status launch_rs_rmsnorm_ag_p2p(const RsRmsNormAgP2pParams& params, Stream strea
     // overlaps best: a slice of more than kFusedRepSplitBytes that would otherwise run as one chunk,
     // or as one full chunk and a short one, runs in chunks of that size. On 2x H200 (hidden 8192:
     // 512-row chunks) 2048 tokens took 110.0-113.9 instead of 114.1-116.0 µs, 2560 tokens
-    // 136.4-137.2 instead of 140.3-141.8; 4096-16384 tokens, already two chunks or more, were 1-2 % slower in
-    // such chunks, and sharded mode was slower at every size (fused-rmsnorm-2026-11-30-m.md). With
-    // the default workspace only 2 ranks have halves larger than the split.
+    // 136.4-137.2 instead of 140.3-141.8; 4096-16384 tokens, already two chunks or more, were
+    // 1-2 % slower in such chunks, and sharded mode was slower at every size
+    // (fused-rmsnorm-2026-11-30-m.md). With the default workspace only 2 ranks have halves larger
+    // than the split.
     const int64_t split = std::max<int64_t>(1, static_cast<int64_t>(kFusedRepSplitBytes / row_bytes));
     if (per_rank > split && 2 * per_rank < 3 * chunk.capacity) chunk.capacity = std::min(chunk.capacity, split);
   }
