@@ -122,6 +122,20 @@ __device__ __forceinline__ size_t row(const EPParams& p, int s, int64_t t) {
   return (static_cast<size_t>(s) * p.config.max_tokens_per_rank + t) * p.config.hidden;
 }
 
+// The start of a call in block b: its seq (Note [EP GPU protocol]) and whether the communicator is
+// poisoned (a wait of this rank gave up: return at once). The two words load together, one memory
+// round trip.
+struct CallStart {
+  uint64_t seq;
+  bool poisoned;
+};
+
+__device__ __forceinline__ CallStart begin_call(const EPParams& p) {
+  const uint64_t seq = device::ld_volatile_u64(&piece<EPControl>(p, p.rank, p.layout.control)->seq[blockIdx.x]);
+  const uint32_t poisoned = device::ld_volatile_u32(&p.barrier.state->poisoned);
+  return {seq, poisoned != 0};
+}
+
 // Tokens of source s in chunk i (s's token count comes from its slot in this rank's piece).
 __device__ __forceinline__ int64_t chunk_tokens(const EPParams& p, int s, int i) {
   const int64_t num_tokens = piece<const int32_t>(p, p.rank, p.layout.num_tokens)[chunk_slot(p, s, i)];
@@ -133,22 +147,26 @@ struct SourceToken {
   int64_t t;
 };
 
-// The r-th token of chunk i over the sources in rank order (skipping `skip`, -1 for none).
-__device__ __forceinline__ SourceToken nth_token(const EPParams& p, int i, int skip, int64_t r) {
+// Chunk i's token counts of the sources over a warp's lanes: lane s holds source s's (0 for lanes
+// past the world and for `skip`; -1 skips none), so the warp loads them in one memory round trip.
+__device__ __forceinline__ int32_t lane_chunk_tokens(const EPParams& p, int i, int skip, int lane) {
+  return lane < p.world_size && lane != skip ? static_cast<int32_t>(chunk_tokens(p, lane, i)) : 0;
+}
+
+// Whole warp: the sum of the lanes' counts (lane_chunk_tokens).
+__device__ __forceinline__ int64_t chunk_tokens_total(int32_t lane_count) {
+  return __reduce_add_sync(kFullMask, static_cast<unsigned>(lane_count));
+}
+
+// Whole warp: the r-th token of chunk i over the sources in rank order (lane_chunk_tokens).
+__device__ __forceinline__ SourceToken nth_token(const EPParams& p, int i, int32_t lane_count, int64_t r) {
   int s = 0;
   for (; s < p.world_size; ++s) {
-    if (s == skip) continue;
-    const int64_t count = chunk_tokens(p, s, i);
+    const int64_t count = __shfl_sync(kFullMask, lane_count, s);
     if (r < count) break;
     r -= count;
   }
   return {s, i * p.grid.tokens_per_chunk + r};
-}
-
-__device__ __forceinline__ int64_t chunk_tokens_total(const EPParams& p, int i, int skip) {
-  int64_t total = 0;
-  for (int s = 0; s < p.world_size; ++s) total += s == skip ? 0 : chunk_tokens(p, s, i);
-  return total;
 }
 
 // Source s's routes to each of rank r's experts, as s's lead of chunk i wrote them into r's piece.
@@ -384,18 +402,11 @@ __device__ __forceinline__ void weighted_sum_row(T* dst, const T* const* srcs, c
   }
 }
 
-// Block-wide, at the end of a combine's receive: the last block to finish advances seq (every
-// block read it at its start, before counting itself here).
-__device__ __forceinline__ void advance_seq(EPControl* control, uint64_t seq) {
+// Block-wide, at the end of a combine's receive: block b advances its seq (Note [EP GPU protocol];
+// every thread of the block read it at its start, before this barrier).
+__device__ __forceinline__ void advance_seq(const EPParams& p, uint64_t seq) {
   __syncthreads();
-  if (threadIdx.x == 0) {
-    device::fence_acq_rel_gpu();  // orders this block's read of seq before its count, for the last block
-    const uint32_t done = atomicAdd(&control->blocks_done, 1u);
-    if (done == gridDim.x - 1) {
-      control->blocks_done = 0;
-      control->seq = seq + 1;
-    }
-  }
+  if (threadIdx.x == 0) piece<EPControl>(p, p.rank, p.layout.control)->seq[blockIdx.x] = seq + 1;
 }
 
 // Block-wide: counts all of this rank's routes per expert into totals[e] and, for the tokens
@@ -462,14 +473,17 @@ __device__ __forceinline__ LocalRoutes local_routes(const EPParams& p, int s, in
   const T* y = nullptr;
   float w = 0.0f;
   if (lane < c.topk) {
+    // The three words load together (one memory round trip); pos and weight matter only for a
+    // local route.
     const size_t at = route(p, s, t * c.topk + lane);
     const int32_t e = meta_idx[at];
+    const int32_t pos = p.recv_pos[at];
+    const float route_w = meta_w[at];
     local = e >= 0 && e / num_local == me;
     if (local) {
-      const int32_t pos = p.recv_pos[at];
       keep = pos >= 0;
       y = static_cast<const T*>(p.expert_out) + ((e - me * num_local) * c.capacity + pos) * c.hidden;
-      w = meta_w[at];
+      w = route_w;
     }
   }
   if (!__any_sync(kFullMask, local)) return {false, 0};

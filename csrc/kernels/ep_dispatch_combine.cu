@@ -84,9 +84,9 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
   const int64_t t_begin = role.chunk * p.grid.tokens_per_chunk;
   const Cols cols = cols_of<T>(c.hidden, role.part, p.grid.num_parts);  // this block's columns of every row
   const T* x = static_cast<const T*>(p.x);
-  if (device::ld_volatile_u32(&p.barrier.state->poisoned) != 0) return;
-  const uint64_t seq = device::ld_volatile_u64(&piece<EPControl>(p, me, p.layout.control)->seq);
-  const uint64_t value = seq + 1;
+  const CallStart start = begin_call(p);
+  if (start.poisoned) return;
+  const uint64_t seq = start.seq, value = seq + 1;
   trace(EPTracePoint::kDispatchStart, 0);
 
   if (send && is_lead) {
@@ -173,7 +173,8 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
   const FlagSet meta{p.layout.meta_flags, role.lead, is_lead ? 0u : all_ranks(p), EPPhaseId::kDispatchMeta};
   if (wait_block(p, data, meta, value, seq)) return;
   trace(EPTracePoint::kDispatchDataLanded, 0);
-  const int64_t items = chunk_tokens_total(p, role.chunk, me);
+  const int32_t lane_tokens = lane_chunk_tokens(p, role.chunk, me, lane);
+  const int64_t items = chunk_tokens_total(lane_tokens);
   const int parts = parts_for<T>(items, kWarps, cols.size());
   // Block 0 writes expert_counts with the warps the expansion leaves idle (decode sizes), else
   // with every thread after it.
@@ -182,7 +183,7 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
     write_expert_counts(p, busy * 32, kThreads - busy * 32, totals_in_piece(p));
   }
   for (int64_t w = warp; w < items * parts; w += kWarps) {
-    const auto [s, t] = nth_token(p, role.chunk, me, w / parts);
+    const auto [s, t] = nth_token(p, role.chunk, lane_tokens, w / parts);
     const int sub = static_cast<int>(w % parts);
     expand_token<T>(p, s, t, role.chunk, piece<const T>(p, me, p.layout.land_x) + row(p, s, t), lists[warp],
                     sub_cols<T>(cols, sub, parts), is_lead && sub == 0, lane);
@@ -210,10 +211,9 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPM
   const int64_t num_local = c.num_experts / n;
   const int64_t t_begin = role.chunk * p.grid.tokens_per_chunk;
   const Cols cols = cols_of<T>(c.hidden, role.part, p.grid.num_parts);  // this block's columns of every row
-  if (device::ld_volatile_u32(&p.barrier.state->poisoned) != 0) return;
-  EPControl* control = piece<EPControl>(p, me, p.layout.control);
-  const uint64_t seq = device::ld_volatile_u64(&control->seq);
-  const uint64_t value = seq + 1;
+  const CallStart start = begin_call(p);
+  if (start.poisoned) return;
+  const uint64_t seq = start.seq, value = seq + 1;
   trace(EPTracePoint::kCombineStart, 0);
   // Meta and recv_pos of every source were written, or acquired, in the dispatch kernel.
   const int32_t* meta_idx = piece<const int32_t>(p, me, p.layout.meta_idx);
@@ -222,7 +222,8 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPM
     // This block's columns of the partials of this rank's routes for every source's tokens of the
     // chunk (the own ones too).
     const float* meta_w = piece<const float>(p, me, p.layout.meta_w);
-    const int64_t items = chunk_tokens_total(p, role.chunk, -1);
+    const int32_t lane_tokens = lane_chunk_tokens(p, role.chunk, -1, lane);
+    const int64_t items = chunk_tokens_total(lane_tokens);
     const int parts = parts_for<T>(items, kWarps, cols.size());
     for (int64_t k = warp; k < items * parts; k += kWarps) {
       // One column part per row (large batches): items in zigzag order, so that the block's warps
@@ -230,7 +231,7 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPM
       // rank (HBM-bound partials), the other a peer (partials stored over NVLink): the link and
       // HBM stay busy together instead of one after the other.
       const int64_t item = parts == 1 ? zigzag(k, items) : k;
-      const auto [s, t] = nth_token(p, role.chunk, -1, item / parts);
+      const auto [s, t] = nth_token(p, role.chunk, lane_tokens, item / parts);
       const LocalRoutes routes = local_routes<T>(p, s, t, meta_idx, meta_w, srcs[warp], weights[warp], lane);
       if (!routes.any) continue;
       T* dst = piece<T>(p, s, p.layout.land_y) + row(p, me, t);
@@ -267,7 +268,7 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPM
                                                      sub_cols<T>(cols, static_cast<int>(w % parts), parts), lane);
     __syncwarp();
   }
-  advance_seq(control, seq);
+  advance_seq(p, seq);
   trace(EPTracePoint::kCombineEnd, 0);
 }
 

@@ -173,8 +173,9 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_ll_kernel(EPParams p,
   const Cols cols = cols_of<T>(c.hidden, role.part, p.grid.num_parts);  // this block's columns of every row
   const int64_t first_pack = cols.begin / N;
   const T* x = static_cast<const T*>(p.x);
-  if (device::ld_volatile_u32(&p.barrier.state->poisoned) != 0) return;
-  const uint64_t seq = device::ld_volatile_u64(&piece<EPControl>(p, me, p.layout.control)->seq);
+  const CallStart start = begin_call(p);
+  if (start.poisoned) return;
+  const uint64_t seq = start.seq;
   const uint32_t flag = ll_flag(seq);
   int32_t* before = counts;
   int32_t* totals = counts + num_experts;
@@ -380,9 +381,9 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_ll_kernel(EPParams p, 
   const int64_t num_local = c.num_experts / n;
   const int64_t t_begin = role.chunk * p.grid.tokens_per_chunk;
   const Cols cols = cols_of<T>(c.hidden, role.part, p.grid.num_parts);  // this block's columns of every row
-  if (device::ld_volatile_u32(&p.barrier.state->poisoned) != 0) return;
-  EPControl* control = piece<EPControl>(p, me, p.layout.control);
-  const uint64_t seq = device::ld_volatile_u64(&control->seq);
+  const CallStart start = begin_call(p);
+  if (start.poisoned) return;
+  const uint64_t seq = start.seq;
   const uint32_t flag = ll_flag(seq);
   trace(EPTracePoint::kCombineStart, 0);
   // Meta and recv_pos of every source were written in the dispatch kernel, by this rank.
@@ -390,10 +391,11 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_ll_kernel(EPParams p, 
 
   if (send) {
     const float* meta_w = piece<const float>(p, me, p.layout.meta_w);
-    const int64_t items = chunk_tokens_total(p, role.chunk, -1);
+    const int32_t lane_tokens = lane_chunk_tokens(p, role.chunk, -1, lane);
+    const int64_t items = chunk_tokens_total(lane_tokens);
     const int parts = parts_for<T>(items, kWarps, cols.size());
     for (int64_t k = warp; k < items * parts; k += kWarps) {
-      const auto [s, t] = nth_token(p, role.chunk, -1, k / parts);
+      const auto [s, t] = nth_token(p, role.chunk, lane_tokens, k / parts);
       const LocalRoutes routes = local_routes<T>(p, s, t, meta_idx, meta_w, srcs[warp], weights[warp], lane);
       if (!routes.any) continue;
       uint4* dst = combine_row(p, s, me, t);
@@ -466,7 +468,7 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_ll_kernel(EPParams p, 
     take_pair(combine_sync(p, me, q, blockIdx.x), q, flag, p, EPPhaseId::kCombineLanded, seq, failed);
   }
   trace(EPTracePoint::kCombineLanded, 0);
-  advance_seq(control, seq);
+  advance_seq(p, seq);
   trace(EPTracePoint::kCombineEnd, 0);
 }
 

@@ -15,9 +15,11 @@
 // chunk's routing work (counts, meta); the other parts only move columns.
 // Block b only waits for block b, or its lead, of the peers (and, for parts > 0, its own rank's
 // lead), through per-(writer rank, block) flags in the reader's piece: no grid-wide barrier, no
-// memset. Flags carry seq + 1, where seq (EPControl, this rank's piece) counts completed
-// dispatch/combine pairs: every block reads it at kernel start and the last block of the
-// combine's receive part advances it, so flags only grow and nothing is ever reset.
+// memset. Flags carry seq + 1, where seq (EPControl, this rank's piece, one per block) counts the
+// dispatch/combine pairs block b completed: block b reads its own at kernel start and advances it at
+// the end of the combine's receive part (no atomic, no fence: only block b touches it, and the next
+// kernel of the stream sees it), so flags only grow and nothing is ever reset. Every block of every
+// call runs, so all blocks of a rank hold the same seq (one that gave up poisoned the communicator).
 //
 // dispatch, block b = (i, p) of source rank s:
 //   1. counts (lead only): scans all of s's routes (topk_idx, L2-resident) and counts routes per
@@ -150,9 +152,7 @@ struct EPGrid {
 
 // Local bookkeeping at the start of each rank's piece (only its own rank touches it).
 struct EPControl {
-  uint64_t seq;          // dispatch/combine pairs completed on this rank
-  uint32_t blocks_done;  // blocks of the current combine receive that finished
-  uint32_t reserved;
+  uint64_t seq[kEPMaxBlocks];  // dispatch/combine pairs block b completed on this rank
 };
 
 // Byte offsets of the regions of one rank's piece (Note [EP GPU protocol]); [s] is the writer.
