@@ -2,6 +2,7 @@
 kernels of 8 blocks x 512 threads running U dependent FMAs unrolled (U x 16 bytes of code) against
 the same count in a rolled loop, with two different kernels alternating (as dispatch / combine do)."""
 import torch
+from graph_timing import graph_step_us
 from torch.utils.cpp_extension import load_inline
 
 src = r"""
@@ -53,26 +54,11 @@ out = torch.zeros(4, device="cuda")
 word = torch.zeros(4, dtype=torch.int32, device="cuda")
 
 
-def per_step(pairs, steps=200):
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
+def per_step(pairs):
+    def step():
         for w, u in pairs:
             m.launch(w, u, out, word)
-        g.capture_begin()
-        for _ in range(steps):
-            for w, u in pairs:
-                m.launch(w, u, out, word)
-        g.capture_end()
-    torch.cuda.synchronize()
-    g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(7):
-        e0.record(); g.replay(); e1.record(); torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1000 / steps / len(pairs))
-    return sorted(ts)[3]
+    return graph_step_us(step) / len(pairs)
 
 
 print("µs per kernel (graph, median of 7 replays of 200 steps)")

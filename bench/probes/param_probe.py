@@ -3,6 +3,7 @@ whose parameter struct spans N 64-byte lines and which read one word of each (in
 first touch of a line can stall), and with the lines first read by N lanes at once through a
 register index (which, as measured, makes the compiler copy the parameters to local memory)."""
 import torch
+from graph_timing import graph_step_us
 from torch.utils.cpp_extension import load_inline
 
 src = r"""
@@ -52,26 +53,11 @@ m = load_inline("param_probe", cpp_sources="void launch(int n, bool prime, torch
 out = torch.zeros(4, device="cuda")
 
 
-def per_kernel(n, prime, steps=200):
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        m.launch(n, prime, out)
-        g.capture_begin()
-        for _ in range(steps):
-            m.launch(n, prime, out)
-        g.capture_end()
-    torch.cuda.synchronize()
-    g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(7):
-        e0.record(); g.replay(); e1.record(); torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1000 / steps)
-    return sorted(ts)[3]
+def per_kernel(n, prime):
+    return graph_step_us(lambda: m.launch(n, prime, out))
 
 
 print("µs per kernel (graph, median of 7 replays of 200)")
 for n in (1, 4, 8, 16, 32):
-    print(f"{n:2d} parameter lines read: plain {per_kernel(n, False):.2f}, lines touched first {per_kernel(n, True):.2f}")
+    plain, primed = per_kernel(n, False), per_kernel(n, True)
+    print(f"{n:2d} parameter lines read: plain {plain:.2f}, lines touched first {primed:.2f}")

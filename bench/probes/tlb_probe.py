@@ -2,6 +2,7 @@
 a chain of K dependent loads (thread 0 of each block) within one 2 MiB page or one per page (1 GiB
 buffer), and one warp loading 8 rows at once from one page or from 8 pages."""
 import torch
+from graph_timing import graph_step_us
 from torch.utils.cpp_extension import load_inline
 
 src = r"""
@@ -33,34 +34,21 @@ __global__ void fan(const int4* buf, long long stride_packs, int rounds, float* 
 }
 void launch(int which, torch::Tensor buf, long long stride, int k, torch::Tensor out) {
   auto s = at::cuda::getCurrentCUDAStream().stream();
-  if (which == 0) chain<<<8, 512, 0, s>>>(reinterpret_cast<const long long*>(buf.data_ptr<int64_t>()), stride, k, out.data_ptr<float>());
-  else fan<<<8, 512, 0, s>>>(reinterpret_cast<const int4*>(buf.data_ptr<int64_t>()), stride, k, out.data_ptr<float>());
+  const int64_t* words = buf.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  if (which == 0) chain<<<8, 512, 0, s>>>(reinterpret_cast<const long long*>(words), stride, k, o);
+  else fan<<<8, 512, 0, s>>>(reinterpret_cast<const int4*>(words), stride, k, o);
 }
 """
-m = load_inline("tlb_probe", cpp_sources="void launch(int which, torch::Tensor buf, long long stride, int k, torch::Tensor out);",
-                cuda_sources=src, functions=["launch"], extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"])
+decl = "void launch(int which, torch::Tensor buf, long long stride, int k, torch::Tensor out);"
+m = load_inline("tlb_probe", cpp_sources=decl, cuda_sources=src, functions=["launch"],
+                extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"])
 buf = torch.zeros(1 << 27, dtype=torch.int64, device="cuda")  # 1 GiB of zeros
 out = torch.zeros(4, device="cuda")
 
 
-def per_kernel(which, stride, k, steps=200):
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        m.launch(which, buf, stride, k, out)
-        g.capture_begin()
-        for _ in range(steps):
-            m.launch(which, buf, stride, k, out)
-        g.capture_end()
-    torch.cuda.synchronize()
-    g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(7):
-        e0.record(); g.replay(); e1.record(); torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1000 / steps)
-    return sorted(ts)[3]
+def per_kernel(which, stride, k):
+    return graph_step_us(lambda: m.launch(which, buf, stride, k, out))
 
 
 print("µs per kernel (graph, median of 7 replays of 200); buffer 1 GiB, loads only touch its first 256 MiB")
