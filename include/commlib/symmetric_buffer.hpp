@@ -63,9 +63,9 @@ struct DeviceErrorWord {
 
 // Device-local per-communicator state shared by all barrier-using kernels (see barrier.cuh).
 struct BarrierCallState {
-  uint64_t calls;        // collective calls completed on this rank (advanced by the last block)
-  uint32_t blocks_done;  // blocks of the current call that finished
-  uint32_t poisoned;     // set (atomically) on a failed wait: later calls return at once
+  uint64_t calls[kMaxBarrierBlocks];  // collective calls completed on this rank, one count per block index
+  uint32_t poisoned;                  // set (atomically) on a failed wait: later calls return at once
+  uint32_t reserved;
 };
 
 struct BarrierDevice {

@@ -2,8 +2,10 @@
 //
 // Note [flag barrier]
 // Each rank owns a signal pad (symmetric memory): flags[block][peer], written only by `peer`.
-// A collective call has a number `call` (BarrierCallState::calls, read by every block at kernel
-// start with call_begin and advanced by the last block to finish with call_end) and up to
+// A collective call has a number `call` (BarrierCallState::calls, one count per block index: block
+// b reads calls[b] at kernel start with call_begin and advances it with call_end, block 0 also
+// advancing the counts of the indices the grid does not use, so every count is the same again when
+// the kernel ends: no atomic, no fence, nothing shared between the blocks) and up to
 // kBarrierPhasesPerCall barrier phases. At phase p, block b of rank r stores
 // call * kBarrierPhasesPerCall + p + 1 into flags[b][r] of every peer (release, system scope:
 // publishes every write this block made before the barrier), then waits until its own
@@ -38,7 +40,7 @@ struct CallInfo {
 // Every thread of every block calls this first.
 __device__ __forceinline__ CallInfo call_begin(const BarrierDevice& bar) {
   CallInfo info;
-  info.call = ld_volatile_u64(&bar.state->calls);
+  info.call = ld_volatile_u64(&bar.state->calls[blockIdx.x]);
   info.ok = ld_volatile_u32(&bar.state->poisoned) == 0;
   return info;
 }
@@ -46,15 +48,14 @@ __device__ __forceinline__ CallInfo call_begin(const BarrierDevice& bar) {
 // Every block calls this last (all threads), unless a wait failed. A kernel that runs several
 // calls in one launch (calls call .. call + num_calls - 1, each with its own barrier phases)
 // advances the count by num_calls, so the next kernel sees the number that many launches would.
+// (One-dimensional grids of at most kMaxBarrierBlocks blocks, as every barrier user launches.)
 __device__ __forceinline__ void call_end(const BarrierDevice& bar, uint64_t num_calls = 1) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    // Device scope: orders this block's read of `calls` before its count, for the last block.
-    fence_acq_rel_gpu();
-    const uint32_t done = atomicAdd(&bar.state->blocks_done, 1u);
-    if (done == gridDim.x * gridDim.y * gridDim.z - 1) {
-      bar.state->blocks_done = 0;
-      bar.state->calls = bar.state->calls + num_calls;
+  __syncthreads();  // every thread of the block read calls[b] at its start
+  uint64_t* calls = bar.state->calls;
+  if (threadIdx.x == 0) calls[blockIdx.x] += num_calls;
+  if (blockIdx.x == 0) {  // the indices no block of this grid holds (the next kernel may use them)
+    for (unsigned i = gridDim.x + threadIdx.x; i < static_cast<unsigned>(kMaxBarrierBlocks); i += blockDim.x) {
+      calls[i] += num_calls;
     }
   }
 }
