@@ -11,7 +11,8 @@ use), ``gloo()`` (a gloo process group over the same store, for reference result
 GPU tests are marked ``gpu`` and skip unless at least 2 CUDA devices are visible.
 ``COMMLIB_TEST_SHARE_GPUS=1`` lets the ranks share the GPUs there are (rank r on GPU r mod count), so
 a multi-rank GPU test runs on one GPU: a check of the protocol's logic only (the ranks' kernels
-take turns on the GPU, so waits last time slices), never a measurement.
+take turns on the GPU, so waits last time slices), never a measurement. Tests marked ``nccl`` (an
+NCCL reference group) still skip then: NCCL refuses two ranks on one GPU.
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ ERROR_GRACE_S = 20.0
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA GPUs, as many as the test's world_size parameter "
                             "(2 without one); skipped otherwise")
+    config.addinivalue_line("markers", "nccl: uses an NCCL group, which needs one GPU per rank; skipped when "
+                            "COMMLIB_TEST_SHARE_GPUS puts two ranks on one GPU")
 
 
 def num_gpus() -> int:
@@ -53,6 +56,8 @@ def pytest_collection_modifyitems(config, items):
         need = max(1, int(params.params.get("world_size", 2))) if params is not None else 2
         if have < need and not (SHARE_GPUS and have >= 1):
             item.add_marker(pytest.mark.skip(reason=f"needs >= {need} CUDA GPUs"))
+        elif have < need and "nccl" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=f"NCCL needs {need} distinct GPUs (ranks share {have})"))
 
 
 class RankContext:

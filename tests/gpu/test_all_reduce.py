@@ -118,6 +118,7 @@ def _against_nccl(ctx):
     return True
 
 
+@pytest.mark.nccl
 def test_against_nccl(ranks):
     assert all(ranks(2).run(_against_nccl))
 

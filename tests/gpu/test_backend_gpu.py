@@ -169,6 +169,7 @@ def _every_op_vs_nccl(ctx):
     return True
 
 
+@pytest.mark.nccl
 def test_every_op_matches_nccl(ranks):
     ranks(2).run(_every_op_vs_nccl)
 
@@ -196,6 +197,7 @@ def _tp_mlp(ctx):
     return True
 
 
+@pytest.mark.nccl
 def test_tensor_parallel_mlp_matches_nccl(ranks):
     ranks(2).run(_tp_mlp)
 
