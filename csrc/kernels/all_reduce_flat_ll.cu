@@ -19,24 +19,29 @@ __global__ void __launch_bounds__(kLLThreads) all_reduce_flat_ll_kernel(AllReduc
   pdl_begin(order);  // before call_begin reads the counter the previous kernel advanced
   constexpr int N = Pack<T>::kNumElems;
   constexpr int kCap = kWorldSize > 0 ? kWorldSize : kMaxDeviceRanks;
+  const size_t num_packs = (p.count + N - 1) / N;
+  const T* in = static_cast<const T*>(p.input);
+  const bool in_aligned = (reinterpret_cast<uintptr_t>(in) & 15u) == 0;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  const size_t first = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  // The thread's first pack is loaded together with call_begin's words: one round trip, not two,
+  // before the first push (at decode sizes a thread has only this pack).
+  Pack<T> x_first{};
+  if (first < num_packs) x_first = load_pack(in, first, p.count, in_aligned);
   const device::CallInfo call = device::call_begin(p.barrier);
   if (!call.ok) return;
   const int world = kWorldSize > 0 ? kWorldSize : p.barrier.world_size;
   const int rank = p.barrier.rank;
   const uint32_t flag = static_cast<uint32_t>(call.call + 1);
-  const size_t num_packs = (p.count + N - 1) / N;
   const size_t slot_bytes = 2 * p.max_bytes_per_call;  // lines of one source rank
   const size_t parity = (call.call & 1) * static_cast<size_t>(world) * slot_bytes;
-  const T* in = static_cast<const T*>(p.input);
   T* out = static_cast<T*>(p.output);
-  const bool in_aligned = (reinterpret_cast<uintptr_t>(in) & 15u) == 0;
   const bool out_aligned = (reinterpret_cast<uintptr_t>(out) & 15u) == 0;
-  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
-  const size_t first = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  auto own_pack = [&](size_t v) { return v == first ? x_first : load_pack(in, v, p.count, in_aligned); };
 
   // Push: pack v (16 bytes) becomes lines 2v and 2v + 1 of slot `rank` in every peer's buffer.
   for (size_t v = first; v < num_packs; v += stride) {
-    const Pack<T> x = load_pack(in, v, p.count, in_aligned);
+    const Pack<T> x = own_pack(v);
     const uint4 raw = *reinterpret_cast<const uint4*>(&x);
     const uint4 line0{raw.x, flag, raw.y, flag}, line1{raw.z, flag, raw.w, flag};
     for (int i = 1; i < world; ++i) {
@@ -54,7 +59,7 @@ __global__ void __launch_bounds__(kLLThreads) all_reduce_flat_ll_kernel(AllReduc
     for (int r = 0; r < kCap; ++r) {
       if (kWorldSize == 0 && r >= world) continue;
       if (r == rank) {
-        xs[r] = load_pack(in, v, p.count, in_aligned);
+        xs[r] = own_pack(v);
         continue;
       }
       const uint4* src = reinterpret_cast<const uint4*>(p.lines.local<char>() + parity + r * slot_bytes) + 2 * v;
