@@ -260,6 +260,15 @@ def test_ll_path_matches_simulation(ranks, pdl, world_size):
     ranks(world_size, env={**LL, **(PDL if pdl else {})}).run(_ll_suite)
 
 
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_more_ranks(ranks, world_size):
+    # The cases whose expert count the world size divides, flag then LL kernels. Needs world_size
+    # GPUs, or COMMLIB_TEST_SHARE_GPUS=1.
+    ranks(world_size).run(_dispatch_combine, "basic")
+    ranks(world_size, env=LL).run(_dispatch_combine, "column_parts")
+    ranks(world_size, env=LL).run(_dispatch_combine, "basic")
+
+
 def _ll_dead_peer(ctx):
     # Rank 1 never joins the second dispatch: rank 0's LL kernel must give up within the timeout
     # (not hang) and record whom it waited for.

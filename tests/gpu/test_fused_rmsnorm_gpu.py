@@ -100,6 +100,15 @@ def test_fused_gpu_barrier_kernel_small_tokens(ranks):
     ranks(2, env=NO_LL).run(_gpu_case, "bfloat16", [1, 2, 3, 33], [1024, 8192], (None, 1, 3))
 
 
+@pytest.mark.parametrize("world_size", [3, 4, 8])
+def test_fused_gpu_more_ranks(ranks, world_size):
+    # Token counts that no world size divides, and none at all on some ranks (1 token); the LL
+    # kernels (default at these sizes), then the barrier kernel. Needs world_size GPUs, or
+    # COMMLIB_TEST_SHARE_GPUS=1.
+    ranks(world_size).run(_gpu_case, "bfloat16", [1, 5, 301], [1032, 8192])
+    ranks(world_size, env=NO_LL).run(_gpu_case, "bfloat16", [5, 301], [8192], (None, 3))
+
+
 def test_fused_gpu_barrier_kernel_row_groups(ranks):
     # The barrier kernel's phase B gives each row a group of 32..512 threads, chosen from the rows
     # per CTA (Note [fused p2p phase B]): 301 tokens (slices of 151 and 150 rows) on 1, 20, 40 and
