@@ -6,6 +6,9 @@
 #   here:    bash bench/variant_ab.sh prepare BRANCH FILE...    # copies BRANCH's FILEs to variants/BRANCH/
 #   device:  bash bench/variant_ab.sh run 'COMMAND' base BRANCH...
 #
+# or, from a committed patch (bench/experiments/NAME.patch, which outlives the branch), on either
+# machine: bash bench/variant_ab.sh patch NAME bench/experiments/NAME.patch   # variants/NAME/
+#
 # `run` builds the tree as it is (base), then, for each BRANCH, lays variants/BRANCH/ over the
 # tree, rebuilds (incremental: only the swapped files) and runs COMMAND again; every run's output
 # goes to $OUT/variant-<name>.log (OUT defaults to ./gpu-run) and its last lines to stdout. The
@@ -25,6 +28,20 @@ case $mode in
       git show "$branch:$f" >"variants/$branch/$f" || exit 1
     done
     echo "variants/$branch: $*" ;;
+  patch)
+    name=$1 patchfile=$(realpath "$2")
+    rm -rf "variants/$name"
+    for f in $(sed -n 's#^+++ b/##p' "$patchfile"); do
+      mkdir -p "variants/$name/$(dirname "$f")"
+      cp "$f" "variants/$name/$f" || exit 1
+    done
+    # git apply outside any repository (a temporary copy) works like patch(1), which may be missing
+    tmp=$(mktemp -d)
+    cp -r "variants/$name/." "$tmp"
+    (cd "$tmp" && git apply -p1 "$patchfile") || { rm -rf "$tmp"; exit 1; }
+    cp -r "$tmp/." "variants/$name"
+    rm -rf "$tmp"
+    echo "variants/$name: $(sed -n 's#^+++ b/##p' "$patchfile" | tr '\n' ' ')" ;;
   run)
     cmd=$1
     shift
