@@ -43,7 +43,11 @@ namespace commlib {
 // 250 µs at every hand-off: with one other runnable process, 1-128 KiB all_reduces took ~300 µs
 // per call spinning and 45-93 µs yielding, a 32 MiB one ~62 ms spinning and 8-26 ms yielding
 // (bench/results/cpu-all-reduce-2026-11-30-e.md). With nothing else runnable on the core,
-// sched_yield() returns at once.
+// sched_yield() returns at once. When the peer last ran on this very CPU (each rank publishes the
+// CPU it runs on, `cpu`, when that changes), the waiter yields at once instead of after 20 µs: the
+// scheduler often wakes both ranks of a 2-core machine on one CPU after a sleep (a gloo call, a
+// barrier of the caller's), and until it moves one away, every hand-off spun 20 µs before letting
+// the peer run (a 4 KiB all_reduce 40-50 µs instead of ~4; bench/results/cpu-bind-2026-12-01.md).
 // Lost-wakeup freedom (Dekker): the waiter increments `sleepers` and
 // then re-reads `arrived`; the arriver stores `arrived` and then reads `sleepers`; both seq_cst,
 // so at least one sees the other. FUTEX_WAIT also re-checks the word atomically.
@@ -52,6 +56,7 @@ namespace commlib {
 struct alignas(128) HostShm::RankControl {
   std::atomic<uint64_t> arrived;   // last barrier sequence number this rank reached
   std::atomic<uint32_t> sleepers;  // peers asleep (or about to sleep) on `arrived` or a counter
+  std::atomic<int32_t> cpu;        // 1 + the CPU this rank last ran on (0: not known yet)
   OpTag tags[2];                   // tag of barrier seq, indexed by seq & 1 (a peer is at most one ahead)
   std::atomic<uint64_t> progress[static_cast<int>(Progress::kNumCounters)];  // Note [host shm pipeline]
 };
@@ -143,6 +148,15 @@ HostShm::~HostShm() {
   if (base_ != nullptr) ::munmap(base_, total_bytes_);
 }
 
+int32_t HostShm::note_cpu() {
+  const int32_t cpu = ::sched_getcpu() + 1;  // 0 when unknown
+  if (cpu != last_cpu_) {  // a store only after a migration, never in the steady state
+    last_cpu_ = cpu;
+    control(rank_).cpu.store(cpu, std::memory_order_relaxed);
+  }
+  return cpu;
+}
+
 HostShm::RankControl& HostShm::control(int rank) const {
   return reinterpret_cast<RankControl*>(base_)[rank];
 }
@@ -183,8 +197,12 @@ void HostShm::wait_for(int peer, std::atomic<uint64_t>& arrived, uint64_t seq, c
       continue;
     }
     const auto now = std::chrono::steady_clock::now();
-    // Past the first microseconds the peer may be waiting for this core: let it run.
-    if (now - start >= kYieldAfter) ::sched_yield();
+    // Past the first microseconds, or at once when the peer shares this CPU, the peer may be
+    // waiting for this core: let it run.
+    const int32_t here = note_cpu();
+    if (now - start >= kYieldAfter || (here != 0 && theirs.cpu.load(std::memory_order_relaxed) == here)) {
+      ::sched_yield();
+    }
     if (oversubscribed_ || now - start >= kSpinTime) {
       // Sleep until the peer arrives (Note [host shm waiting]).
       theirs.sleepers.fetch_add(1, std::memory_order_seq_cst);
@@ -218,6 +236,7 @@ void HostShm::barrier(const char* what, const char* phase, const OpTag& tag) {
   check_usable(what);
   const uint64_t seq = ++seq_;
   RankControl& mine = control(rank_);
+  note_cpu();
   mine.tags[seq & 1] = tag;
   // Publishes the round's slot writes and tag to every peer that acquires `arrived` >= seq; seq_cst
   // (not only release) so that it is ordered before the read of `sleepers` (Note [host shm waiting]).

@@ -115,6 +115,8 @@ class HostShm {
  private:
   struct RankControl;
   RankControl& control(int rank) const;
+  // Publishes 1 + the CPU this rank runs on in its control block when it changed; returns it (0: unknown).
+  int32_t note_cpu();
   // Waits until `word` (in `peer`'s control block) reaches `target`; `unit` names it in errors.
   void wait_for(int peer, std::atomic<uint64_t>& word, uint64_t target, const char* what, const char* phase,
                 const char* unit);
@@ -126,6 +128,7 @@ class HostShm {
   std::chrono::milliseconds timeout_;
   std::vector<int64_t> peer_pids_;
   bool oversubscribed_;  // more ranks than cores: sleep at once instead of spinning first
+  int32_t last_cpu_ = 0;  // what note_cpu() last published
   uint8_t* base_ = nullptr;
   size_t total_bytes_ = 0;
   size_t control_bytes_ = 0;

@@ -71,6 +71,22 @@ def test_all_reduce_sum_all_sizes_flat_tree_bitwise(ranks, world_size, dtype_nam
     ranks(world_size).run(_all_reduce_case, dtype_name, "sum", ["flat", "tree", "auto"], sizes)
 
 
+def _on_one_cpu(ctx, dtype_name, sizes):
+    # Every rank on the same CPU (what the scheduler often does after a sleep): the waits see the
+    # peer on their own CPU and yield at once (Note [host shm waiting]); results as anywhere else.
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})
+    try:
+        return _all_reduce_case(ctx, dtype_name, "sum", ["flat", "tree"], sizes)
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_reduce_with_every_rank_on_one_cpu(ranks, world_size):
+    ranks(world_size).run(_on_one_cpu, "bfloat16", [1, 4097, 300_001, (1 << 20) + 3])
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("op", ["avg", "min", "max", "prod"])
 @pytest.mark.parametrize("dtype_name", list(DTYPES))

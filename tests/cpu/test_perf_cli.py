@@ -72,6 +72,28 @@ def test_all_reduce_table_json_csv(tmp_path):
     assert len(recs) == 24 and all(rec["oop_wrong"] == "0" and rec["ip_wrong"] == "0" for rec in recs)
 
 
+def test_cpu_binding(tmp_path):
+    # Default: each rank on its own CPU (the machine has >= 2); reported in the JSON's timing line.
+    runs = {"core": [], "none": ["--cpu-bind", "none"]}
+    for mode, flag in runs.items():
+        js = tmp_path / f"{mode}.json"
+        r = run_cli("commlib.perf", "all_reduce", "-b", "4K", "-e", "4K", "-n", "3", "-w", "1", "-np", "2",
+                    "--backend", "ddacomm", *flag, "--json", str(js))
+        assert r.returncode == 0, r.stdout + r.stderr
+        timing = json.loads(js.read_text())["meta"]["timing"]
+        want = "ranks bound: one CPU each" if mode == "core" and len(os.sched_getaffinity(0)) >= 2 else "ranks bound: no"
+        assert want in timing, timing
+    # Fewer CPUs than ranks: no binding, and the reason is reported.
+    js = tmp_path / "one-cpu.json"
+    e = dict(os.environ, PYTHONPATH=str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cpu = min(os.sched_getaffinity(0))
+    r = subprocess.run([sys.executable, "-m", "commlib.perf", "all_reduce", "-b", "4K", "-e", "4K", "-n", "3", "-w",
+                        "1", "-np", "2", "--backend", "ddacomm", "--json", str(js)], capture_output=True, text=True,
+                       env=e, timeout=300, cwd=ROOT, preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ranks bound: no (1 CPUs for 2 ranks)" in json.loads(js.read_text())["meta"]["timing"]
+
+
 def test_other_collectives():
     ops = ["reduce_scatter", "all_gather", "all_to_all", "broadcast"]
     r = run_cli("commlib.perf", *ops, *SMALL, "-d", "half", "--backend", "ddacomm", "gloo")

@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "ddacomm:tree ... time several algorithms side by side); the first is the "
                         "subject, the second the baseline of the ratio column (default: ddacomm gloo on CPU, "
                         "ddacomm nccl on GPU)")
+    p.add_argument("--cpu-bind", dest="cpu_bind", choices=("core", "none"), default="core",
+                   help="CPU tensors: bind local rank r to the r-th CPU this process may use (core, default, "
+                        "as MPI launchers do, when there are at least as many CPUs as local ranks) or not (none)")
     p.add_argument("--algo", choices=("auto", "flat", "tree"), default="auto",
                    help="ddacomm (and symm) all_reduce algorithm (default auto)")
     p.add_argument("--json", metavar="FILE", help="write results as JSON ('-' for stdout)")

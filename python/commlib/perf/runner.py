@@ -139,16 +139,31 @@ def _sizes(opts) -> List[int]:
     return sizes
 
 
+def _bind_cpu(mode: str, local_rank: int, world_size: int) -> str:
+    """Binds this rank to one CPU (mode "core") and says how. Unbound, the scheduler's wake-up
+    placement often puts both ranks of a 2-core machine on one CPU after any sleep (a gloo call, the
+    harness's barrier): every hand-off then waits for a context switch, 40-50 µs instead of ~4 for a
+    4 KiB all_reduce, for milliseconds at a time (bench/results/cpu-bind-2026-12-01.md)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # torchrun sets it
+    if mode == "none" or len(cpus) < local_ranks:
+        return "no" if mode == "none" else f"no ({len(cpus)} CPUs for {local_ranks} ranks)"
+    os.sched_setaffinity(0, {cpus[local_rank % len(cpus)]})
+    return "one CPU each"
+
+
 def run_rank(opts, rank: int, world_size: int, store, local_rank: int) -> int:
     """The benchmark on one rank (the default process group is initialised). Returns the exit code."""
     device = torch.device("cuda", local_rank) if opts.device == "cuda" else torch.device("cpu")
+    binding = "none"
     if device.type == "cpu":
         torch.set_num_threads(1)  # n processes share the machine's cores; no intra-op oversubscription
+        binding = _bind_cpu(opts.cpu_bind, local_rank, world_size)
     out = sys.stdout if rank == 0 else open(os.devnull, "w")
     meta = {"version": _version(), "command": opts.command_line, "machine": machine_description(device.type),
             "date": today(), "world_size": world_size, "device": device.type, "iters": opts.iters,
             "warmup": opts.warmup,
-            "timing": ("median of per-op wall time" if device.type == "cpu" else
+            "timing": (f"median of per-op wall time, ranks bound: {binding}" if device.type == "cpu" else
                        f"CUDA graph of {opts.iters} ops x {opts.graph_launches} replays, median"
                        if opts.graph_launches > 0 else f"CUDA events, mean of {opts.iters} ops"
                        + (", blocking" if opts.blocking else ""))}
