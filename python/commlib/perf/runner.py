@@ -155,7 +155,7 @@ def _bind_cpu(mode: str, local_rank: int, world_size: int) -> str:
 def run_rank(opts, rank: int, world_size: int, store, local_rank: int) -> int:
     """The benchmark on one rank (the default process group is initialised). Returns the exit code."""
     device = torch.device("cuda", local_rank) if opts.device == "cuda" else torch.device("cpu")
-    binding = "none"
+    binding = None  # CPU runs only
     if device.type == "cpu":
         torch.set_num_threads(1)  # n processes share the machine's cores; no intra-op oversubscription
         binding = _bind_cpu(opts.cpu_bind, local_rank, world_size)
