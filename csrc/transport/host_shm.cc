@@ -47,7 +47,7 @@ namespace commlib {
 // CPU it runs on, `cpu`, when that changes), the waiter yields at once instead of after 20 µs: the
 // scheduler often wakes both ranks of a 2-core machine on one CPU after a sleep (a gloo call, a
 // barrier of the caller's), and until it moves one away, every hand-off spun 20 µs before letting
-// the peer run (a 4 KiB all_reduce 40-50 µs instead of ~4; bench/results/cpu-bind-2026-12-01.md).
+// the peer run (a 4 KiB all_reduce 31-48 µs instead of ~4; bench/results/cpu-bind-2026-12-01.md).
 // Lost-wakeup freedom (Dekker): the waiter increments `sleepers` and
 // then re-reads `arrived`; the arriver stores `arrived` and then reads `sleepers`; both seq_cst,
 // so at least one sees the other. FUTEX_WAIT also re-checks the word atomically.

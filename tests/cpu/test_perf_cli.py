@@ -19,12 +19,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_cli(module, *args, env=None, timeout=300):
+def run_cli(module, *args, env=None, timeout=300, **popen):
     e = dict(os.environ)
     e["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + e.get("PYTHONPATH", "")
     e.update(env or {})
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=e,
-                          timeout=timeout, cwd=ROOT)
+                          timeout=timeout, cwd=ROOT, **popen)
 
 
 def table_rows(stdout):
@@ -85,11 +85,9 @@ def test_cpu_binding(tmp_path):
         assert want in timing, timing
     # Fewer CPUs than ranks: no binding, and the reason is reported.
     js = tmp_path / "one-cpu.json"
-    e = dict(os.environ, PYTHONPATH=str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cpu = min(os.sched_getaffinity(0))
-    r = subprocess.run([sys.executable, "-m", "commlib.perf", "all_reduce", "-b", "4K", "-e", "4K", "-n", "3", "-w",
-                        "1", "-np", "2", "--backend", "ddacomm", "--json", str(js)], capture_output=True, text=True,
-                       env=e, timeout=300, cwd=ROOT, preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+    r = run_cli("commlib.perf", "all_reduce", "-b", "4K", "-e", "4K", "-n", "3", "-w", "1", "-np", "2",
+                "--backend", "ddacomm", "--json", str(js), preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "ranks bound: no (1 CPUs for 2 ranks)" in json.loads(js.read_text())["meta"]["timing"]
 
