@@ -6,7 +6,9 @@ per-rank results (re-raising the first rank's failure with its traceback). ``fn`
 module-level function of a test module. ``ctx`` has ``rank``, ``world_size``, ``store`` (a
 TCPStore shared by the ranks), ``comm`` (a default ``commlib.Communicator``, created on first
 use), ``gloo()`` (a gloo process group over the same store, for reference results) and
-``new_comm(name, **kw)``. A pool whose worker died or timed out is replaced on next use.
+``new_comm(name, **kw)``; ``ctx.progress(what)`` prints rank 0's progress with the time when
+``COMMLIB_TEST_PROGRESS=1`` (for slow runs, e.g. many ranks sharing a GPU; run pytest with ``-s``).
+A pool whose worker died or timed out is replaced on next use.
 
 GPU tests are marked ``gpu`` and skip unless at least 2 CUDA devices are visible.
 ``COMMLIB_TEST_SHARE_GPUS=1`` lets the ranks share the GPUs there are (rank r on GPU r mod count), so
@@ -29,6 +31,7 @@ import pytest
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("COMMLIB_TEST_TIMEOUT_S", "600"))
 SHARE_GPUS = os.environ.get("COMMLIB_TEST_SHARE_GPUS", "0") == "1"
+PROGRESS = os.environ.get("COMMLIB_TEST_PROGRESS", "0") == "1"
 ERROR_GRACE_S = 20.0
 
 
@@ -70,6 +73,11 @@ class RankContext:
         self._gloo = None
         self._names = 0
         self.scratch: dict = {}
+        self._t0 = time.monotonic()
+
+    def progress(self, what: str) -> None:
+        if PROGRESS and self.rank == 0:
+            print(f"[{time.monotonic() - self._t0:8.1f} s] world {self.world_size}: {what}", file=sys.stderr, flush=True)
 
     @property
     def comm(self):
@@ -127,9 +135,12 @@ def _worker(rank, world_size, port, sys_path, conn, env):
 class RankFailure(Exception):
     """A rank raised: ``.errors`` maps rank -> (exception type name, formatted message)."""
 
-    def __init__(self, errors: dict):
+    def __init__(self, errors: dict, silent: list | None = None):
         self.errors = errors
+        self.silent = silent or []  # ranks that never answered once another had failed
         rank, (_, text) = sorted(errors.items())[0]
+        if self.silent:
+            text = f"ranks {self.silent} did not answer after rank {rank} failed; rank {rank}: {text}"
         super().__init__(text)
 
 
@@ -166,7 +177,7 @@ class RankPool:
         """Waits for every rank's answer. Once one rank has failed, the others get ERROR_GRACE_S more
         (they are often stuck in a collective the failed rank never joined), so the failure is
         reported promptly instead of after the whole timeout; such a pool is replaced."""
-        results, errors = [None] * self.world_size, {}
+        results, errors, silent = [None] * self.world_size, {}, []
         conn_rank = {id(conn): rank for rank, conn in enumerate(self.conns)}
         pending = list(self.conns)
         deadline = time.monotonic() + timeout
@@ -176,8 +187,7 @@ class RankPool:
                 self.broken = True
                 silent = sorted(conn_rank[id(c)] for c in pending)
                 if errors:
-                    errors[silent[0]] = ("TimeoutError", f"ranks {silent} did not answer after another rank failed")
-                    break
+                    break  # reported with the failure that came first (RankFailure.silent)
                 raise TimeoutError(f"ranks {silent} did not answer within {timeout} s")
             for conn in ready:
                 pending.remove(conn)
@@ -195,7 +205,7 @@ class RankPool:
             if errors:
                 deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
         if errors:
-            raise RankFailure(errors)
+            raise RankFailure(errors, silent)
         return results
 
     def kill(self, rank: int):

@@ -85,6 +85,7 @@ def run_dispatch_combine(ctx, cases, device="cpu"):
     n, me = ctx.world_size, ctx.rank
     for case in cases:
         (num_experts, topk, hidden, dtype_name, kind, max_tokens, tokens_of, capacity) = case
+        ctx.progress(f"EP {case}")
         dtype = DTYPES[dtype_name]
         buf = commlib.EPBuffer(ctx.comm, max_tokens, hidden, num_experts, topk, dtype, device=device, capacity=capacity)
         cap = buf.capacity

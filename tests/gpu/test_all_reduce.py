@@ -464,6 +464,7 @@ def _few_sizes(ctx):
         for count in (1, 9, 4097, 300_001):
             for algo in ("flat", "tree"):
                 for op in ("sum", "avg"):
+                    ctx.progress(f"all_reduce {dtype} count={count} {algo} {op}")
                     _run_case(ctx, ctx.comm, count, dtype, op, algo, pad=1)
     return True
 

@@ -40,6 +40,7 @@ def _gpu_case(ctx, dtype_name, tokens_list, hidden_list, num_sms_list=(None,), e
     comm = ctx.comm
     for hidden in hidden_list:
         for tokens in tokens_list:
+            ctx.progress(f"fused {dtype_name} tokens={tokens} hidden={hidden}")
             xs, residual0, weight = make_inputs(n, tokens, hidden, dtype)
             x = xs[rank].to(dev)
             summed = x.clone()
