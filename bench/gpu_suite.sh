@@ -7,7 +7,10 @@
 #                           (allreduce, fused, ep, ep-ll = ep at decode sizes with COMMLIB_EP_LL 0
 #                           then 1, backend, profile = per-kernel times)
 #   perf[:SECONDS]          commlib-perf all_reduce sample (ddacomm vs nccl vs symm, graph) + plot
-# Example:  bash bench/gpu_suite.sh test:test_all_reduce:240 bench:allreduce:120
+#   ab:NAME[:SECONDS]       A/B of bench/experiments/NAME.patch against the tree (bench/variant_ab.sh):
+#                           the benchmark the experiments README names for it, twice per build, then
+#                           the patch's GPU test file on the variant
+# Example:  bash bench/gpu_suite.sh test:test_all_reduce:240 bench:allreduce:120 ab:perf-ep-weights
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-run}
@@ -21,6 +24,17 @@ fi
 PY=$(cat .build/python)
 echo "== built in $(( $(date +%s) - start )) s"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -2
+
+# The A/B command of each patch in bench/experiments/ (see its README): benchmark, then tests.
+ab_command() {
+  case $1 in
+    perf-fused-ll-early-loads)
+      echo 'for i in 1 2; do $PY bench/bench_fused_rmsnorm.py --replays 10 --max-tokens 128 --sweep-tokens --ab-tokens --out $OUT/ab-$VARIANT-$i.md; done; [ $VARIANT = base ] || $PY -m pytest tests/gpu/test_fused_rmsnorm_gpu.py -q -x -rs' ;;
+    perf-ep-weights)
+      echo 'for i in 1 2; do COMMLIB_EP_LL=1 $PY bench/bench_ep.py --tokens 1,8,32,128 --out $OUT/ab-$VARIANT-$i.md; done; [ $VARIANT = base ] || COMMLIB_EP_LL=1 $PY -m pytest tests/gpu/test_ep_cuda.py -q -x -rs' ;;
+    *) return 1 ;;
+  esac
+}
 
 run_step() {  # name seconds command...
   local name=$1 secs=$2
@@ -54,6 +68,12 @@ for step in "$@"; do
     perf)
       run_step perf "${name:-240}" "$PY" -m commlib.perf all_reduce -b 1K -e 256M -f 4 -n 20 -w 5 -G 10 -d bfloat16 \
         --backend ddacomm nccl symm --json "$OUT/perf.json" --plot "$OUT/perf.png" ;;
+    ab)
+      if cmd=$(ab_command "$name") && bash bench/variant_ab.sh patch "$name" "bench/experiments/$name.patch"; then
+        OUT=$OUT TAIL=${TAIL:-14} run_step "ab-$name" "${secs:-400}" bash bench/variant_ab.sh run "$cmd" base "$name"
+      else
+        echo "== ab-$name: no A/B command or the patch does not apply"
+      fi ;;
     *) echo "unknown step $step" ;;
   esac
 done
