@@ -9,6 +9,8 @@
 #include "bootstrap/bootstrap.hpp"
 #include "commlib/env.hpp"
 #include "commlib/errors.hpp"
+#include "core/multicast_guard.hpp"
+#include "transport/cuda_multicast.hpp"
 #include "transport/host_shm.hpp"
 
 namespace commlib {
@@ -43,7 +45,8 @@ Communicator::Communicator(std::shared_ptr<Store> store, int rank, int world_siz
       world_size_(world_size),
       name_(std::move(name)),
       options_(options),
-      cuda_(nullptr, destroy_cuda_comm) {
+      cuda_(nullptr, destroy_cuda_comm),
+      multicast_(nullptr, destroy_multicast_workspace) {
   COMMLIB_CHECK(store_ != nullptr, InvalidArgument, "Communicator: store must not be None");
   COMMLIB_CHECK(world_size_ >= 1, InvalidArgument, "Communicator: world_size ", world_size_, " must be >= 1");
   COMMLIB_CHECK(rank_ >= 0 && rank_ < world_size_, InvalidArgument, "Communicator: rank ", rank_,
@@ -86,6 +89,7 @@ Communicator::~Communicator() { close(); }
 void Communicator::close() {
   if (closed_) return;
   closed_ = true;
+  multicast_.reset();  // unbinds memory that cuda_ owns
   cuda_.reset();
   host_.reset();
 }
@@ -111,6 +115,13 @@ CudaComm& Communicator::cuda(int device) {
   check_open("cuda transport");
   if (!cuda_) cuda_.reset(create_cuda_comm(*this, device));
   return *cuda_;
+}
+
+MulticastWorkspace& Communicator::multicast(int device) {
+  check_open("multicast transport");
+  require_multicast("multicast transport");  // SAFETY: before any CUDA call, on every use
+  if (!multicast_) multicast_.reset(create_multicast_workspace(*this, device));
+  return *multicast_;
 }
 
 }  // namespace commlib

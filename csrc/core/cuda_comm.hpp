@@ -52,6 +52,8 @@ class CudaComm {
   std::shared_ptr<SymmetricBuffer> find_symmetric(const void* ptr, size_t bytes, size_t* offset) const;
 
   const SymmetricBuffer& workspace() const { return *workspace_; }
+  // The transport, for modules that map memory of their own (collective calls only).
+  CudaIpc& ipc() const { return *ipc_; }
   // The LL line buffer (Note [LL lines]) as the LL kernels see it, shared by all of them: `bytes`
   // is its nominal size, whose halves they use by call parity (the allocation may be rounded up).
   SymmetricBufferDevice ll_lines_handle() const;

@@ -15,16 +15,21 @@ constexpr int kDriverApiVersion = 12000;
 
 template <typename Fn>
 void resolve(Fn& fn, const char* symbol) {
-  void* ptr = nullptr;
-  cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
-  const cudaError_t err = cudaGetDriverEntryPointByVersion(symbol, &ptr, kDriverApiVersion, cudaEnableDefault, &query);
-  COMMLIB_CHECK(err == cudaSuccess && query == cudaDriverEntryPointSuccess && ptr != nullptr, CudaError,
-                "cuda driver: entry point ", symbol, " unavailable (", cudaGetErrorString(err),
-                ", query result ", static_cast<int>(query), "); is an NVIDIA driver >= 12.0 installed?");
-  fn = reinterpret_cast<Fn>(ptr);
+  fn = reinterpret_cast<Fn>(entry_point(symbol, kDriverApiVersion));
 }
 
 }  // namespace
+
+void* entry_point(const char* symbol, int api_version) {
+  void* ptr = nullptr;
+  cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
+  const cudaError_t err = cudaGetDriverEntryPointByVersion(symbol, &ptr, api_version, cudaEnableDefault, &query);
+  COMMLIB_CHECK(err == cudaSuccess && query == cudaDriverEntryPointSuccess && ptr != nullptr, CudaError,
+                "cuda driver: entry point ", symbol, " (ABI ", api_version, ") unavailable (", cudaGetErrorString(err),
+                ", query result ", static_cast<int>(query), "); is an NVIDIA driver >= ", api_version / 1000, ".",
+                api_version % 1000 / 10, " installed?");
+  return ptr;
+}
 
 const DriverApi& driver() {
   static DriverApi api;

@@ -24,6 +24,11 @@ struct DriverApi {
 
 const DriverApi& driver();
 
+// The driver's entry point `symbol` in the ABI of CUDA `api_version` (e.g. 12010 for 12.1);
+// throws CudaError when the driver or the symbol is missing. For modules that resolve entry
+// points of their own, only when they need them.
+void* entry_point(const char* symbol, int api_version);
+
 // Throws CudaError("<what>: <call> failed: <driver message>") unless result is CUDA_SUCCESS.
 void check(CUresult result, const char* what, const char* call);
 

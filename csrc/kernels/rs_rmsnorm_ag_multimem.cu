@@ -8,10 +8,19 @@
 // explicit COMMLIB_ENABLE_MULTICAST set to 1 and no kill switch); nothing in this file creates a
 // multicast object. On the lent machines it is compiled and its SASS inspected only.
 //
-// Bitwise note: the switch sums in its own order (fp32 accumulation requested with .acc::f32
-// where the ISA has it), so unlike p2p this variant is not bitwise equal to the rank-order
-// reduction of Note [reduction order]; the norm arithmetic after the sum is the same.
-// Replicated mode gathers the residual rows through region R with multimem.st as well.
+// Bitwise note: the switch accumulates in fp32 (.acc::f32) and rounds the sum once, but adds the
+// ranks in its own order, so unlike p2p this variant is bitwise equal to the rank-order reduction
+// of Note [reduction order] only where the order cannot matter (world 2: a + b == b + a); the norm
+// arithmetic after the sum is the same. Replicated mode gathers the residual rows through region R
+// with multimem.st as well.
+//
+// Note [multimem proxy fences]
+// The workspace is written and read through two addresses: this rank's unicast mapping and the
+// multicast one (Note [multicast workspace]). The memory model orders accesses through different
+// virtual aliases of the same bytes only across fence.proxy.alias, so each phase change has one on
+// both sides of its barrier: after the unicast copy-in (before the release) and before the
+// multimem loads (after the acquire); after the multimem stores and before the unicast reads of
+// what they wrote.
 #include "commlib/device/barrier.cuh"
 #include "commlib/device/dispatch.cuh"
 #include "kernels/rs_rmsnorm_ag_common.cuh"
@@ -22,18 +31,19 @@ using namespace fused_detail;
 
 // PTX wrappers named after the instruction. Kept in this file, not device/ptx.cuh, so that the
 // headers every other kernel includes cannot issue multicast (tests/cpu/test_all_reduce_selection.py).
-// multimem.ld_reduce: the sum over every rank's copy of the 16 bytes at the multicast address.
-__device__ __forceinline__ uint4 multimem_ld_reduce_add_v4_bf16x2(const void* mc_addr) {
+// multimem.ld_reduce: the sum over every rank's copy of the 16 bytes at the multicast address,
+// accumulated in fp32 and rounded once (.acc::f32).
+__device__ __forceinline__ uint4 multimem_ld_reduce_add_acc_f32_v4_bf16x2(const void* mc_addr) {
   uint4 v;
-  asm volatile("multimem.ld_reduce.relaxed.sys.global.add.v4.bf16x2 {%0, %1, %2, %3}, [%4];"
+  asm volatile("multimem.ld_reduce.relaxed.sys.global.add.acc::f32.v4.bf16x2 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(mc_addr)
                : "memory");
   return v;
 }
-__device__ __forceinline__ uint4 multimem_ld_reduce_add_v4_f16x2(const void* mc_addr) {
+__device__ __forceinline__ uint4 multimem_ld_reduce_add_acc_f32_v4_f16x2(const void* mc_addr) {
   uint4 v;
-  asm volatile("multimem.ld_reduce.relaxed.sys.global.add.v4.f16x2 {%0, %1, %2, %3}, [%4];"
+  asm volatile("multimem.ld_reduce.relaxed.sys.global.add.acc::f32.v4.f16x2 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(mc_addr)
                : "memory");
@@ -46,13 +56,17 @@ __device__ __forceinline__ void multimem_st_v4_f32(void* mc_addr, uint4 v) {
                : "memory");
 }
 
+// fence.proxy.alias: orders this thread's accesses through one virtual alias of some bytes with
+// its accesses through another (Note [multimem proxy fences]).
+__device__ __forceinline__ void fence_proxy_alias() { asm volatile("fence.proxy.alias;" ::: "memory"); }
+
 template <typename T>
 __device__ __forceinline__ Pack<T> multimem_sum(const void* mc_addr) {
   uint4 raw;
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    raw = multimem_ld_reduce_add_v4_bf16x2(mc_addr);
+    raw = multimem_ld_reduce_add_acc_f32_v4_bf16x2(mc_addr);
   } else {
-    raw = multimem_ld_reduce_add_v4_f16x2(mc_addr);
+    raw = multimem_ld_reduce_add_acc_f32_v4_f16x2(mc_addr);
   }
   Pack<T> x;
   *reinterpret_cast<uint4*>(&x) = raw;
@@ -95,8 +109,12 @@ __global__ void __launch_bounds__(kMaxThreads)
       for (int k = threadIdx.x; k < num_packs; k += blockDim.x) Pack<T>::load(src + k * kGroup).store(dst + k * 16);
     }
   }
+  // The unicast copy-in, ordered before multicast reads of the same bytes (Note [multimem proxy fences]).
+  fence_proxy_alias();
   // Publishes this block's copy-in to the peers' block b (whose multimem loads read it).
   if (!device::barrier_block(p.barrier, call.call, static_cast<int>(FusedRmsNormPhase::kInputsReady))) return;
+  // The peers' copy-ins, acquired through the unicast flags, ordered before the multicast loads.
+  fence_proxy_alias();
 
   const TokenSlice mine = chunk_rows(a, chunk, world, rank);
   for (int64_t i = blockIdx.x; i < mine.size(); i += gridDim.x) {
@@ -138,9 +156,13 @@ __global__ void __launch_bounds__(kMaxThreads)
       multimem_store(mc + region_bytes + row_off + k * 16, y);
     }
   }
-  // Orders the multimem stores before the barrier's release for every observer.
+  // Orders the multimem stores before the barrier's release for every observer, and before unicast
+  // accesses to the same bytes (Note [multimem proxy fences]).
+  fence_proxy_alias();
   device::fence_acq_rel_sys();
   if (!device::barrier_block(p.barrier, call.call, static_cast<int>(FusedRmsNormPhase::kRowsPushed))) return;
+  // What the peers' multimem stores wrote, ordered before this rank's unicast reads of it.
+  fence_proxy_alias();
 
   for (int d = 0; d < world; ++d) {
     const TokenSlice rows = chunk_rows(a, chunk, world, d);

@@ -9,6 +9,7 @@
 
 #include "commlib/fused_rmsnorm.hpp"
 #include "core/multicast_guard.hpp"
+#include "transport/cuda_multicast.hpp"
 #include "torch/bindings.hpp"
 #include "torch/fused_ops.hpp"
 #include "torch/torch_common.hpp"
@@ -214,6 +215,17 @@ const BindingRegistrar kRegistrar("fused", [](py::module_& m) {
       py::arg("variables"), "The guard's decision for the given variables instead of the environment.");
   m.def(
       "require_multicast", [](const std::string& what) { require_multicast(what.c_str()); }, py::arg("what"));
+  m.def("multicast_objects_created", &multicast_objects_created,
+        "NVLink multicast objects this process has created (0 wherever the guard refuses).");
+  m.def(
+      "multicast_workspace_bytes",
+      [](int64_t comm_handle, int device) {
+        std::shared_ptr<Communicator> comm = communicator_from_handle(comm_handle, "multicast workspace");
+        return comm->multicast(device).bytes();
+      },
+      py::arg("comm_handle"), py::arg("device"),
+      "Collective: the communicator's multicast workspace (created on first use) and its bytes per rank; "
+      "raises ValueError, before any CUDA call, where the multicast guard refuses.");
 });
 
 }  // namespace

@@ -1,7 +1,8 @@
 // GPU entry of the fused all-reduce + residual add + RMSNorm: runs the P2P kernels
 // (csrc/kernels/rs_rmsnorm_ag_p2p.cu, or its LL variant for small token counts, chosen by the
-// launcher) on the current stream of x's device. Capturable: no host
-// synchronisation, no allocation after the communicator's first GPU use.
+// launcher) or, for algo 'multimem' where the multicast guard allows it, the multimem kernel
+// (rs_rmsnorm_ag_multimem.cu) on the current stream of x's device. Capturable: no host
+// synchronisation, no allocation after the communicator's first GPU use (first multimem use).
 #include "torch/fused_ops.hpp"
 
 #if defined(COMMLIB_FUSED_CUDA)
@@ -9,6 +10,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "core/cuda_comm.hpp"
+#include "transport/cuda_multicast.hpp"
 #include "kernels/rs_rmsnorm_ag_params.hpp"
 #include "torch/torch_common.hpp"
 
@@ -20,17 +22,26 @@ void fused_allreduce_rmsnorm_cuda(Communicator& comm, const FusedRmsNormArgs& ar
   const char* what = "fused_allreduce_rmsnorm";
   COMMLIB_CHECK(args.dtype == DataType::kBFloat16 || args.dtype == DataType::kFloat16, TypeMismatch, what,
                 ": dtype ", dtype_name(args.dtype), " not supported for CUDA tensors; supported: bfloat16, float16");
-  // The guard has already allowed multimem when we get here; this build still creates no
-  // multicast buffers, so the path stops before any driver call.
-  COMMLIB_CHECK(algo != FusedAlgo::kMultimem, InvalidArgument, what,
-                ": algo 'multimem' is compiled but not wired to multicast buffers in this build; use 'auto' or "
-                "'p2p'");
   const int index = x.device().index();
   c10::cuda::CUDAGuard guard(x.device());
   CudaComm& cuda = comm.cuda(index);
   COMMLIB_CHECK(cuda.device() == index, InvalidArgument, what, ": tensor is on cuda:", index,
                 " but this communicator's GPU state lives on cuda:", cuda.device(), "; use one device per communicator");
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(index).stream();
+  if (algo == FusedAlgo::kMultimem) {
+    // SAFETY: Communicator::multicast refuses (before any CUDA call) unless the guard allows it.
+    const MulticastWorkspace& mc = comm.multicast(index);
+    kernels::RsRmsNormAgMultimemParams p;
+    p.args = args;
+    p.workspace = mc.unicast().device_handle();
+    p.multicast_workspace = mc.address();
+    p.barrier = cuda.barrier_handle();
+    p.num_blocks = num_sms;
+    cuda.begin_op(stream, what);
+    throw_if_error(kernels::launch_rs_rmsnorm_ag_multimem(p, stream));
+    cuda.end_op(stream, what);
+    return;
+  }
   kernels::RsRmsNormAgP2pParams p;
   p.args = args;
   p.workspace = cuda.workspace().device_handle();

@@ -6,6 +6,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <functional>
@@ -18,6 +19,7 @@ namespace commlib {
 namespace {
 
 constexpr uint64_t kMagic = 0x636f6d6d6c696231ull;  // "commlib1"
+constexpr int kAwaitedFd = -2;  // receive_fds: a slot whose descriptor is still to come
 
 struct FdHeader {
   uint64_t magic;
@@ -113,46 +115,47 @@ std::string CudaIpc::socket_name(int rank) const {
   return detail::concat("commlib-ipc-", rank0_pid_, "-", std::hash<std::string>{}(prefix_), "-", rank);
 }
 
-void CudaIpc::exchange_fds(int my_fd, uint64_t sequence, size_t bytes, std::vector<int>& peer_fds, const char* what) {
-  for (int r = 0; r < world_size_; ++r) {
-    if (r == rank_) continue;
-    const int s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    COMMLIB_CHECK(s >= 0, Error, what, ": socket() failed: ", std::strerror(errno));
-    socklen_t len = 0;
-    sockaddr_un addr = make_addr(socket_name(r), len);
-    if (::connect(s, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
-      const int e = errno;
-      ::close(s);
-      throw PeerError(detail::concat(what, ": rank ", rank_, " cannot connect to rank ", r, "'s socket: ",
-                                     std::strerror(e), " (is rank ", r, " on this node?)"));
-    }
-    FdHeader header{kMagic, sequence, bytes, rank_, 0};
-    iovec iov{&header, sizeof(header)};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
-    cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
-    cmsg->cmsg_level = SOL_SOCKET;
-    cmsg->cmsg_type = SCM_RIGHTS;
-    cmsg->cmsg_len = CMSG_LEN(sizeof(int));
-    std::memcpy(CMSG_DATA(cmsg), &my_fd, sizeof(int));
-    const ssize_t sent = ::sendmsg(s, &msg, MSG_NOSIGNAL);
+void CudaIpc::send_fd(int r, int my_fd, uint64_t sequence, size_t bytes, const char* what) {
+  const int s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  COMMLIB_CHECK(s >= 0, Error, what, ": socket() failed: ", std::strerror(errno));
+  socklen_t len = 0;
+  sockaddr_un addr = make_addr(socket_name(r), len);
+  if (::connect(s, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
     const int e = errno;
     ::close(s);
-    COMMLIB_CHECK(sent == static_cast<ssize_t>(sizeof(header)), PeerError, what, ": sending the handle to rank ", r,
-                  " failed: ", std::strerror(e));
+    throw PeerError(detail::concat(what, ": rank ", rank_, " cannot connect to rank ", r, "'s socket: ",
+                                   std::strerror(e), " (is rank ", r, " on this node?)"));
   }
+  FdHeader header{kMagic, sequence, bytes, rank_, 0};
+  iovec iov{&header, sizeof(header)};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
+  cmsg->cmsg_level = SOL_SOCKET;
+  cmsg->cmsg_type = SCM_RIGHTS;
+  cmsg->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(cmsg), &my_fd, sizeof(int));
+  const ssize_t sent = ::sendmsg(s, &msg, MSG_NOSIGNAL);
+  const int e = errno;
+  ::close(s);
+  COMMLIB_CHECK(sent == static_cast<ssize_t>(sizeof(header)), PeerError, what, ": sending the handle to rank ", r,
+                " failed: ", std::strerror(e));
+}
+
+void CudaIpc::receive_fds(uint64_t sequence, size_t bytes, std::vector<int>& peer_fds, const char* what) {
+  const int expected = static_cast<int>(std::count(peer_fds.begin(), peer_fds.end(), kAwaitedFd));
   const auto deadline = std::chrono::steady_clock::now() + timeout_;
-  for (int received = 0; received < world_size_ - 1; ++received) {
+  for (int received = 0; received < expected; ++received) {
     pollfd pfd{listen_fd_, POLLIN, 0};
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     const int ready = ::poll(&pfd, 1, static_cast<int>(std::max<int64_t>(0, left.count())));
     COMMLIB_CHECK(ready > 0, Timeout, what, ": rank ", rank_, " timed out after ", timeout_.count(),
                   " ms waiting for peers' memory handles (allocation #", sequence, ", received ", received, " of ",
-                  world_size_ - 1, ")");
+                  expected, ")");
     const int s = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
     COMMLIB_CHECK(s >= 0, Error, what, ": accept() failed: ", std::strerror(errno));
     FdHeader header{};
@@ -172,8 +175,8 @@ void CudaIpc::exchange_fds(int my_fd, uint64_t sequence, size_t bytes, std::vect
     int fd = -1;
     std::memcpy(&fd, CMSG_DATA(cmsg), sizeof(int));
     const int from = header.rank;
-    if (from < 0 || from >= world_size_ || from == rank_ || header.sequence != sequence || header.bytes != bytes ||
-        peer_fds[from] >= 0) {
+    if (from < 0 || from >= world_size_ || peer_fds[from] != kAwaitedFd || header.sequence != sequence ||
+        header.bytes != bytes) {
       ::close(fd);
       throw PeerError(detail::concat(what, ": allocation mismatch: rank ", rank_, " is at allocation #", sequence,
                                      " of ", bytes, " bytes but rank ", from, " sent allocation #", header.sequence,
@@ -183,9 +186,27 @@ void CudaIpc::exchange_fds(int my_fd, uint64_t sequence, size_t bytes, std::vect
   }
 }
 
-std::shared_ptr<SymmetricBuffer> CudaIpc::allocate(size_t bytes, ZeroFill zero, const char* what) {
+int CudaIpc::broadcast_fd(int root, int fd, const char* what) {
+  COMMLIB_CHECK(root >= 0 && root < world_size_, InvalidArgument, what, ": root ", root, " out of range; valid: 0..",
+                world_size_ - 1);
+  const uint64_t sequence = sequence_++;  // shares the allocations' numbering, so messages never cross
+  if (rank_ == root) {
+    for (int r = 0; r < world_size_; ++r) {
+      if (r != rank_) send_fd(r, fd, sequence, 0, what);
+    }
+    return fd;
+  }
+  std::vector<int> fds(world_size_, -1);
+  fds[root] = kAwaitedFd;
+  receive_fds(sequence, 0, fds, what);
+  return fds[root];
+}
+
+std::shared_ptr<SymmetricBuffer> CudaIpc::allocate(size_t bytes, ZeroFill zero, const char* what, size_t alignment) {
   COMMLIB_CHECK(p2p_ok_, PeerError, what, ": GPU peer memory unavailable: ", problem_);
   COMMLIB_CHECK(bytes > 0, InvalidArgument, what, ": symmetric allocation of 0 bytes; must be > 0");
+  COMMLIB_CHECK((alignment & (alignment - 1)) == 0, InvalidArgument, what, ": alignment ", alignment,
+                " must be a power of two");
   const auto& drv = cuda::driver();
   cuda_check(cudaSetDevice(device_), what, "cudaSetDevice");
   const uint64_t sequence = sequence_++;
@@ -199,6 +220,8 @@ std::shared_ptr<SymmetricBuffer> CudaIpc::allocate(size_t bytes, ZeroFill zero, 
   size_t granularity = 0;
   cuda::check(drv.cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), what,
               "cuMemGetAllocationGranularity");
+  // Both powers of two in practice; a multiple of the larger is a multiple of both.
+  granularity = std::max(granularity, alignment);
   const size_t rounded = (bytes + granularity - 1) / granularity * granularity;
 
   // Sizes first, through the store: a mismatch is reported on every rank before any mapping.
@@ -233,7 +256,11 @@ std::shared_ptr<SymmetricBuffer> CudaIpc::allocate(size_t bytes, ZeroFill zero, 
   try {
     cuda::check(drv.cuMemExportToShareableHandle(&my_fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0), what,
                 "cuMemExportToShareableHandle");
-    exchange_fds(my_fd, sequence, rounded, peer_fds, what);
+    for (int r = 0; r < world_size_; ++r) {
+      if (r != rank_) send_fd(r, my_fd, sequence, rounded, what);
+    }
+    for (int r = 0; r < world_size_; ++r) peer_fds[r] = r == rank_ ? -1 : kAwaitedFd;
+    receive_fds(sequence, rounded, peer_fds, what);
     CUmemAccessDesc access{};
     access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     access.location.id = device_;

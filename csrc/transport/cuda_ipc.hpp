@@ -12,6 +12,7 @@
 // unmaps. A Store barrier ends the allocation, so a zeroed buffer is zero everywhere before any
 // rank uses it. Connections are made per allocation (set-up only, never on a hot path); sends
 // complete before accepts because the listening socket's backlog holds the world's connections.
+// broadcast_fd sends one rank's descriptor the same way, numbered in the same sequence.
 #pragma once
 
 #include <chrono>
@@ -37,8 +38,15 @@ class CudaIpc {
   CudaIpc(const CudaIpc&) = delete;
   CudaIpc& operator=(const CudaIpc&) = delete;
 
-  // Collective (see the Note). `what` names the caller for error messages.
-  std::shared_ptr<SymmetricBuffer> allocate(size_t bytes, ZeroFill zero, const char* what);
+  // Collective (see the Note). `what` names the caller for error messages. Every piece's size and
+  // mapped address are multiples of the allocation granularity and of `alignment` (a power of
+  // two; 0: the granularity only).
+  std::shared_ptr<SymmetricBuffer> allocate(size_t bytes, ZeroFill zero, const char* what, size_t alignment = 0);
+
+  // Collective: rank `root` passes a file descriptor, which reaches every other rank over the
+  // same sockets as the allocations' handles (SCM_RIGHTS); those ranks get their own descriptor
+  // of it back and close it. Root gets `fd` back. Bounded by the timeout (Timeout naming the rank).
+  int broadcast_fd(int root, int fd, const char* what);
 
   // Whether every pair of ranks can reach each other's memory (the same answer on every rank);
   // when false, problem() says which pair and allocate() raises PeerError.
@@ -48,7 +56,10 @@ class CudaIpc {
 
  private:
   std::string socket_name(int rank) const;
-  void exchange_fds(int my_fd, uint64_t sequence, size_t bytes, std::vector<int>& peer_fds, const char* what);
+  void send_fd(int peer, int fd, uint64_t sequence, size_t bytes, const char* what);
+  // Receives one descriptor from each rank r whose peer_fds[r] is kAwaitedFd (cuda_ipc.cc); the
+  // other entries stay as they are.
+  void receive_fds(uint64_t sequence, size_t bytes, std::vector<int>& peer_fds, const char* what);
 
   Store& store_;
   std::string prefix_;

@@ -24,6 +24,7 @@ namespace commlib {
 
 class HostShm;
 class CudaComm;  // GPU state (csrc/core/cuda_comm.hpp), created on first GPU use.
+class MulticastWorkspace;  // NVLink multicast workspace (csrc/transport/cuda_multicast.hpp)
 
 struct CommunicatorOptions {
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};
@@ -70,6 +71,10 @@ class Communicator {
   // ---- GPU state: created on first use for `device` (all ranks must call collectively). ----
   CudaComm& cuda(int device);
   bool has_cuda() const { return cuda_ != nullptr; }
+  // The multimem kernels' workspace, created on first use (collective, outside graph capture;
+  // Note [multicast workspace]). Only where the multicast guard allows it: otherwise throws
+  // InvalidArgument naming the deciding variable, before any CUDA call (DESIGN.md, Safety).
+  MulticastWorkspace& multicast(int device);
 
  private:
   void check_open(const char* what) const;
@@ -84,6 +89,7 @@ class Communicator {
   bool closed_ = false;
   std::unique_ptr<HostShm> host_;
   std::unique_ptr<CudaComm, void (*)(CudaComm*)> cuda_;
+  std::unique_ptr<MulticastWorkspace, void (*)(MulticastWorkspace*)> multicast_;  // released before cuda_
 };
 
 }  // namespace commlib

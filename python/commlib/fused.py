@@ -93,7 +93,9 @@ def fused_allreduce_rmsnorm(comm, x: torch.Tensor, residual: torch.Tensor, weigh
     ``fused_num_sms`` for this world size when the tune file has one, else up to 132 (the barrier
     kernel; 16 for the LL kernel of small batches); see
     ``tuned_fused_num_sms``); ``algo``: ``auto``/``p2p``, or
-    ``multimem`` (NVLink multicast: needs ``COMMLIB_ENABLE_MULTICAST` set to 1` and no kill switch).
+    ``multimem`` (NVLink multicast: needs the opt-in ``COMMLIB_ENABLE_MULTICAST`` set to 1 and no kill
+    switch, else ``ValueError`` before any CUDA call; the first call creates the communicator's
+    multicast workspace collectively, outside graph capture).
     Returns ``(out, residual)``.
     """
     for name, t in (("x", x), ("residual", residual), ("weight", weight)):

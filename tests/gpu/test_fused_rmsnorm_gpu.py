@@ -3,7 +3,8 @@
 References: commlib's unfused GPU ``all_reduce`` followed by ``commlib.fused.reference_rmsnorm``
 computed on the CPU (Note [fused rmsnorm arithmetic]) must match bit for bit; an fp64 computation
 within the dtype's rounding; NCCL-free. Outputs are NaN-poisoned first; sharded rows a rank does
-not own must come back untouched. The multimem variant is never run (DESIGN.md, Safety).
+not own must come back untouched. The multimem variant runs only where the environment allows
+NVLink multicast (never on the lent machines, DESIGN.md, Safety); there, its refusal is tested.
 """
 import re
 
@@ -451,3 +452,73 @@ def _bad_inputs_gpu(ctx):
 
 def test_fused_gpu_bad_inputs(ranks):
     ranks(2).run(_bad_inputs_gpu)
+
+
+# ---- multimem (NVLink multicast): refused on the lent machines, run only where allowed ----
+
+KILL_SWITCH = {"COMMLIB_DISABLE_MULTICAST": "1"}  # adds a kill switch; never removes one
+
+
+def _multimem_refused_gpu(ctx):
+    import commlib
+    dev = torch.device("cuda", ctx.device)
+    comm = ctx.comm
+    x = torch.randn(8, 1024, device=dev).bfloat16()
+    residual = x.clone()
+    weight = torch.ones(1024, dtype=torch.bfloat16, device=dev)
+    out = torch.full_like(x, float("nan"))
+    with pytest.raises(ValueError, match="multicast refused: COMMLIB_DISABLE_MULTICAST=1"):
+        comm.fused_allreduce_rmsnorm(x, residual, weight, out=out, algo="multimem")
+    # The communicator's own entry refuses too, before its GPU state (or anything CUDA) is made.
+    with pytest.raises(ValueError, match="multicast transport: NVLink multicast refused"):
+        commlib._C.multicast_workspace_bytes(comm.op_handle, ctx.device)
+    assert commlib._C.multicast_objects_created() == 0
+    # Nothing was touched, and the communicator still works.
+    assert torch.isnan(out.float()).all() and torch.equal(residual, x)
+    return _gpu_case(ctx, "bfloat16", [1, 33], [1024])
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_fused_gpu_multimem_refused(ranks, world_size):
+    ranks(world_size, env=KILL_SWITCH).run(_multimem_refused_gpu)
+
+
+def _multimem_case(ctx, dtype_name, tokens_list, hidden_list, eps=1e-6):
+    dev = torch.device("cuda", ctx.device)
+    dtype = DTYPES[dtype_name]
+    n, rank, comm = ctx.world_size, ctx.rank, ctx.comm
+    for hidden in hidden_list:
+        for tokens in tokens_list:
+            xs, residual0, weight = make_inputs(n, tokens, hidden, dtype, salt=3)
+            x = xs[rank].to(dev)
+            r64 = residual0.double() + sum(t.double() for t in xs)
+            out64 = r64 / torch.sqrt((r64 * r64).mean(dim=1, keepdim=True) + eps) * weight.double()
+            begin, end = comm.token_slice(tokens)
+            for mode in ("replicated", "sharded"):
+                where = f"multimem {mode} {dtype_name} tokens={tokens} hidden={hidden} rank={rank}"
+                residual = residual0.to(dev)
+                out = torch.full((tokens, hidden), float("nan"), dtype=dtype, device=dev)
+                comm.fused_allreduce_rmsnorm(x, residual, weight.to(dev), eps, residual_mode=mode, out=out,
+                                             algo="multimem")
+                torch.testing.assert_close(out.cpu().double(), out64, rtol=TOL[dtype], atol=TOL[dtype],
+                                           msg=f"{where}: out vs fp64")
+                lo, hi = (0, tokens) if mode == "replicated" else (begin, end)
+                torch.testing.assert_close(residual.cpu()[lo:hi].double(), r64[lo:hi], rtol=TOL[dtype],
+                                           atol=TOL[dtype], msg=f"{where}: residual vs fp64")
+                if mode == "sharded":
+                    keep = torch.ones(tokens, dtype=torch.bool)
+                    keep[begin:end] = False
+                    assert torch.equal(bits(residual.cpu()[keep]), bits(residual0[keep])), f"{where}: foreign rows"
+    return True
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_fused_gpu_multimem_where_allowed(ranks, world_size, dtype_name):
+    # Runs only on a machine whose environment opts in to NVLink multicast and sets no kill switch
+    # (never the lent machines: DESIGN.md, Safety); this test sets neither.
+    import commlib
+    allowed, variable, reason = commlib.fused.multicast_allowed()
+    if not allowed:
+        pytest.skip(f"NVLink multicast not allowed here: {reason}")
+    ranks(world_size).run(_multimem_case, dtype_name, [1, 7, 301, 2048], [1024, 8192])
