@@ -15,6 +15,9 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-run}
 mkdir -p "$OUT"
+# Every NVLink multicast kill switch, whatever the machine's environment holds (the 1-GPU kind
+# was seen with none of them set): adding one is always safe (DESIGN.md, Safety).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 COMMLIB_DISABLE_MULTICAST=1
 export COMMLIB_TIMEOUT_MS=${COMMLIB_TIMEOUT_MS:-30000} COMMLIB_TEST_TIMEOUT_S=${COMMLIB_TEST_TIMEOUT_S:-240}
 start=$(date +%s)
 if ! MAX_JOBS=${MAX_JOBS:-16} make build >"$OUT/build.log" 2>&1; then
