@@ -28,31 +28,28 @@ void fused_allreduce_rmsnorm_cuda(Communicator& comm, const FusedRmsNormArgs& ar
   COMMLIB_CHECK(cuda.device() == index, InvalidArgument, what, ": tensor is on cuda:", index,
                 " but this communicator's GPU state lives on cuda:", cuda.device(), "; use one device per communicator");
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(index).stream();
+  // The fields both kernels' params share, then one launch between begin_op and end_op.
+  auto run = [&](auto p, auto launch) {
+    p.args = args;
+    p.barrier = cuda.barrier_handle();
+    p.num_blocks = num_sms;
+    cuda.begin_op(stream, what);
+    throw_if_error(launch(p, stream));
+    cuda.end_op(stream, what);
+  };
   if (algo == FusedAlgo::kMultimem) {
     // SAFETY: Communicator::multicast refuses (before any CUDA call) unless the guard allows it.
     const MulticastWorkspace& mc = comm.multicast(index);
     kernels::RsRmsNormAgMultimemParams p;
-    p.args = args;
     p.workspace = mc.unicast().device_handle();
     p.multicast_workspace = mc.address();
-    p.barrier = cuda.barrier_handle();
-    p.num_blocks = num_sms;
-    cuda.begin_op(stream, what);
-    throw_if_error(kernels::launch_rs_rmsnorm_ag_multimem(p, stream));
-    cuda.end_op(stream, what);
-    return;
+    return run(p, kernels::launch_rs_rmsnorm_ag_multimem);
   }
   kernels::RsRmsNormAgP2pParams p;
-  p.args = args;
   p.workspace = cuda.workspace().device_handle();
   p.lines = cuda.ll_lines_handle();
-  p.barrier = cuda.barrier_handle();
-  p.num_blocks = num_sms;
   p.tuned_max_blocks = cuda.fused_tuned_blocks();
-  cuda.begin_op(stream, what);
-  const Status status = kernels::launch_rs_rmsnorm_ag_p2p(p, stream);
-  throw_if_error(status);
-  cuda.end_op(stream, what);
+  run(p, kernels::launch_rs_rmsnorm_ag_p2p);
 }
 
 }  // namespace commlib::torch_layer

@@ -29,6 +29,22 @@ struct FdHeader {
   int32_t pad;
 };
 
+// One header and room for one descriptor, laid out as sendmsg / recvmsg take them.
+struct FdMessage {
+  FdHeader header{};
+  iovec iov{&header, sizeof(header)};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  FdMessage() {
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+  }
+  FdMessage(const FdMessage&) = delete;  // msg points into the object itself
+  FdMessage& operator=(const FdMessage&) = delete;
+};
+
 struct AllocInfo {
   uint64_t sequence;
   uint64_t bytes;
@@ -126,23 +142,17 @@ void CudaIpc::send_fd(int r, int my_fd, uint64_t sequence, size_t bytes, const c
     throw PeerError(detail::concat(what, ": rank ", rank_, " cannot connect to rank ", r, "'s socket: ",
                                    std::strerror(e), " (is rank ", r, " on this node?)"));
   }
-  FdHeader header{kMagic, sequence, bytes, rank_, 0};
-  iovec iov{&header, sizeof(header)};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof(control);
-  cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
+  FdMessage m;
+  m.header = FdHeader{kMagic, sequence, bytes, rank_, 0};
+  cmsghdr* cmsg = CMSG_FIRSTHDR(&m.msg);
   cmsg->cmsg_level = SOL_SOCKET;
   cmsg->cmsg_type = SCM_RIGHTS;
   cmsg->cmsg_len = CMSG_LEN(sizeof(int));
   std::memcpy(CMSG_DATA(cmsg), &my_fd, sizeof(int));
-  const ssize_t sent = ::sendmsg(s, &msg, MSG_NOSIGNAL);
+  const ssize_t sent = ::sendmsg(s, &m.msg, MSG_NOSIGNAL);
   const int e = errno;
   ::close(s);
-  COMMLIB_CHECK(sent == static_cast<ssize_t>(sizeof(header)), PeerError, what, ": sending the handle to rank ", r,
+  COMMLIB_CHECK(sent == static_cast<ssize_t>(sizeof(m.header)), PeerError, what, ": sending the handle to rank ", r,
                 " failed: ", std::strerror(e));
 }
 
@@ -158,17 +168,11 @@ void CudaIpc::receive_fds(uint64_t sequence, size_t bytes, std::vector<int>& pee
                   expected, ")");
     const int s = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
     COMMLIB_CHECK(s >= 0, Error, what, ": accept() failed: ", std::strerror(errno));
-    FdHeader header{};
-    iovec iov{&header, sizeof(header)};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
-    const ssize_t got = ::recvmsg(s, &msg, MSG_CMSG_CLOEXEC | MSG_WAITALL);
+    FdMessage m;
+    const ssize_t got = ::recvmsg(s, &m.msg, MSG_CMSG_CLOEXEC | MSG_WAITALL);
     ::close(s);
-    cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
+    const FdHeader& header = m.header;
+    cmsghdr* cmsg = CMSG_FIRSTHDR(&m.msg);
     COMMLIB_CHECK(got == static_cast<ssize_t>(sizeof(header)) && header.magic == kMagic && cmsg != nullptr &&
                       cmsg->cmsg_type == SCM_RIGHTS,
                   PeerError, what, ": rank ", rank_, " received a malformed handle message");
