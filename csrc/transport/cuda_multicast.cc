@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <map>
 #include <mutex>
+#include <string>
 
 #include "bootstrap/bootstrap.hpp"
 #include "commlib/communicator.hpp"
@@ -71,7 +73,7 @@ MulticastWorkspace::MulticastWorkspace(CudaComm& cuda, Store& store, const std::
   device_ = cuda.device();
   const auto& drv = cuda::driver();
   const auto& mc = multicast_driver();
-  Bootstrap bootstrap(store, prefix + "/multicast", rank, world);
+  Bootstrap bootstrap(store, prefix, rank, world);
 
   CUdevice dev = 0;
   cuda::check(mc.cuDeviceGet(&dev, device_), kWhat, "cuDeviceGet");
@@ -170,7 +172,17 @@ MulticastWorkspace* create_multicast_workspace(Communicator& comm, int device) {
   require_multicast(kWhat);  // SAFETY: before cuda(device), which makes CUDA calls of its own
   CudaComm& cuda = comm.cuda(device);
   const int64_t ws = env::get_int("COMMLIB_GPU_WORKSPACE_BYTES");
-  return new MulticastWorkspace(cuda, comm.store(), comm.prefix(), static_cast<size_t>(ws));
+  // Store keys of their own for each attempt (a failed one, e.g. a GPU without multicast, may be
+  // retried): ranks attempt in the same order, so a per-process count agrees across them.
+  static std::mutex mutex;
+  static std::map<std::string, int> attempts;
+  int attempt = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    attempt = attempts[comm.prefix()]++;
+  }
+  return new MulticastWorkspace(cuda, comm.store(), comm.prefix() + "/multicast/" + std::to_string(attempt),
+                                static_cast<size_t>(ws));
 }
 
 void destroy_multicast_workspace(MulticastWorkspace* workspace) { delete workspace; }

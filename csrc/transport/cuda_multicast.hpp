@@ -41,7 +41,8 @@ class Store;
 
 class MulticastWorkspace {
  public:
-  // Collective (see the Note); `bytes` is rounded up to the multicast granularity.
+  // Collective (see the Note); `bytes` is rounded up to the multicast granularity; `prefix`: store
+  // keys of this workspace alone.
   MulticastWorkspace(CudaComm& cuda, Store& store, const std::string& prefix, size_t bytes);
   ~MulticastWorkspace();
   MulticastWorkspace(const MulticastWorkspace&) = delete;
