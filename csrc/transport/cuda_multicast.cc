@@ -7,9 +7,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "bootstrap/bootstrap.hpp"
 #include "commlib/communicator.hpp"
@@ -99,14 +101,24 @@ MulticastWorkspace::MulticastWorkspace(CudaComm& cuda, Store& store, const std::
 
   int fd = -1;
   try {
+    // Rank 0's outcome reaches every rank through the store first, so a failed create raises
+    // everywhere at once instead of after the peers' descriptor wait times out.
+    std::string failure;
     if (rank == 0) {
-      CUmemGenericAllocationHandle handle = 0;
-      cuda::check(mc.cuMulticastCreate(&handle, &prop), kWhat, "cuMulticastCreate");
-      mc_handle_ = handle;
-      g_objects_created.fetch_add(1);
-      cuda::check(drv.cuMemExportToShareableHandle(&fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0), kWhat,
-                  "cuMemExportToShareableHandle");
+      try {
+        CUmemGenericAllocationHandle handle = 0;
+        cuda::check(mc.cuMulticastCreate(&handle, &prop), kWhat, "cuMulticastCreate");
+        mc_handle_ = handle;
+        g_objects_created.fetch_add(1);
+        cuda::check(drv.cuMemExportToShareableHandle(&fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+                    kWhat, "cuMemExportToShareableHandle");
+      } catch (const std::exception& e) {
+        failure = e.what();
+      }
     }
+    const auto outcome = bootstrap.broadcast("created", std::vector<uint8_t>(failure.begin(), failure.end()), 0);
+    COMMLIB_CHECK(outcome.empty(), PeerError, kWhat, ": rank 0 could not create the multicast object: ",
+                  std::string(outcome.begin(), outcome.end()));
     fd = cuda.ipc().broadcast_fd(0, fd, kWhat);
     if (rank != 0) {
       CUmemGenericAllocationHandle handle = 0;
