@@ -14,8 +14,9 @@
 //     store (all raise together when one GPU lacks it);
 //  2. the size is rounded to the multicast granularity (minimum; the recommended one can be
 //     hundreds of MiB) and a fresh symmetric allocation of that size and alignment is made;
-//  3. rank 0 creates the object (one device per rank, POSIX-fd handle) and its descriptor reaches
-//     every rank (CudaIpc::broadcast_fd); every rank imports it and adds its own device;
+//  3. rank 0 creates the object (one device per rank, POSIX-fd handle); its outcome reaches every
+//     rank through the store (a failure raises PeerError everywhere at once), then its descriptor
+//     over the sockets (CudaIpc::broadcast_fd); every rank imports it and adds its own device;
 //  4. a store barrier (bounded: the driver's bind would wait without limit for a device that never
 //     joins); every rank binds its own piece at offset 0 and maps the object read/write at a
 //     reserved range; a store barrier ends the set-up.
