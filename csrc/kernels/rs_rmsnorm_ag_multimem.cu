@@ -9,9 +9,9 @@
 // multicast object. On the lent machines it is compiled and its SASS inspected only.
 //
 // Bitwise note: the switch accumulates in fp32 (.acc::f32) and rounds the sum once, but adds the
-// ranks in its own order, so unlike p2p this variant is bitwise equal to the rank-order reduction
-// of Note [reduction order] only where the order cannot matter (world 2: a + b == b + a); the norm
-// arithmetic after the sum is the same. Replicated mode gathers the residual rows through region R
+// ranks in its own order, so unlike p2p this variant is not bitwise equal to the rank-order
+// reduction of Note [reduction order] in general (at world 2, where a + b == b + a, it should be;
+// unchecked: the kernel has never run); the norm arithmetic after the sum is the same. Replicated mode gathers the residual rows through region R
 // with multimem.st as well.
 //
 // Note [multimem proxy fences]

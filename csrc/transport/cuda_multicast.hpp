@@ -6,7 +6,8 @@
 // opt-in COMMLIB_ENABLE_MULTICAST set to 1 and no kill switch, csrc/core/multicast_guard.hpp) it
 // throws InvalidArgument before any CUDA runtime or driver call. The multicast entry points are
 // resolved here, after the guard, never with the driver table of csrc/core/cuda_driver.cc. It has
-// never been constructed on the lent machines, which set the kill switches.
+// never been constructed on the lent machines: no opt-in is set there (and bench/gpu_suite.sh adds
+// every kill switch).
 //
 // Note [multicast workspace]
 // Collective, created on first multimem use (Communicator::multicast), outside graph capture:
