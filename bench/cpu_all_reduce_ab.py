@@ -5,7 +5,8 @@
 Unlike ``commlib-perf`` (which times back-to-back calls, so a rank that arrives first also times
 the wait for its peer), every timed call starts right after ``comm.barrier()``: the number is the
 call's own cost, less sensitive to the scheduling of a shared 2-core machine. Median and 10th
-percentile per size, slowest rank. ``ALGO`` (auto/flat/tree) and ``ITERS`` in the environment.
+percentile per size, slowest rank. ``ALGO`` (auto/flat/tree) and ``ITERS`` in the environment;
+each rank is bound to its own CPU, as ``commlib-perf`` does, unless ``CPU_BIND=0``.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from typing import Dict, List, Tuple
 
 def _worker(rank: int, port: int, pkg: str, sizes: List[int], iters: int, algo: str, q: mp.Queue) -> None:
     sys.path.insert(0, pkg)
+    if os.environ.get("CPU_BIND", "1") == "1" and len(os.sched_getaffinity(0)) >= 2:
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})  # as commlib-perf binds
     import torch
     import torch.distributed as dist
 
