@@ -105,7 +105,10 @@ HostShm& Communicator::host() {
                                                : static_cast<size_t>(env::get_int("COMMLIB_SHM_SLOT_BYTES"));
     COMMLIB_CHECK(slot >= 4096, InvalidArgument, "COMMLIB_SHM_SLOT_BYTES=", slot, " too small; minimum 4096");
     Bootstrap bootstrap(*store_, prefix_, rank_, world_size_);
-    host_ = std::make_unique<HostShm>(bootstrap, slot, options_.timeout, peer_pids_);
+    const auto jitter = std::chrono::microseconds(env::get_int("COMMLIB_HOST_TEST_JITTER_US"));
+    COMMLIB_CHECK(jitter.count() >= 0, InvalidArgument, "COMMLIB_HOST_TEST_JITTER_US=", jitter.count(),
+                  " is negative; valid: 0 (off) or a number of microseconds");
+    host_ = std::make_unique<HostShm>(bootstrap, slot, options_.timeout, peer_pids_, jitter);
   }
   host_->check_usable("host transport");
   return *host_;

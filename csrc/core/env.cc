@@ -18,6 +18,10 @@ const std::vector<Knob>& knobs() {
       {"COMMLIB_HOST_TREE_THRESHOLD", "262144",
        "CPU all_reduce: messages of at least this many bytes use tree (reduce-scatter + "
        "all-gather), smaller ones flat."},
+      {"COMMLIB_HOST_TEST_JITTER_US", "0",
+       "Testing only: after each of its waits on the CPU shared-memory transport (a barrier, a "
+       "pipeline step) a rank sleeps a random 0..N microseconds, so that its peers run ahead as on "
+       "a busy machine and tests meet those interleavings (Note [host shm jitter]); 0: off."},
       {"COMMLIB_ALLREDUCE_ALGO", "auto",
        "Force the all-reduce algorithm: auto, flat, tree or nccl."},
       {"COMMLIB_FLAT_MAX_BYTES", "0",

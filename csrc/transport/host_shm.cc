@@ -95,13 +95,15 @@ constexpr auto kSleepSlice = std::chrono::microseconds(20000);  // liveness and 
 }  // namespace
 
 HostShm::HostShm(Bootstrap& bootstrap, size_t slot_bytes, std::chrono::milliseconds timeout,
-                 std::vector<int64_t> peer_pids)
+                 std::vector<int64_t> peer_pids, std::chrono::microseconds test_jitter)
     : rank_(bootstrap.rank()),
       world_size_(bootstrap.world_size()),
       slot_bytes_(round_up(slot_bytes, 256)),
       timeout_(timeout),
       peer_pids_(std::move(peer_pids)),
-      oversubscribed_(static_cast<unsigned>(world_size_) > std::max(1u, std::thread::hardware_concurrency())) {
+      oversubscribed_(static_cast<unsigned>(world_size_) > std::max(1u, std::thread::hardware_concurrency())),
+      test_jitter_(test_jitter),
+      jitter_rng_(static_cast<uint32_t>(::getpid()) * 2654435761u + static_cast<uint32_t>(rank_)) {
   control_bytes_ = round_up(sizeof(RankControl) * world_size_, kAlign);
   total_bytes_ = control_bytes_ + slot_bytes_ * 2 * world_size_;
 
@@ -232,6 +234,12 @@ void HostShm::wait_for(int peer, std::atomic<uint64_t>& arrived, uint64_t seq, c
   }
 }
 
+void HostShm::jitter() {
+  if (test_jitter_.count() == 0) return;
+  std::uniform_int_distribution<int64_t> pause(0, test_jitter_.count());
+  std::this_thread::sleep_for(std::chrono::microseconds(pause(jitter_rng_)));
+}
+
 void HostShm::barrier(const char* what, const char* phase, const OpTag& tag) {
   check_usable(what);
   const uint64_t seq = ++seq_;
@@ -255,6 +263,7 @@ void HostShm::barrier(const char* what, const char* phase, const OpTag& tag) {
                                      "); every rank must call the same collective with matching sizes"));
     }
   }
+  jitter();
 }
 
 void HostShm::publish(Progress counter, uint64_t value) {
@@ -271,6 +280,7 @@ void HostShm::wait_peers(Progress counter, uint64_t value, const char* what, con
   for (int peer = 0; peer < world_size_; ++peer) {
     if (peer != rank_) wait_for(peer, control(peer).progress[static_cast<int>(counter)], value, what, phase, "step");
   }
+  jitter();
 }
 
 }  // namespace commlib

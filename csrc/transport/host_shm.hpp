@@ -26,12 +26,21 @@
 // (the tag check, and proof that every peer has finished reading this rank's slots in earlier
 // rounds) and ends by waiting until every peer has finished reading its ring, so the slots are
 // free again for the next collective of either kind.
+//
+// Note [host shm jitter]
+// Whether a rank that runs ahead can overwrite what a slower peer has not read yet depends on the
+// protocol alone (double buffering, the release counters), but on an idle machine the ranks leave
+// every wait within a microsecond of each other and such a bug stays hidden. With a test jitter
+// (COMMLIB_HOST_TEST_JITTER_US) a rank sleeps a random time after each of its waits, the moment it
+// is about to read or overwrite shared slots, so its peers run ahead into the next round or step;
+// tests/cpu/test_host_sequences.py runs mixed operation sequences with it.
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -72,8 +81,9 @@ enum class Progress : int {
 
 class HostShm {
  public:
+  // `test_jitter` > 0: sleep a random 0..test_jitter after every wait (Note [host shm jitter]).
   HostShm(Bootstrap& bootstrap, size_t slot_bytes, std::chrono::milliseconds timeout,
-          std::vector<int64_t> peer_pids);
+          std::vector<int64_t> peer_pids, std::chrono::microseconds test_jitter = {});
   ~HostShm();
   HostShm(const HostShm&) = delete;
   HostShm& operator=(const HostShm&) = delete;
@@ -121,6 +131,8 @@ class HostShm {
   void wait_for(int peer, std::atomic<uint64_t>& word, uint64_t target, const char* what, const char* phase,
                 const char* unit);
   bool peer_alive(int peer) const;
+  // Note [host shm jitter]: a random pause when a test asked for one.
+  void jitter();
 
   int rank_;
   int world_size_;
@@ -128,6 +140,8 @@ class HostShm {
   std::chrono::milliseconds timeout_;
   std::vector<int64_t> peer_pids_;
   bool oversubscribed_;  // more ranks than cores: sleep at once instead of spinning first
+  std::chrono::microseconds test_jitter_;
+  std::minstd_rand jitter_rng_;
   int32_t last_cpu_ = 0;  // what note_cpu() last published
   uint8_t* base_ = nullptr;
   size_t total_bytes_ = 0;
