@@ -30,7 +30,7 @@
 // Note [host shm jitter]
 // Whether a rank that runs ahead can overwrite what a slower peer has not read yet depends on the
 // protocol alone (double buffering, the release counters), but on an idle machine the ranks leave
-// every wait within a microsecond of each other and such a bug stays hidden. With a test jitter
+// each wait nearly together and such a bug shows only now and then. With a test jitter
 // (COMMLIB_HOST_TEST_JITTER_US) a rank sleeps a random time after each of its waits, the moment it
 // is about to read or overwrite shared slots, so its peers run ahead into the next round or step;
 // tests/cpu/test_host_sequences.py runs mixed operation sequences with it.
