@@ -73,16 +73,20 @@ def test_all_reduce_table_json_csv(tmp_path):
 
 
 def test_cpu_binding(tmp_path):
-    # Default: each rank on its own CPU (the machine has >= 2); reported in the JSON's timing line.
-    runs = {"core": [], "none": ["--cpu-bind", "none"]}
+    # Default: each rank on its own CPU (the machine has >= 2), and rounds taking turns between the
+    # backends (4, or one per call when -n is smaller); both reported in the JSON's timing line.
+    runs = {"core": [], "none": ["--cpu-bind", "none", "--rounds", "1"]}
     for mode, flag in runs.items():
         js = tmp_path / f"{mode}.json"
         r = run_cli("commlib.perf", "all_reduce", "-b", "4K", "-e", "4K", "-n", "3", "-w", "1", "-np", "2",
-                    "--backend", "ddacomm", *flag, "--json", str(js))
+                    "--backend", "ddacomm", "gloo", *flag, "--json", str(js))
         assert r.returncode == 0, r.stdout + r.stderr
-        timing = json.loads(js.read_text())["meta"]["timing"]
+        data = json.loads(js.read_text())
+        timing = data["meta"]["timing"]
         want = "ranks bound: one CPU each" if mode == "core" and len(os.sched_getaffinity(0)) >= 2 else "ranks bound: no"
         assert want in timing, timing
+        assert ("3 rounds taking turns" in timing) == (mode == "core"), timing
+        assert len(data["results"]) == 2 and all(res[m]["wrong"] == 0 for res in data["results"] for m in ("oop", "ip"))
     # Fewer CPUs than ranks: no binding, and the reason is reported.
     js = tmp_path / "one-cpu.json"
     cpu = min(os.sched_getaffinity(0))
@@ -128,6 +132,7 @@ def test_planted_wrong_result_is_reported():
     (["-o", "xor"], "-o xor not supported"),
     (["all_reduce_fancy"], "operation 'all_reduce_fancy' not known"),
     (["-b", "1M", "-e", "1K"], "is larger than -e"),
+    (["--rounds", "0"], "-n and --rounds must be >= 1"),
     (["fused_allreduce_rmsnorm", "--hidden", "12"], "--hidden 12 not supported by fused_allreduce_rmsnorm; "
                                                     "supported: multiples of 8 up to 16384"),
     (["ep_dispatch_combine", "-np", "2", "--experts", "7"], "--experts 7 is not a multiple of the world size 2"),
@@ -284,6 +289,53 @@ def test_row_ops_planted_wrong_result_is_reported():
     rows = table_rows(r.stdout)
     assert len(rows) == 4 and all(row[9] == "1" for row in rows), r.stdout
     assert "# Out of bounds values : 4 FAILED" in r.stdout
+
+
+def test_round_sizes():
+    sys.path.insert(0, str(ROOT / "python"))
+    from commlib.perf.runner import round_sizes
+    assert round_sizes(20, 4) == [5, 5, 5, 5]
+    assert round_sizes(7, 3) == [3, 2, 2]
+    assert round_sizes(2, 4) == [1, 1]  # never a round without a timed call
+    assert round_sizes(5, 1) == [5]
+
+
+# One process (a world-1 gloo group) runs measure_in_rounds on two cells of a fake operation that
+# logs every call: the first call and warm-ups of each cell, then rounds that take turns (each an
+# untimed call and its share of -n), then one check call per cell.
+ROUNDS_SCRIPT = r"""
+import argparse, json, sys, torch, torch.distributed as dist
+from commlib.perf.registry import Buffers, Case
+from commlib.perf.runner import measure_in_rounds
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+log = []
+class Desc:
+    def setup(self, case):
+        return Buffers(inp=torch.zeros(1), out=torch.zeros(1))
+    def run(self, backend, bufs, case):
+        log.append(backend + ("/check" if case.salt else ""))
+    def check(self, bufs, case):
+        return 3 if case.in_place else 0
+opts = argparse.Namespace(iters=5, rounds=2, warmup=1, check=1, corrupt_rank=-1)
+cells = [(name, Case(rank=0, world_size=1, nbytes=4, dtype=torch.float32, redop="sum", root=0,
+                     device=torch.device("cpu"), in_place=name == "b")) for name in ("a", "b")]
+res = measure_in_rounds(Desc(), cells, opts)
+print(json.dumps({"log": log, "wrong": [r["wrong"] for r in res], "timed": [r["time_us"] > 0 for r in res]}))
+dist.destroy_process_group()
+"""
+
+
+def test_rounds_take_turns():
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + e.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", ROUNDS_SCRIPT], capture_output=True, text=True, env=e,
+                       timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    # -n 5 in 2 rounds: 3 then 2 timed calls, each round after one untimed call.
+    assert got["log"] == (["a", "a", "b", "b"] + ["a"] * 4 + ["b"] * 4 + ["a"] * 3 + ["b"] * 3
+                          + ["a/check", "b/check"]), got["log"]
+    assert got["wrong"] == [0, 3] and got["timed"] == [True, True]
 
 
 def test_row_sizes_mapping():

@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="size increment when -f 1 (default 1M)")
     p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations (default 20)")
     p.add_argument("-w", "--warmup_iters", dest="warmup", type=int, default=5, help="warm-up iterations (default 5)")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="CPU: time each size's cells in this many rounds that take turns between the "
+                        "backends, so all are timed in the same seconds (default 4; 1: one cell after "
+                        "the other)")
     p.add_argument("-c", "--check", type=int, default=1, help="check results on random data: 1 (default) or 0")
     p.add_argument("-d", "--datatype", default="float",
                    help="float, half, bfloat16 (or float32/float16/bf16), comma-separated, or all (default float)")
@@ -143,8 +147,8 @@ def resolve(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error(f"-b {opts.minbytes} is larger than -e {opts.maxbytes}")
     if opts.stepfactor < 1:
         parser.error(f"-f {opts.stepfactor} must be >= 1")
-    if opts.iters < 1 or opts.warmup < 0 or opts.graph_launches < 0:
-        parser.error("-n must be >= 1, -w and -G >= 0")
+    if opts.iters < 1 or opts.warmup < 0 or opts.graph_launches < 0 or opts.rounds < 1:
+        parser.error("-n and --rounds must be >= 1, -w and -G >= 0")
     if opts.graph_launches and opts.device != "cuda":
         parser.error("-G (CUDA-graph launches) needs --device cuda")
     if not 0 <= opts.root < opts.np and "RANK" not in __import__("os").environ:

@@ -1,7 +1,11 @@
 """The per-rank benchmark loop and the process launcher of commlib-perf.
 
 Timing (per rank; the table shows the slowest rank):
-* CPU: the median of per-op wall times over ``iters`` calls (every call is blocking).
+* CPU: the median of per-op wall times over ``iters`` calls (every call is blocking). With
+  ``--rounds R`` (default 4) a size's cells (every backend, out of place and in place) are timed
+  in R rounds that take turns, each round one untimed call and then its share of the ``iters``
+  calls, so all backends are timed in the same seconds: on a shared VM whose speed changes within
+  seconds, timing one backend after the other measures the machine's phases as much as the ratio.
 * CUDA, eager: CUDA events around ``iters`` calls on the current stream, divided by ``iters``
   (nccl-tests' average); with ``-z 1`` the host synchronises after every call.
 * CUDA, ``-G N``: ``iters`` calls captured in one CUDA graph, replayed N times; the median replay
@@ -29,6 +33,7 @@ from .registry import Case, Unsupported
 from .report import Table, machine_description, today
 
 DIST_TIMEOUT = timedelta(seconds=600)
+MODES = (("oop", False), ("ip", True))  # the table's two columns: out of place, in place
 
 
 def _sync(device: torch.device) -> None:
@@ -93,9 +98,9 @@ def _agree(ok: bool, reason: Optional[str]) -> Optional[str]:
     return None
 
 
-def measure(desc, backend, case: Case, opts) -> dict:
-    """One (backend, mode) cell on this rank: {'time_us', 'wrong'} or {'reason'}."""
-    device = case.device
+def _prepare(desc, backend, case: Case, opts):
+    """Sets one (backend, mode) cell up and warms it: (the call, None), or (None, why every rank
+    skips it)."""
     reason = None
     try:
         bufs = desc.setup(case)
@@ -105,10 +110,31 @@ def measure(desc, backend, case: Case, opts) -> dict:
         reason = str(e)
     reason = _agree(reason is None, reason)
     if reason:
-        return {"reason": reason}
+        return None, reason
     for _ in range(opts.warmup):
         fn()
-    _sync(device)
+    _sync(case.device)
+    return fn, None
+
+
+def _wrong(desc, backend, case: Case, opts) -> int:
+    """Wrong elements of one more call on fresh random inputs into poisoned outputs (0 unchecked)."""
+    if not opts.check:
+        return 0
+    check_case = Case(**{**case.__dict__, "salt": case.salt + 1, "corrupt": case.rank == opts.corrupt_rank})
+    bufs = desc.setup(check_case)
+    _sync(case.device)
+    desc.run(backend, bufs, check_case)
+    _sync(case.device)
+    return desc.check(bufs, check_case)
+
+
+def measure(desc, backend, case: Case, opts) -> dict:
+    """One (backend, mode) cell on this rank, timed alone: {'time_us', 'wrong'} or {'reason'}."""
+    device = case.device
+    fn, reason = _prepare(desc, backend, case, opts)
+    if reason:
+        return {"reason": reason}
     dist.barrier()
     if device.type == "cuda" and opts.graph_launches > 0:
         if not backend.capturable:
@@ -118,16 +144,33 @@ def measure(desc, backend, case: Case, opts) -> dict:
         t_us = _time_cuda_eager(fn, opts.iters, bool(opts.blocking), device)
     else:
         t_us = _time_cpu(fn, opts.iters)
-    wrong = 0
-    if opts.check:
-        check_case = Case(**{**case.__dict__, "salt": case.salt + 1,
-                             "corrupt": case.rank == opts.corrupt_rank})
-        bufs = desc.setup(check_case)
-        _sync(device)
-        desc.run(backend, bufs, check_case)
-        _sync(device)
-        wrong = desc.check(bufs, check_case)
-    return {"time_us": t_us, "wrong": wrong}
+    return {"time_us": t_us, "wrong": _wrong(desc, backend, case, opts)}
+
+
+def round_sizes(iters: int, rounds: int) -> List[int]:
+    """How many of ``iters`` timed calls each round makes (no more rounds than calls)."""
+    rounds = max(1, min(rounds, iters))
+    return [iters // rounds + (1 if i < iters % rounds else 0) for i in range(rounds)]
+
+
+def measure_in_rounds(desc, cells, opts) -> List[dict]:
+    """CPU: the cells [(backend, case)] of one size timed in rounds that take turns (``--rounds``),
+    so every backend is timed in the same seconds. Each cell: {'time_us', 'wrong'} or {'reason'}."""
+    prepared = [_prepare(desc, backend, case, opts) for backend, case in cells]
+    times: List[List[float]] = [[] for _ in cells]
+    for calls in round_sizes(opts.iters, opts.rounds):
+        for (fn, reason), cell_times in zip(prepared, times):
+            if reason:
+                continue
+            dist.barrier()
+            fn()  # untimed: brings this cell's buffers back after the other cells' rounds
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                fn()
+                cell_times.append(time.perf_counter() - t0)
+    return [{"reason": reason} if reason else
+            {"time_us": statistics.median(cell_times) * 1e6, "wrong": _wrong(desc, backend, case, opts)}
+            for (backend, case), (_, reason), cell_times in zip(cells, prepared, times)]
 
 
 def _sizes(opts) -> List[int]:
@@ -167,6 +210,9 @@ def run_rank(opts, rank: int, world_size: int, store, local_rank: int) -> int:
                        f"CUDA graph of {opts.iters} ops x {opts.graph_launches} replays, median"
                        if opts.graph_launches > 0 else f"CUDA events, mean of {opts.iters} ops"
                        + (", blocking" if opts.blocking else ""))}
+    in_rounds = device.type == "cpu" and opts.rounds > 1
+    if in_rounds:
+        meta["timing"] += f", {len(round_sizes(opts.iters, opts.rounds))} rounds taking turns between the backends"
     options = dict(vars(opts))  # what operations read as case.options
     backends = []
     try:
@@ -192,17 +238,23 @@ def run_rank(opts, rank: int, world_size: int, store, local_rank: int) -> int:
                     for nbytes in sizes:
                         count = desc.count(nbytes, esize, world_size)
                         actual = count * esize
-                        rows = []
+                        rows, cells = [], []
                         for be in backends:
-                            row = {"op": op, "backend": be.label(), "bytes": actual, "count": count,
-                                   "type": type_name, "redop": redop, "root": opts.root if desc.has_root else -1}
-                            for mode, in_place in (("oop", False), ("ip", True)):
-                                case = Case(rank=rank, world_size=world_size, nbytes=actual, dtype=dtype,
-                                            redop=redop if desc.has_redop else "sum", root=opts.root,
-                                            device=device, in_place=in_place, options=options)
-                                m = measure(desc, be, case, opts)
-                                row[mode] = m
-                            rows.append(row)
+                            rows.append({"op": op, "backend": be.label(), "bytes": actual, "count": count,
+                                         "type": type_name, "redop": redop,
+                                         "root": opts.root if desc.has_root else -1})
+                            for mode, in_place in MODES:
+                                cells.append((be, Case(rank=rank, world_size=world_size, nbytes=actual,
+                                                       dtype=dtype, redop=redop if desc.has_redop else "sum",
+                                                       root=opts.root, device=device, in_place=in_place,
+                                                       options=options)))
+                        if in_rounds:
+                            results = measure_in_rounds(desc, cells, opts)
+                        else:
+                            results = [measure(desc, be, case, opts) for be, case in cells]
+                        for i, row in enumerate(rows):
+                            for j, (mode, _) in enumerate(MODES):
+                                row[mode] = results[i * len(MODES) + j]
                         _gather_rows(rows, desc, world_size)
                         if rank == 0:
                             table.add_size(rows)
