@@ -19,12 +19,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_cli(module, *args, env=None, timeout=300, **popen):
+def run_python(*args, env=None, timeout=300, **popen):
+    """This interpreter with ``args``, commlib from this checkout, output captured."""
     e = dict(os.environ)
     e["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + e.get("PYTHONPATH", "")
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=e,
-                          timeout=timeout, cwd=ROOT, **popen)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=e, timeout=timeout,
+                          cwd=ROOT, **popen)
+
+
+def run_cli(module, *args, **kwargs):
+    return run_python("-m", module, *args, **kwargs)
 
 
 def table_rows(stdout):
@@ -326,10 +331,7 @@ dist.destroy_process_group()
 
 
 def test_rounds_take_turns():
-    e = dict(os.environ)
-    e["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + e.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", ROUNDS_SCRIPT], capture_output=True, text=True, env=e,
-                       timeout=120, cwd=ROOT)
+    r = run_python("-c", ROUNDS_SCRIPT, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     got = json.loads(r.stdout.strip().splitlines()[-1])
     # -n 5 in 2 rounds: 3 then 2 timed calls, each round after one untimed call.
