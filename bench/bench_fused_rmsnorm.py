@@ -21,9 +21,6 @@ Knob A/B in the same run: --ab-env NAME=V1,V2,... (repeatable) times the fused o
 --ab-tokens once per value of each knob (the others as in the environment), each value checked bit
 for bit first. The knobs are read when a call is launched, so each value gets its own graph, e.g.
   --ab-env COMMLIB_FUSED_LL_ROW_CTAS=1,2,4,8,0 --ab-env COMMLIB_FUSED_LL_MAX_BYTES=0,262144
-or, for the barrier kernel's chunk loop and replicated gather at large batches,
-  --ab-tokens 1024 4096 16384 --sweep-modes replicated sharded
-  --ab-env COMMLIB_FUSED_PERSISTENT=0,1,2 --ab-env COMMLIB_FUSED_REP_GATHER=out_res,res
 """
 from __future__ import annotations
 

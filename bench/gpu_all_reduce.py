@@ -4,9 +4,8 @@
 Spawns its own processes (no torchrun):   python bench/gpu_all_reduce.py [--out FILE]
 Tree geometry sweep (one run, one communicator per geometry; docs/gpu-allreduce.md, Knobs):
     python bench/gpu_all_reduce.py --tree-sweep [SPECS] [--out FILE]
-  SPECS: comma-separated THREADS:MIN_PACKS:MAX_BLOCKS[:RELAXED_START] (COMMLIB_TREE_THREADS,
-  COMMLIB_TREE_MIN_PACKS, COMMLIB_TREE_MAX_BLOCKS, COMMLIB_TREE_RELAXED_START; 0 = built-in, the
-  last defaults to 1); without SPECS, DEFAULT_SWEEP. Times tree and tree-sym at 256 KiB, 1, 4 and
+  SPECS: comma-separated THREADS:MIN_PACKS:MAX_BLOCKS (COMMLIB_TREE_THREADS,
+  COMMLIB_TREE_MIN_PACKS, COMMLIB_TREE_MAX_BLOCKS; 0 = built-in); without SPECS, DEFAULT_SWEEP. Times tree and tree-sym at 256 KiB, 1, 4 and
   16 MiB per geometry, next to NCCL and torch's two-shot, each result checked bitwise against flat.
 
 Per size (bf16, 1 KiB .. 256 MiB): every implementation runs on the same random inputs; results
@@ -42,13 +41,12 @@ SIZES = [1 << k for k in range(10, 29, 2)]  # 1 KiB .. 256 MiB
 COLUMNS = ["nccl", "flat", "flat-ll", "tree", "tree-sym", "auto", "symm-1shot", "symm-2shot"]
 LL_MAX_BENCH_BYTES = 1 << 20  # the LL variant is only measured up to here
 SWEEP_SIZES = [256 << 10, 1 << 20, 4 << 20, 16 << 20]
-# THREADS:MIN_PACKS:MAX_BLOCKS[:RELAXED_START]; 0 = built-in (256 threads, 256 packs, 132 blocks).
+# THREADS:MIN_PACKS:MAX_BLOCKS; 0 = built-in (256 threads, 256 packs, 132 blocks).
 # Both directions: more, smaller CTAs (1 pack per thread per phase at 1 MiB), and fewer CTAs with
 # more packs per thread, as torch's two-shot does (at most 24 CTAs).
-DEFAULT_SWEEP = ("0:0:0,0:0:0:0,512:512:128,256:256:128,256:128:132,256:256:256,128:128:132,"
+DEFAULT_SWEEP = ("0:0:0,512:512:128,256:256:128,256:128:132,256:256:256,128:128:132,"
                  "128:128:256,512:256:132,512:0:64,512:0:32,512:0:24")
-TREE_KNOBS = ("COMMLIB_TREE_THREADS", "COMMLIB_TREE_MIN_PACKS", "COMMLIB_TREE_MAX_BLOCKS",
-              "COMMLIB_TREE_RELAXED_START")
+TREE_KNOBS = ("COMMLIB_TREE_THREADS", "COMMLIB_TREE_MIN_PACKS", "COMMLIB_TREE_MAX_BLOCKS")
 
 
 def ops_for(nbytes: int) -> int:
@@ -144,9 +142,9 @@ def parse_sweep(specs: str) -> list[tuple[int, int, int, int]]:
     out = []
     for spec in specs.split(","):
         parts = [int(x) for x in spec.strip().split(":")]
-        if len(parts) not in (3, 4):
-            raise SystemExit(f"--tree-sweep: '{spec}' is not THREADS:MIN_PACKS:MAX_BLOCKS[:RELAXED_START]")
-        out.append(tuple(parts + [1] * (4 - len(parts))))
+        if len(parts) != 3:
+            raise SystemExit(f"--tree-sweep: '{spec}' is not THREADS:MIN_PACKS:MAX_BLOCKS")
+        out.append(tuple(parts))
     return out
 
 
@@ -237,7 +235,7 @@ def render_sweep(sizes, rows, world: int, command: str) -> str:
         f"- command: `{command}`",
         f"- machine: {socket.gethostname()}, {world}x {gpu}, torch {torch.__version__}",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
-        "- geometry: COMMLIB_TREE_THREADS:MIN_PACKS:MAX_BLOCKS:RELAXED_START (0 = built-in); grid: "
+        "- geometry: COMMLIB_TREE_THREADS:MIN_PACKS:MAX_BLOCKS (0 = built-in); grid: "
         "blocks x threads of the copy-in kernel; (x.xx) = torch two-shot time / this time",
         "",
         "| " + " | ".join(f"{fmt_bytes(n)}" for n in sizes) + " | (baseline) |",
@@ -303,7 +301,7 @@ def main():
     parser.add_argument("--out", type=Path, help="also write the markdown table here")
     parser.add_argument("--tree-sweep", nargs="?", const=DEFAULT_SWEEP, default=None, metavar="SPECS",
                         help="time tree / tree-sym per launch geometry instead of the full table "
-                             "(THREADS:MIN_PACKS:MAX_BLOCKS[:RELAXED_START],...; default: DEFAULT_SWEEP)")
+                             "(THREADS:MIN_PACKS:MAX_BLOCKS,...; default: DEFAULT_SWEEP)")
     args = parser.parse_args()
     command = "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
     if args.tree_sweep is not None:

@@ -14,7 +14,7 @@
 namespace commlib {
 namespace {
 
-// World size 2: measured on 2x H200 (bench/results/gpu-all-reduce-2026-11-30-b.md, bf16, graph
+// World size 2: measured on 2x H200 (docs/gpu-allreduce.md, bf16, graph
 // replay): flat (LL up to COMMLIB_FLAT_LL_MAX_BYTES) beats tree up to 256 KiB and loses at 1 MiB;
 // tree beats NCCL up to 16 MiB (1.1x) and loses at 64 MiB, so above 16 MiB the call goes to NCCL
 // (where attached).
@@ -25,7 +25,7 @@ struct BuiltinRow {
   AllReduceLimits limits;
 };
 constexpr BuiltinRow kBuiltinAllReduceTable[] = {
-    {2, {512u << 10, 256u << 20}},  // bench/results/gpu-all-reduce-2026-11-30-c.md: tree beats NCCL to 256 MiB
+    {2, {512u << 10, 256u << 20}},  // tree beats NCCL to 256 MiB (docs/gpu-allreduce.md)
     {4, {256u << 10, 8u << 20}},
     {8, {128u << 10, 8u << 20}},
     {1 << 30, {64u << 10, 4u << 20}},

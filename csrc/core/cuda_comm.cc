@@ -69,8 +69,7 @@ const char* phase_name(int phase) {
 
 // Largest symmetric tensor that the tree reduces in place (zero-copy). Above it the copy-in tree,
 // whose NVLink traffic is all stores, beat the zero-copy one, whose reduce loads the peers' slices,
-// on 2x H200: 64 MiB 211.7 vs 221.3 µs, 256 MiB 755.2 vs 809.3 (a tie at 16 MiB; run -c likewise;
-// bench/results/gpu-all-reduce-2026-11-30-d.md).
+// on 2x H200: 64 MiB 211.7 vs 221.3 µs, 256 MiB 755.2 vs 809.3 (a tie at 16 MiB; docs/gpu-allreduce.md).
 constexpr size_t kZeroCopyTreeMaxBytes = size_t{16} << 20;
 
 // COMMLIB_TREE_* (Note [tree geometry] in csrc/kernels/all_reduce_tree.cu), checked once here.
@@ -86,13 +85,9 @@ kernels::TreeLaunchConfig read_tree_config() {
   const int64_t min_packs = env::get_int("COMMLIB_TREE_MIN_PACKS");
   COMMLIB_CHECK(min_packs >= 0 && min_packs <= kernels::kTreeMaxMinPacksPerBlock, InvalidArgument,
                 "COMMLIB_TREE_MIN_PACKS=", min_packs, " out of range; valid: 0..", kernels::kTreeMaxMinPacksPerBlock);
-  const int64_t relaxed = env::get_int("COMMLIB_TREE_RELAXED_START");
-  COMMLIB_CHECK(relaxed == 0 || relaxed == 1, InvalidArgument, "COMMLIB_TREE_RELAXED_START=", relaxed,
-                " invalid; valid: 0, 1");
   cfg.max_blocks = static_cast<int>(max_blocks);
   cfg.threads = static_cast<int>(threads);
   cfg.min_packs_per_block = min_packs;
-  cfg.start_arrival = relaxed == 1 ? kernels::TreeStartArrival::kRelaxed : kernels::TreeStartArrival::kRelease;
   return cfg;
 }
 

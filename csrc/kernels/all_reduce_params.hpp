@@ -45,20 +45,12 @@ struct AllReduceFlatParams {
   int max_blocks = 0;  // 0: the built-in choice
 };
 
-// How the zero-copy tree's first barrier (kInputsReady) arrives. Nothing this kernel wrote has to
-// cross it, only the inputs earlier work on this GPU left in its own memory (Note [tree barriers]).
-enum class TreeStartArrival : int {
-  kRelease = 0,  // st.release.sys: also publishes this block's earlier writes (the general rule)
-  kRelaxed = 1,  // st.relaxed.sys: no fence before the flag (torch's two-shot does the same)
-};
-
 // Launch geometry of the tree kernel; 0 fields take the built-in choice (all_reduce_tree.cu).
 // Every rank must pass the same values: block b of every rank must own the same data.
 struct TreeLaunchConfig {
   int max_blocks = 0;           // grid cap, 1..kMaxBarrierBlocks
   int threads = 0;              // threads per block cap, a multiple of 32 in 32..512
   int64_t min_packs_per_block = 0;  // fewer 16-byte packs of a slice per block: fewer blocks
-  TreeStartArrival start_arrival = TreeStartArrival::kRelaxed;
 };
 
 struct AllReduceTreeParams {

@@ -38,8 +38,7 @@
 //
 // Note [tree barriers]
 // Every barrier is Note [flag barrier]'s: release arrival, acquire wait, system scope. One
-// exception, TreeLaunchConfig::start_arrival (COMMLIB_TREE_RELAXED_START, on by default): the
-// zero-copy kernel's kInputsReady publishes no write of this kernel (it is the kernel's first
+// exception: the zero-copy kernel's kInputsReady publishes no write of this kernel (it is the kernel's first
 // step), only the tensor that earlier work on this GPU wrote into this GPU's own memory. That work
 // finished before this kernel started (stream order, or the caller's event for another stream), so
 // its writes are in this GPU's L2, which is where the peers' NVLink loads of this tensor are
@@ -63,7 +62,7 @@ namespace {
 // capped at the threads per block. A constant, not the device's SM count, so every rank picks the
 // same grid (block b must meet block b). The kernel is compiled for up to kTreeMaxThreads threads
 // (128 registers per thread), whatever the cap, so one binary serves every geometry.
-// The defaults are the best of a sweep on 2x H200 (bench/results/gpu-tree-sweep-2026-11-30.md):
+// The defaults are the best of a sweep on 2x H200 (docs/gpu-allreduce.md, Knobs):
 // 256-thread blocks of at least 256 packs, up to one block per SM (132), were as fast as or faster
 // than 512 x 512 / 128 blocks at 256 KiB - 16 MiB with a copy-in (8.3 vs 9.1 µs at 256 KiB).
 constexpr int kTreeThreads = 512;  // the most threads per block (the kernels' launch bounds)
@@ -231,10 +230,10 @@ __device__ __forceinline__ bool tree_symmetric(const AllReduceTreeParams& p, uin
   const Chunk<T> c = chunk_at(static_cast<const T*>(p.input), static_cast<T*>(p.output), p.count, 0, p.count, world);
   // Every rank's tensor holds its input (with this, the peers'). The inputs were written by earlier
   // work, not by this kernel, so the arrival may be relaxed (Note [tree barriers]).
-  const device::BarrierArrival arrival = p.config.start_arrival == TreeStartArrival::kRelaxed
-                                             ? device::BarrierArrival::kRelaxed
-                                             : device::BarrierArrival::kRelease;
-  if (!device::barrier_block(p.barrier, call, static_cast<int>(AllReducePhase::kInputsReady), arrival)) return false;
+  if (!device::barrier_block(p.barrier, call, static_cast<int>(AllReducePhase::kInputsReady),
+                             device::BarrierArrival::kRelaxed)) {
+    return false;
+  }
   // The tensors are 16-byte aligned (checked by the launcher); the tail pack is element-exact.
   reduce_packs<T, kWorldSize, kOp>(
       part_of(c, rank, g.per_block), c.count / N, world,

@@ -21,7 +21,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kPushWarps = kWarps / 2;
 // The same for large grids (one column part a row): the pushes are bound by the link, the own
 // chunk's expansion by the warps doing it; of 2, 4, 6, 8 and 12, 4 was fastest. Both measured at
-// world 2 (bench/results/ep-dispatch-combine-2026-11-30-j.md, -k.md).
+// world 2 (docs/ep.md).
 constexpr int kPushWarpsLarge = 4;
 constexpr unsigned kFullMask = 0xffffffffu;
 // 16-byte packs in flight per lane in a row copy, and those an expansion loads before it reads the
@@ -32,7 +32,7 @@ constexpr int kExpandFirstUnroll = 1;
 // together) (weighted_sum_packs). Grids whose rows are split into column parts (decode sizes: a
 // lane holds about one pack of a row) load the routes of a token together, and the owner ranks'
 // partials two at a time; others load 4 packs a lane of one source after another. Measured at
-// world 1 (bench/results/ep-local-2026-11-30.md); larger shapes spill (512 threads leave 128
+// world 1 (docs/ep.md, Decode); larger shapes spill (512 threads leave 128
 // registers a thread).
 struct SumShape {
   int unroll, sources;

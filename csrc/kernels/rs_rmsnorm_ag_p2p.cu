@@ -7,13 +7,13 @@
 //            of this rank (Note [fused p2p workspace]); barrier kInputsReady.
 //   phase B  reduce its own rows i: x from its own tensor and the peers' rows from its own region
 //            X (local loads only), in rank order; add the residual; sum of squares in registers;
-//            normalise; store out (and residual) locally and push the normalised row (and,
-//            replicated, the residual row) into every peer's region O (R). Each row belongs to one
+//            normalise; store out (and residual) locally and push the normalised row (sharded)
+//            or the new residual row (replicated) into every peer's region O (R). Each row belongs to one
 //            independent group of threads, up to 16 rows in flight per CTA (Note [fused p2p phase
 //            B]); barrier kRowsPushed.
-//   phase C  copy the other owners' rows i from its own regions O (R) to out (residual); or, in
-//            replicated mode with COMMLIB_FUSED_REP_GATHER=res, normalise the other owners' new
-//            residual rows from region R itself (Note [fused p2p residual gather]).
+//   phase C  sharded: copy the other owners' rows i from its own region O to out; replicated:
+//            normalise the other owners' new residual rows from region R itself (Note [fused p2p
+//            residual gather]).
 // Every NVLink transfer is a store (no remote load waits on a round trip), and every load is local,
 // issued several packs per thread at once so that few SMs keep enough bytes in flight.
 // Block b only exchanges rows i = b (mod grid) with block b of the peers, which is what the
@@ -23,23 +23,21 @@
 // Note [fused p2p workspace]
 // A chunk (collective call) uses the workspace half of its parity (Note [flag barrier]: writes
 // before the first barrier must not touch the half a peer may still be reading from the previous
-// call). Rank o's half holds the regions X, O and R in this order, each with world - 1 slots (rank
-// s != o in slot peer_slot(s, o, world)) of chunk.capacity rows: X[s][i] is row i of o's chunk of
-// s's x, O[d][i] and R[d][i] are row i of d's chunk of out and of the new residual. Sharded mode
-// has no R; replicated mode with COMMLIB_FUSED_REP_GATHER=res has no O (R follows X). Only o reads
-// its own half.
+// call). Rank o's half holds two regions, each with world - 1 slots (rank s != o in slot
+// peer_slot(s, o, world)) of chunk.capacity rows: X[s][i] is row i of o's chunk of s's x; then, in
+// sharded mode O[d][i], row i of d's chunk of out, and in replicated mode R[d][i], row i of d's
+// chunk of the new residual (Note [fused p2p residual gather]). Only o reads its own half.
 //
 // Note [fused p2p persistent]
 // A half holds chunk.capacity rows per owner, so a large batch runs as several chunks; chunk k of a
 // kernel call is collective call `call + k` (its flag values, Note [flag barrier]) and uses half
-// (call + k) & 1. COMMLIB_FUSED_PERSISTENT picks the loop:
-//   0  one kernel call per chunk: A, B, C (each call pays start-up, drain and its barriers' ramp);
-//   1  one call for all chunks, software-pipelined: A0 | B0 | A1 C0 | B1 | A2 C1 | ... | C_last
-//      (| is a barrier): the gather's local copies (or local normalisation) of chunk k run while
-//      chunk k + 1's pushes are in flight;
-//   2  one call for all chunks, in order: A0 | B0 | C0 A1 | B1 | C1 A2 ...
-// Every variant has exactly two barriers per chunk, kInputsReady (after A) and kRowsPushed (after
-// B), and none at the end: the halves alternate. Reuse of the halves within a call: block b of a
+// (call + k) & 1. One kernel call runs all chunks, software-pipelined:
+//   A0 | B0 | A1 C0 | B1 | A2 C1 | ... | C_last   (| is a barrier)
+// so the gather's local copies (or local normalisation) of chunk k run while chunk k + 1's pushes
+// are in flight. It beat one kernel call per chunk (each paying start-up, drain and its barriers'
+// ramp) and one call running the chunks strictly in order (docs/fused.md, "Chunks").
+// There are exactly two barriers per chunk, kInputsReady (after A) and kRowsPushed (after B), and
+// none at the end: the halves alternate. Reuse of the halves within a call: block b of a
 // rank exchanges only rows i = b (mod grid) with block b of the peers, at the same byte positions
 // in every chunk (grid, capacity and slot stride are fixed for the call), and a block's barrier
 // says only that the peers' block b arrived there (Note [flag barrier]). That suffices:
@@ -47,13 +45,13 @@
 //     read them in B(k - 2), before its kRowsPushed arrival of chunk k - 2, which this block has
 //     passed (it passed both barriers of chunk k - 1 since).
 //   - B(k) writes half h of peer d's regions O / R, rows i = b. Peer d's block b last read them in
-//     C(k - 2), which it runs before its kInputsReady arrival of chunk k - 1 (variant 1: after
-//     A(k - 1); variant 2: after kRowsPushed of k - 2); this block has passed kInputsReady of chunk
+//     C(k - 2), which it runs before its kInputsReady arrival of chunk k - 1 (after A(k - 1));
+//     this block has passed kInputsReady of chunk
 //     k, so (flags only grow, the peer's arrivals are in order) that of k - 1 too.
 //   - C(k) reads this rank's half h (O / R) after kRowsPushed of chunk k, which acquired the
 //     peers' pushes of B(k). The peers write those positions next in B(k + 2), after passing
 //     kInputsReady of chunk k + 2, which needs this block's arrival there, after its C(k).
-//   - Variant 1 runs A(k + 1) (the peers' half of chunk k + 1) next to C(k) (this rank's half of
+//   - The loop runs A(k + 1) (the peers' half of chunk k + 1) next to C(k) (this rank's half of
 //     chunk k): different halves, and different ranks' memory.
 // Across kernel calls the first chunk relies on Note [flag barrier]'s argument: when this call
 // starts, this rank's previous call has ended in every block, so every peer block of that call
@@ -61,23 +59,21 @@
 // call_end(num_chunks) then advances the counter as num_chunks single-chunk calls would.
 //
 // Note [fused p2p residual gather]
-// Replicated mode must leave every rank with all rows of out and of the new residual. With
-// COMMLIB_FUSED_REP_GATHER=out_res the owner pushes both rows, so per direction a rank
-// sends three slices (x, out, residual) where NCCL's all-reduce sends two. With `res` (default) the owner
-// pushes only the new residual row (region R), and in phase C every rank normalises the other
+// Replicated mode must leave every rank with all rows of out and of the new residual. Pushing both
+// rows from the owner would send three slices per direction (x, out, residual) where NCCL's
+// all-reduce sends two. Instead the owner pushes only the new residual row (region R), and in phase C every rank normalises the other
 // owners' rows itself with phase B's row groups: reduce_row / normalise_row as RowSource::kGathered
 // read the row from region R (one source, no reduction, no residual add), store it into `residual`,
 // compute its q_k and the tree, and normalise it with the same weight. The q_k depend only on the
 // rounded new residual, which is exactly what travelled, and the tree's bits do not depend on the
 // group size (Note [fused p2p phase B]), so sumsq, rstd and out are the owner's bits. A half then
-// holds two regions per slot, as in sharded mode, so chunks are 1.5x longer.
+// holds two regions per slot, as in sharded mode, so chunks are 1.5x longer than with three.
 // In this mode a rank does normalise rows it does not own, against the issue's rule. That rule
 // saves arithmetic which NCCL + rms_norm repeats on every rank; in replicated mode the NVLink bytes,
 // not the arithmetic, bound the time, and one more local pass over a row (HBM: ~10x the link's
-// bandwidth) may cost less than sending the row. Measured on 2x H200 (hidden 8192, the bench's
-// --ab-env COMMLIB_FUSED_REP_GATHER=out_res,res; fused-rmsnorm-2026-11-30-i.md): 4096 tokens 302.9
-// -> 204.7 µs, 16384 tokens 1149.4 -> 775.5 µs, so `res` is the default. Sharded mode is the same in
-// both settings.
+// bandwidth) may cost less than sending the row. Measured on 2x H200 (hidden 8192; docs/fused.md):
+// pushing both rows took 302.9 µs at 4096 tokens and 1149.4 µs at 16384, pushing the residual row
+// only 204.7 and 775.5 µs.
 //
 // Note [fused p2p phase B]
 // A row belongs to a group of G threads (a power of two, 32..512, warp-aligned; the launcher picks
@@ -386,25 +382,10 @@ __device__ __forceinline__ void normalise_row(const RowRefs<kCap>& row, const Ro
   }
 }
 
-// Chunk loop of one kernel call (COMMLIB_FUSED_PERSISTENT; Note [fused p2p persistent]).
-enum class ChunkLoop : int {
-  kLaunchPerChunk = 0,  // one kernel call per chunk: phases A, B, C
-  kPipelined = 1,       // one call for all chunks; phase C of chunk k after phase A of chunk k + 1
-  kInOrder = 2,         // one call for all chunks; phases A, B, C of chunk k, then chunk k + 1
-};
-
-// What replicated mode gathers (COMMLIB_FUSED_REP_GATHER; Note [fused p2p residual gather]).
-enum class RepGather : int {
-  kOutAndResidual = 0,  // the owner pushes its normalised row (region O) and new residual row (R)
-  kResidual = 1,        // the owner pushes only the new residual row; every receiver normalises it
-};
-
 // What one kernel call runs: chunks k < num_chunks, chunk k being rows first.offset + k *
 // first.capacity onwards of every owner's slice, as collective call `call + k`.
 struct FusedSchedule {
   int num_chunks = 1;
-  ChunkLoop loop = ChunkLoop::kLaunchPerChunk;
-  RepGather rep_gather = RepGather::kOutAndResidual;
 };
 
 template <typename T, int kWorldSize>
@@ -422,10 +403,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const size_t slot_bytes = static_cast<size_t>(first.capacity) * row_bytes;
   const size_t region_bytes = static_cast<size_t>(world - 1) * slot_bytes;
   const bool replicated = a.mode == ResidualMode::kReplicated;
-  const bool gather_residual = replicated && sched.rep_gather == RepGather::kResidual;
-  // Regions of a half (Note [fused p2p workspace]): X, O, R; without O when only residuals travel.
+  // Regions of a half (Note [fused p2p workspace]): X, then O (sharded) or R (replicated).
   const size_t o_offset = region_bytes;
-  const size_t r_offset = gather_residual ? region_bytes : 2 * region_bytes;
+  const size_t r_offset = region_bytes;
   const int grid = static_cast<int>(gridDim.x);
   const int b = static_cast<int>(blockIdx.x);
   const size_t block_stride = static_cast<size_t>(grid) * row_bytes;  // between a block's rows
@@ -466,7 +446,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   lay.num_steps = leaves / kLeaves;
   lay.o_offset = o_offset;
   lay.r_offset = r_offset;
-  lay.push_out = !gather_residual;
+  lay.push_out = !replicated;
   lay.push_residual = replicated;
   int parity = 0;  // scratch buffer of the group's next row; the same in all threads of a group
 
@@ -512,14 +492,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
 
-  // Phase C: the other owners' rows, from this rank's own regions O (and R); with
-  // RepGather::kResidual, normalised here from region R (Note [fused p2p residual gather]).
+  // Phase C: the other owners' rows, from this rank's own region O (sharded), or normalised here
+  // from region R (replicated; Note [fused p2p residual gather]).
   auto phase_c = [&](const FusedChunk& c, size_t half) {
     for (int step = 1; step < world; ++step) {
       const int d = (rank + step) % world;
       const TokenSlice rows = chunk_rows(a, c, world, d);
       const int n = block_rows(rows);
-      if (gather_residual) {
+      if (replicated) {
 #pragma unroll 1
         for (int m = g; m < n; m += num_groups, parity ^= 1) {  // trip count uniform in the group
           const int64_t i = row_of(m);
@@ -536,35 +516,27 @@ __global__ void __launch_bounds__(kThreads, 1)
       } else {
         block_copy_rows(n, num_packs, ws_row(rank, half, o_offset, d, b), out + (rows.begin + b) * row_bytes,
                         block_stride);
-        if (replicated) {
-          block_copy_rows(n, num_packs, ws_row(rank, half, r_offset, d, b), residual + (rows.begin + b) * row_bytes,
-                          block_stride);
-        }
       }
     }
   };
 
   // Chunk k is call call + k in half (call + k) & 1; the reuse of the halves across chunks and
   // the two barriers per chunk: Note [fused p2p persistent].
-  const bool pipelined = sched.loop == ChunkLoop::kPipelined;
 #pragma unroll 1
   for (int k = 0; k < sched.num_chunks; ++k) {
     const uint64_t call_k = call.call + static_cast<uint64_t>(k);
     const FusedChunk cur = chunk_at(k);
     phase_a(cur, half_of(call_k));
     // The previous chunk's gather runs while this chunk's pushes are in flight (other half).
-    if (pipelined && k > 0) phase_c(chunk_at(k - 1), half_of(call_k - 1));
+    if (k > 0) phase_c(chunk_at(k - 1), half_of(call_k - 1));
     // Publishes this block's pushes to the peers' block b; acquires the rows they pushed here.
     if (!device::barrier_block(p.barrier, call_k, static_cast<int>(FusedRmsNormPhase::kInputsReady))) return;
     phase_b(cur, half_of(call_k));
     // Publishes this block's pushed rows to the peers' block b; acquires the rows they pushed here.
     if (!device::barrier_block(p.barrier, call_k, static_cast<int>(FusedRmsNormPhase::kRowsPushed))) return;
-    if (!pipelined) phase_c(cur, half_of(call_k));
   }
-  if (pipelined) {
-    const int last = sched.num_chunks - 1;
-    phase_c(chunk_at(last), half_of(call.call + static_cast<uint64_t>(last)));
-  }
+  const int last = sched.num_chunks - 1;
+  phase_c(chunk_at(last), half_of(call.call + static_cast<uint64_t>(last)));
   device::call_end(p.barrier, static_cast<uint64_t>(sched.num_chunks));
 }
 
@@ -577,27 +549,6 @@ Status launch_typed(const RsRmsNormAgP2pParams& params, const FusedChunk& chunk,
   if (err != cudaSuccess) {
     return Status(StatusCode::kCudaError,
                   detail::concat("fused_allreduce_rmsnorm(p2p): kernel launch failed: ", cudaGetErrorString(err)));
-  }
-  return Status::ok();
-}
-
-// COMMLIB_FUSED_PERSISTENT and COMMLIB_FUSED_REP_GATHER, read at every call like the LL knobs (a
-// captured graph keeps the values it was captured with).
-Status read_schedule(const char* what, FusedSchedule* sched) {
-  const int64_t persistent = env::get_int("COMMLIB_FUSED_PERSISTENT");
-  if (persistent < 0 || persistent > 2) {
-    return Status(StatusCode::kInvalidArgument,
-                  detail::concat(what, ": COMMLIB_FUSED_PERSISTENT=", persistent, " invalid; valid: 0, 1, 2"));
-  }
-  sched->loop = static_cast<ChunkLoop>(persistent);
-  const std::string gather = env::get("COMMLIB_FUSED_REP_GATHER");
-  if (gather == "out_res") {
-    sched->rep_gather = RepGather::kOutAndResidual;
-  } else if (gather == "res") {
-    sched->rep_gather = RepGather::kResidual;
-  } else {
-    return Status(StatusCode::kInvalidArgument,
-                  detail::concat(what, ": COMMLIB_FUSED_REP_GATHER='", gather, "' invalid; valid: out_res, res"));
   }
   return Status::ok();
 }
@@ -657,13 +608,9 @@ Status launch_rs_rmsnorm_ag_p2p(const RsRmsNormAgP2pParams& params, Stream strea
   if (!status.is_ok() || a.num_tokens == 0) return status;
   if (fused_rmsnorm_use_ll(params)) return launch_rs_rmsnorm_ag_p2p_ll(params, stream);
   FusedSchedule sched;
-  status = read_schedule(what, &sched);
-  if (!status.is_ok()) return status;
   const size_t row_bytes = static_cast<size_t>(a.hidden) * dtype_size(a.dtype);
-  // Regions X and O, and R when replicated mode pushes residual rows beside the normalised ones
-  // (with RepGather::kResidual R replaces O: Note [fused p2p residual gather]).
-  const bool out_and_residual = a.mode == ResidualMode::kReplicated && sched.rep_gather == RepGather::kOutAndResidual;
-  const size_t regions = out_and_residual ? 3 : 2;
+  // Regions X, and O (sharded) or R (replicated): Note [fused p2p workspace].
+  const size_t regions = 2;
   FusedChunk chunk{};
   chunk.half_bytes = params.workspace.bytes / 2 / 256 * 256;
   const int64_t per_rank = (a.num_tokens + world - 1) / world;
@@ -678,21 +625,18 @@ Status launch_rs_rmsnorm_ag_p2p(const RsRmsNormAgP2pParams& params, Stream strea
     }
     chunk.capacity = std::min(fit, per_rank);
   }
-  // COMMLIB_FUSED_CHUNK_ROWS caps a chunk below what a half holds: more, shorter chunks, whose
-  // gather the pipelined loop overlaps with the next chunk's push (Note [fused p2p persistent]).
-  // On 2x H200 (hidden 8192) 128- or 256-row chunks were slower at 1024-4096 tokens than one chunk
-  // per half (fused-rmsnorm-2026-11-30-j.md): the two barriers per chunk cost more than the overlap.
-  const int64_t chunk_rows = env::get_int("COMMLIB_FUSED_CHUNK_ROWS");
-  if (chunk_rows > 0) {
-    chunk.capacity = std::min(chunk.capacity, chunk_rows);
-  } else if (world > 1 && a.mode == ResidualMode::kReplicated && !out_and_residual) {
+  // A chunk is what a half holds. Shorter chunks, whose gather the pipelined loop overlaps with the
+  // next chunk's push (Note [fused p2p persistent]), were slower on 2x H200 (hidden 8192): 128- or
+  // 256-row chunks at 1024-4096 tokens (docs/fused.md, "Chunks"); the two barriers per chunk cost
+  // more than the overlap. One exception:
+  if (world > 1 && a.mode == ResidualMode::kReplicated) {
     // Replicated mode's residual gather (a local normalisation per gathered row) is what the loop
     // overlaps best: a slice of more than kFusedRepSplitBytes that would otherwise run as one chunk,
     // or as one full chunk and a short one, runs in chunks of that size. On 2x H200 (hidden 8192:
     // 512-row chunks) 2048 tokens took 110.0-113.9 instead of 114.1-116.0 µs, 2560 tokens
     // 136.4-137.2 instead of 140.3-141.8; 4096-16384 tokens, already two chunks or more, were
-    // 1-2 % slower in such chunks, and sharded mode was slower at every size
-    // (fused-rmsnorm-2026-11-30-m.md). With the default workspace only 2 ranks have halves larger
+    // 1-2 % slower in such chunks, and sharded mode was slower at every size (docs/fused.md,
+    // "Chunks"). With the default workspace only 2 ranks have halves larger
     // than the split.
     const int64_t split = std::max<int64_t>(1, static_cast<int64_t>(kFusedRepSplitBytes / row_bytes));
     if (per_rank > split && 2 * per_rank < 3 * chunk.capacity) chunk.capacity = std::min(chunk.capacity, split);
@@ -713,18 +657,10 @@ Status launch_rs_rmsnorm_ag_p2p(const RsRmsNormAgP2pParams& params, Stream strea
     return a.dtype == DataType::kBFloat16 ? launch.template operator()<__nv_bfloat16>()
                                           : launch.template operator()<__half>();
   };
-  if (sched.loop != ChunkLoop::kLaunchPerChunk) {
-    // One call for every chunk (Note [fused p2p persistent]).
-    sched.num_chunks = static_cast<int>(num_chunks);
-    chunk.offset = 0;
-    return launch_chunks();
-  }
-  sched.num_chunks = 1;
-  for (chunk.offset = 0; chunk.offset < per_rank; chunk.offset += chunk.capacity) {
-    status = launch_chunks();
-    if (!status.is_ok()) return status;
-  }
-  return Status::ok();
+  // One call for every chunk (Note [fused p2p persistent]).
+  sched.num_chunks = static_cast<int>(num_chunks);
+  chunk.offset = 0;
+  return launch_chunks();
 }
 
 }  // namespace commlib::kernels

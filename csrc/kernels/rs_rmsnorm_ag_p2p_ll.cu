@@ -88,15 +88,15 @@ constexpr int kLLMaxRowCtas = 8;     // the portable cluster size
 // By default a row is split over a cluster only when the slice has at most this many rows. On 2x H200
 // (hidden 8192) the split won at 1-4 rows (1 token: 7.5 µs with 8 CTAs per row against 11.0 with
 // the lane-high single CTA), but at 8 rows one lane-major CTA per row beat 2 CTAs per row (sharded
-// 9.4 vs 12.2 µs; bench/results/fused-rmsnorm-2026-11-30-g.md).
+// 9.4 vs 12.2 µs; docs/fused.md).
 constexpr int64_t kLLSplitMaxRows = 4;
 // The one-shot kernel's by-size CTA cap (one CTA per row beyond 4 rows): it normalises every row,
 // twice a slice's. On 2x H200 (hidden 8192, replicated) 32 CTAs against 16 took 32 tokens from
-// 14.1 to 11.4 µs and 16 tokens from 8.4 to 7.6 (bench/results/fused-rmsnorm-2026-11-30-h.md).
+// 14.1 to 11.4 µs and 16 tokens from 8.4 to 7.6 (docs/fused.md).
 constexpr int kLLOneShotMaxBlocks = 32;
 // Most CTAs that COMMLIB_FUSED_LL_BYTES_PER_CTA asks for (one SM stores only ~45 GB/s of lines, so a
 // push of many rows wants more SMs than rows: at 32 tokens one-shot, 64 CTAs took 9.8 µs against
-// 11.6 with 32; bench/results/fused-rmsnorm-2026-11-30-h.md).
+// 11.6 with 32; docs/fused.md).
 constexpr int kLLMaxPushBlocks = 128;
 constexpr int kLLPushUnroll = 4;     // packs loaded before their stores, per thread, in phase 1
 constexpr int kLLGatherPacks = 4;    // packs polled at once per thread in phase 3
@@ -471,7 +471,7 @@ bool fused_rmsnorm_use_oneshot(const RsRmsNormAgP2pParams& params) {
   const int world = params.barrier.world_size;
   if (world < 2 || params.lines.bytes == 0 || a.num_tokens <= 0) return false;
   // Sharded, the owners' residual rows travel too: on 2x H200 the two-shot kernel was faster from
-  // 16 tokens (9.5 vs 11.2 µs; replicated one-shot 8.4 vs 11.0; fused-rmsnorm-2026-11-30-h.md).
+  // 16 tokens (9.5 vs 11.2 µs; replicated one-shot 8.4 vs 11.0; docs/fused.md).
   const bool sharded = a.mode == ResidualMode::kSharded;
   const int64_t max_tokens =
       env::get_int(sharded ? "COMMLIB_FUSED_ONESHOT_SHARDED_MAX_TOKENS" : "COMMLIB_FUSED_ONESHOT_MAX_TOKENS");
@@ -495,7 +495,7 @@ bool fused_rmsnorm_use_ll(const RsRmsNormAgP2pParams& params) {
   // Lines carry 8 payload bytes in 16.
   // COMMLIB_FUSED_LL_MAX_ROWS (16): at 16 rows per rank (hidden 8192) the LL kernel with one
   // lane-major CTA per row beat the barrier kernel on 2x H200 (sharded 11.8 vs 13.8 µs, replicated
-  // 15.0 vs 15.1; bench/results/fused-rmsnorm-2026-11-30-g.md); beyond, the LL buffer or
+  // 15.0 vs 15.1; docs/fused.md); beyond, the LL buffer or
   // COMMLIB_FUSED_LL_MAX_BYTES ends it at this hidden size anyway.
   const int64_t max_rows = env::get_int("COMMLIB_FUSED_LL_MAX_ROWS");
   return rows <= max_rows && slice_bytes <= limit &&

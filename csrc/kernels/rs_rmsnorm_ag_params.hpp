@@ -36,14 +36,14 @@ const char* fused_rmsnorm_phase_name(int phase);
 constexpr int kFusedMaxBlocks = 132;
 constexpr int kFusedDefaultMaxBlocks = 16;
 // The barrier (p2p) kernel's by-size cap: the whole GPU. Measured on 2x H200 at 512-4096 tokens x
-// 8192 (bench/results/fused-rmsnorm-2026-11-30-d.md): 132 CTAs are the fastest count at every size,
+// 8192 (docs/fused.md, "CTA count"): 132 CTAs are the fastest count at every size,
 // and 16 CTAs reach 68-80% of that (a CTA is latency-bound, not NVLink-bound: 8 CTAs already
 // saturate the link for a plain copy). Callers that overlap the op with compute pass num_sms (or
 // COMMLIB_FUSED_NUM_SMS, or the tune file's fused_num_sms) to cap it.
 constexpr int kFusedP2pDefaultMaxBlocks = kFusedMaxBlocks;
-// The barrier kernel's chunk size in replicated mode (residual gather) when COMMLIB_FUSED_CHUNK_ROWS
-// is 0 and the rank's slice would otherwise run as one chunk, or one full chunk and a short one:
-// 8 MiB, 512 rows of hidden 8192 (launch_rs_rmsnorm_ag_p2p).
+// The barrier kernel's chunk size in replicated mode (residual gather) when the rank's slice would
+// otherwise run as one chunk, or one full chunk and a short one: 8 MiB, 512 rows of hidden 8192
+// (launch_rs_rmsnorm_ag_p2p).
 constexpr size_t kFusedRepSplitBytes = size_t{8} << 20;
 
 struct RsRmsNormAgP2pParams {

@@ -253,12 +253,11 @@ def test_tree_graph_replays_many_chunks_per_launch(ranks):
 
 # Launch geometries the tuning sweep explores (Note [tree geometry] in all_reduce_tree.cu): smaller
 # CTAs, more CTAs than SMs, one warp per CTA with many packs per thread (the unrolled loops' partial
-# batches), and the release start arrival. Each must give flat's and the CPU order's bits.
+# batches). Each must give flat's and the CPU order's bits.
 TREE_GEOMETRY_ENVS = {
     "512x512-128": {"COMMLIB_TREE_THREADS": "512", "COMMLIB_TREE_MIN_PACKS": "512", "COMMLIB_TREE_MAX_BLOCKS": "128"},
     "128x64-256": {"COMMLIB_TREE_THREADS": "128", "COMMLIB_TREE_MIN_PACKS": "64", "COMMLIB_TREE_MAX_BLOCKS": "256"},
     "32x1-7": {"COMMLIB_TREE_THREADS": "32", "COMMLIB_TREE_MIN_PACKS": "1", "COMMLIB_TREE_MAX_BLOCKS": "7"},
-    "release-start": {"COMMLIB_TREE_RELAXED_START": "0"},
 }
 
 

@@ -85,12 +85,9 @@ def test_fused_gpu_num_sms(ranks):
     ranks(2).run(_gpu_case, "bfloat16", [1, 5, 300], [8192], (1, 2, 4, 16, 32, 132))
 
 
-@pytest.mark.parametrize("env", [{"COMMLIB_GPU_WORKSPACE_BYTES": str(1 << 20)}, {"COMMLIB_FUSED_CHUNK_ROWS": "7"}],
-                         ids=["small-workspace", "chunk-rows"])
-def test_fused_gpu_many_chunks(ranks, env):
-    # A 1 MiB workspace holds a few rows of hidden 8192 per half, and COMMLIB_FUSED_CHUNK_ROWS caps
-    # a chunk at 7 rows: many chunks (1000 tokens: 72 of 7 rows, the last one short).
-    ranks(2, env=env).run(_gpu_case, "bfloat16", [1, 77, 1000], [8192])
+def test_fused_gpu_many_chunks(ranks):
+    # A 1 MiB workspace holds a few rows of hidden 8192 per half: many chunks, the last one short.
+    ranks(2, env={"COMMLIB_GPU_WORKSPACE_BYTES": str(1 << 20)}).run(_gpu_case, "bfloat16", [1, 77, 1000], [8192])
 
 
 NO_ONESHOT = {"COMMLIB_FUSED_ONESHOT_MAX_TOKENS": "0", "COMMLIB_FUSED_ONESHOT_SHARDED_MAX_TOKENS": "0"}
@@ -119,38 +116,23 @@ def test_fused_gpu_barrier_kernel_row_groups(ranks):
     ranks(2, env=NO_LL).run(_gpu_case, "bfloat16", [301], [8, 1032, 16384], (1, 20, 40, 132))
 
 
-# The barrier kernel's chunk loop (COMMLIB_FUSED_PERSISTENT: 0 one call per chunk, 1 one pipelined
-# call, 2 one in-order call; Note [fused p2p persistent]) and replicated mode's gather
-# (COMMLIB_FUSED_REP_GATHER: out_res pushes out and residual rows, res only residual rows that every
-# rank normalises itself; Note [fused p2p residual gather]). A small workspace makes many chunks:
-# 64 KiB holds 5 (out_res) or 7 (res, sharded) rows of hidden 1032 per half, 1 MiB 10 or 16 rows of
-# hidden 8192, so 77 and 1001 tokens run 6..100 chunks, an odd or even count, the last one short.
-# The LL kernel is off so that 3 tokens (one short chunk) run the barrier kernel too; num_sms 3
-# gives blocks uneven row counts, 132 groups of up to 512 threads per row (phase C's row groups).
-CHUNK_LOOPS = ["0", "1", "2"]
-REP_GATHERS = ["out_res", "res"]
-
-
-@pytest.mark.parametrize("rep_gather", REP_GATHERS)
-@pytest.mark.parametrize("persistent", CHUNK_LOOPS)
+# The barrier kernel's pipelined chunk loop (Note [fused p2p persistent]) and replicated mode's
+# residual gather, every rank normalising the residual rows it receives (Note [fused p2p residual
+# gather]). A small workspace makes many chunks: 64 KiB holds 7 rows of hidden 1032 per half, 1 MiB
+# 16 rows of hidden 8192, so 77 and 1001 tokens run 6..72 chunks, an odd or even count, the last one
+# short. The LL kernel is off so that 3 tokens (one short chunk) run the barrier kernel too; num_sms
+# 3 gives blocks uneven row counts, 132 groups of up to 512 threads per row (phase C's row groups).
 @pytest.mark.parametrize("workspace,hidden", [(1 << 16, 1032), (1 << 20, 8192)])
-def test_fused_gpu_chunk_loop_and_gather(ranks, persistent, rep_gather, workspace, hidden):
-    env = {"COMMLIB_GPU_WORKSPACE_BYTES": str(workspace), **NO_LL,
-           "COMMLIB_FUSED_PERSISTENT": persistent, "COMMLIB_FUSED_REP_GATHER": rep_gather}
+def test_fused_gpu_chunk_loop_and_gather(ranks, workspace, hidden):
+    env = {"COMMLIB_GPU_WORKSPACE_BYTES": str(workspace), **NO_LL}
     ranks(2, env=env).run(_gpu_case, "bfloat16", [3, 77, 1001], [hidden], (None, 3, 132))
 
 
 def test_fused_gpu_chunk_loop_fp16_default_workspace(ranks):
-    # The default workspace (64 MiB: 682 rows of hidden 8192 per half replicated with out_res, 1024
-    # sharded or with res) and 2100 tokens (1050 per rank): 2 chunks, the second short; replicated
-    # with res, the default: 8 MiB chunks of 512 rows (512, 512, 26; kFusedRepSplitBytes); fp16.
-    for rep_gather in REP_GATHERS:
-        ranks(2, env={"COMMLIB_FUSED_REP_GATHER": rep_gather}).run(_gpu_case, "float16", [2100], [8192])
-
-
-def test_fused_gpu_bad_schedule_knobs(ranks):
-    ranks(2, env={"COMMLIB_FUSED_PERSISTENT": "3"}).run(_bad_knob, "COMMLIB_FUSED_PERSISTENT=3")
-    ranks(2, env={"COMMLIB_FUSED_REP_GATHER": "out"}).run(_bad_knob, "COMMLIB_FUSED_REP_GATHER='out'")
+    # The default workspace (64 MiB: 1024 rows of hidden 8192 per half) and 2100 tokens (1050 per
+    # rank): sharded, 2 chunks, the second short; replicated, 8 MiB chunks of 512 rows (512, 512, 26;
+    # kFusedRepSplitBytes); fp16.
+    ranks(2).run(_gpu_case, "float16", [2100], [8192])
 
 
 def _dead_peer(ctx):
@@ -177,14 +159,6 @@ def _dead_peer(ctx):
 
 def test_fused_gpu_dead_peer_times_out(ranks):
     assert all(ranks(2).run(_dead_peer, timeout=120))
-
-
-def _bad_knob(ctx, message):
-    dev = torch.device("cuda", ctx.device)
-    x = torch.randn(300, 1024, device=dev, dtype=torch.bfloat16)  # 150 rows per rank: barrier kernel
-    with pytest.raises(ValueError, match=re.escape(message)):
-        ctx.comm.fused_allreduce_rmsnorm(x, x.clone(), torch.ones(1024, dtype=torch.bfloat16, device=dev))
-    return True
 
 
 def _graph_chunks(ctx, tokens):
@@ -222,14 +196,9 @@ def _graph_chunks(ctx, tokens):
     return True
 
 
-@pytest.mark.parametrize("rep_gather", REP_GATHERS)
-@pytest.mark.parametrize("persistent", CHUNK_LOOPS)
-def test_fused_gpu_graph_replay_chunks(ranks, persistent, rep_gather):
-    # 1 MiB workspace, 281 tokens (141 rows per rank): 15 chunks of 10 rows (replicated out_res) or
-    # 9 of 16 (sharded, res).
-    env = {"COMMLIB_GPU_WORKSPACE_BYTES": str(1 << 20), "COMMLIB_FUSED_PERSISTENT": persistent,
-           "COMMLIB_FUSED_REP_GATHER": rep_gather}
-    ranks(2, env=env).run(_graph_chunks, 281)
+def test_fused_gpu_graph_replay_chunks(ranks):
+    # 1 MiB workspace, 281 tokens (141 rows per rank): 9 chunks of 16 rows.
+    ranks(2, env={"COMMLIB_GPU_WORKSPACE_BYTES": str(1 << 20)}).run(_graph_chunks, 281)
 
 
 # Huge LL limits and no one-shot: the two-shot LL kernel runs whenever the slice fits the LL buffer.
