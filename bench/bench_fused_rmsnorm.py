@@ -55,7 +55,7 @@ def parse_ab(specs: list[str]) -> list[tuple[str, list[str]]]:
     for spec in specs:
         name, _, values = spec.partition("=")
         if not name.startswith("COMMLIB_") or not values:
-            raise SystemExit(f"--ab-env {spec!r}: expected COMMLIB_NAME=V1,V2,...")
+            raise SystemExit(f"--ab-env {spec!r}: expected COMMLIB_<KNOB>=V1,V2,...")
         knobs.append((name, values.split(",")))
     return knobs
 
@@ -261,7 +261,7 @@ def main():
     parser.add_argument("--sweep-sms", type=int, nargs="*", default=SM_SWEEP, help="num_sms values of the sweep")
     parser.add_argument("--sweep-modes", nargs="*", default=["replicated"], choices=["replicated", "sharded"],
                         help="residual modes of the sweep")
-    parser.add_argument("--ab-env", action="append", default=[], metavar="COMMLIB_NAME=V1,V2",
+    parser.add_argument("--ab-env", action="append", default=[], metavar="COMMLIB_<KNOB>=V1,V2",
                         help="knob A/B: time the fused op at --ab-tokens once per value (repeatable)")
     parser.add_argument("--ab-tokens", type=int, nargs="*", default=[1, 8, 32, 64, 128],
                         help="token counts of the --ab-env sweep")

@@ -7,107 +7,117 @@
 
 namespace commlib::env {
 
+const char* category_name(KnobCategory category) {
+  switch (category) {
+    case KnobCategory::kRuntime: return "runtime";
+    case KnobCategory::kTuning: return "tuning";
+    case KnobCategory::kTestOnly: return "test-only";
+    case KnobCategory::kBuild: return "build";
+  }
+  return "unknown";
+}
+
+// The one declaration of every COMMLIB_* environment variable, in docs/knobs.md's order
+// (tools/knobs_table.py parses this table: keep each entry {"NAME", "default", KnobCategory::kX,
+// "meaning" ...}).
 const std::vector<Knob>& knobs() {
   static const std::vector<Knob> table = {
-      {"COMMLIB_TIMEOUT_MS", "0",
+      {"COMMLIB_TIMEOUT_MS", "0", KnobCategory::kRuntime,
        "Bound on every wait for a peer (host and device), in ms; 0 uses the communicator's timeout "
        "(init_process_group's timeout, 300 s by default)."},
-      {"COMMLIB_SHM_SLOT_BYTES", "4194304",
+      {"COMMLIB_SHM_SLOT_BYTES", "4194304", KnobCategory::kRuntime,
        "Bytes of each rank's shared-memory slot per buffer (two buffers per rank); larger "
        "messages go in chunks of this size."},
-      {"COMMLIB_HOST_TREE_THRESHOLD", "262144",
-       "CPU all_reduce: messages of at least this many bytes use tree (reduce-scatter + "
-       "all-gather), smaller ones flat."},
-      {"COMMLIB_HOST_TEST_JITTER_US", "0",
-       "Testing only: after each of its waits on the CPU shared-memory transport (a barrier, a "
-       "pipeline step) a rank sleeps a random 0..N microseconds, so that its peers run ahead as on "
-       "a busy machine and tests meet those interleavings (Note [host shm jitter]); 0: off."},
-      {"COMMLIB_ALLREDUCE_ALGO", "auto",
+      {"COMMLIB_ALLREDUCE_ALGO", "auto", KnobCategory::kRuntime,
        "Force the all-reduce algorithm: auto, flat, tree or nccl."},
-      {"COMMLIB_FLAT_MAX_BYTES", "0",
-       "GPU all_reduce: largest message for flat (one-shot); 0 uses the built-in or tuned table."},
-      {"COMMLIB_TREE_MAX_BYTES", "0",
-       "GPU all_reduce: largest message for tree (two-shot); larger go to NCCL where attached; "
-       "0 uses the built-in or tuned table."},
-      {"COMMLIB_FLAT_LL_MAX_BYTES", "262144",
-       "GPU all_reduce: flat messages of at most this many bytes use the barrier-free LL variant "
-       "(a ready flag in every 8 bytes; csrc/kernels/all_reduce_flat_ll.cu); 0: off."},
-      {"COMMLIB_ALLREDUCE_MAX_BLOCKS", "0",
-       "GPU all_reduce: largest grid (CTAs) of the flat, LL and tree kernels, 1..256; 0: built-in "
-       "(flat 48, LL 64, tree 132). For tuning on a new machine."},
-      {"COMMLIB_TREE_MAX_BLOCKS", "0",
-       "GPU all_reduce, tree: grid cap (CTAs), 1..256; 0: COMMLIB_ALLREDUCE_MAX_BLOCKS when set, "
-       "else 132. Same value on every rank. For tuning (docs/gpu-allreduce.md, Note [tree geometry])."},
-      {"COMMLIB_TREE_THREADS", "0",
-       "GPU all_reduce, tree: threads per CTA cap, a multiple of 32 in 32..512; 0: 256. For tuning."},
-      {"COMMLIB_TREE_MIN_PACKS", "0",
-       "GPU all_reduce, tree: fewest 16-byte packs of each rank's slice per CTA (fewer: fewer CTAs), "
-       "1..16777216; 0: 256. For tuning."},
-      {"COMMLIB_TREE_RELAXED_START", "1",
-       "GPU all_reduce, zero-copy tree: 1: the first barrier arrives with a relaxed store (it "
-       "publishes no write of the kernel); 0: with a release like every other barrier."},
-      {"COMMLIB_GPU_WORKSPACE_BYTES", "67108864",
+      {"COMMLIB_GPU_WORKSPACE_BYTES", "67108864", KnobCategory::kRuntime,
        "Bytes of each rank's symmetric GPU workspace used for copy-in of non-symmetric tensors."},
-      {"COMMLIB_TUNE_FILE", "",
+      {"COMMLIB_TUNE_FILE", "", KnobCategory::kRuntime,
        "Path of the crossover cache written by commlib-tune; empty: ~/.cache/commlib/tune.json "
        "when it exists, else the built-in table."},
-      {"COMMLIB_FUSED_NUM_SMS", "0",
-       "CTAs of the fused all-reduce + RMSNorm kernel; 0 chooses by size (barrier kernel: at most "
-       "132, or commlib-tune's fused_num_sms for this world size when the tune file has one; LL "
-       "kernels: see COMMLIB_FUSED_LL_BYTES_PER_CTA)."},
-      {"COMMLIB_FUSED_LL_MAX_BYTES", "262144",
-       "Fused all-reduce + RMSNorm on GPU: when each rank's token slice has at most this many bytes "
-       "and at most COMMLIB_FUSED_LL_MAX_ROWS rows (and fits the LL buffer) it runs the barrier-free LL kernel "
-       "(csrc/kernels/rs_rmsnorm_ag_p2p_ll.cu); 0: never."},
-      {"COMMLIB_FUSED_LL_MAX_ROWS", "16",
-       "Fused all-reduce + RMSNorm on GPU: most rows (ceil(tokens / world)) of a rank's slice that "
-       "run the LL kernel; more rows run the barrier kernel."},
-      {"COMMLIB_FUSED_ONESHOT_MAX_TOKENS", "32",
-       "Fused all-reduce + RMSNorm on GPU: up to this many tokens (and when every row fits the LL "
-       "buffer) every rank receives every row and normalises all of them itself, one NVLink "
-       "crossing instead of two (one-shot LL kernel); 0: never. Replicated mode; sharded: "
-       "COMMLIB_FUSED_ONESHOT_SHARDED_MAX_TOKENS."},
-      {"COMMLIB_FUSED_ONESHOT_SHARDED_MAX_TOKENS", "8",
-       "COMMLIB_FUSED_ONESHOT_MAX_TOKENS for residual_mode=\"sharded\" (the owners' residual rows "
-       "travel too); 0: never."},
-      {"COMMLIB_FUSED_LL_BYTES_PER_CTA", "2048",
-       "Fused all-reduce + RMSNorm, LL kernels (one-shot and two-shot): the CTA count chosen by size "
-       "is at least the x bytes a rank pushes divided by this (at most 128); 0: by rows only."},
-      {"COMMLIB_FUSED_LL_ROW_CTAS", "0",
-       "Fused all-reduce + RMSNorm, LL kernel: CTAs (a thread-block cluster) that share one row, "
-       "1, 2, 4 or 8; 0 chooses by size (up to 4 rows per rank as many as the CTA budget allows for "
-       "the slice's rows, at most 8; beyond, 1). 1 is one CTA per row."},
-      {"COMMLIB_FUSED_PERSISTENT", "1",
-       "Fused all-reduce + RMSNorm, barrier kernel: how the chunks of rows that fit one workspace half "
-       "run. 0: one kernel call per chunk; 1: one kernel call loops over all chunks, gathering chunk k "
-       "while chunk k + 1's x is pushed; 2: one kernel call, chunks strictly one after another."},
-      {"COMMLIB_FUSED_CHUNK_ROWS", "0",
-       "Fused all-reduce + RMSNorm, barrier kernel: most rows per rank in one chunk (0: as many as "
-       "a workspace half holds, except in replicated mode with the res gather, where a slice of more "
-       "than 8 MiB and less than 1.5 halves runs in 8 MiB chunks). Shorter chunks let the chunk loop "
-       "overlap more."},
-      {"COMMLIB_FUSED_REP_GATHER", "res",
-       "Fused all-reduce + RMSNorm, barrier kernel, replicated residual: what the owner of a row pushes "
-       "to the peers. out_res: the normalised row and the new residual row; res: only the new residual "
-       "row, which every rank then normalises itself (same bits; 1/3 fewer NVLink bytes, one more "
-       "local pass)."},
-      {"COMMLIB_EP_LL", "0",
+      {"COMMLIB_EP_LL", "0", KnobCategory::kRuntime,
        "EPBuffer on GPU: 1: buffers with a decode grid (column parts, at most 4 tokens a chunk, rows a "
        "whole number of 16-byte packs) run dispatch / combine over flag-carrying lines (Note [EP LL "
        "protocol], csrc/kernels/ep_ll.cu); 0: the flag kernels. Read when a buffer is created; "
        "used only if every rank asks for it."},
-      {"COMMLIB_PDL", "0",
+      {"COMMLIB_PDL", "0", KnobCategory::kRuntime,
        "Programmatic dependent launch (sm_90) of the EP dispatch / combine, fused LL and flat / flat "
        "LL all-reduce kernels: 1: each may be scheduled while the previous kernel of its stream "
        "finishes and waits on the GPU (griddepcontrol.wait) before touching memory; 0: plain stream "
        "order. Read at every launch (a graph keeps the value it was captured with). Note [programmatic "
        "dependent launch] (csrc/kernels/pdl.cuh)."},
-      {"COMMLIB_ENABLE_MULTICAST", "0",
+      {"COMMLIB_ENABLE_MULTICAST", "0", KnobCategory::kRuntime,
        "Opt in to NVLink multicast (NVLS multimem) kernels. Refused whenever "
        "COMMLIB_DISABLE_MULTICAST=1, NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 or "
        "NVSHMEM_DISABLE_NVLS=1 is set."},
-      {"COMMLIB_DISABLE_MULTICAST", "0", "Kill switch: refuse every NVLink multicast path."},
-      {"COMMLIB_DEBUG", "0", "Log algorithm choices and set-up steps to stderr."},
+      {"COMMLIB_DISABLE_MULTICAST", "0", KnobCategory::kRuntime, "Kill switch: refuse every NVLink multicast path."},
+      {"COMMLIB_HOST_TREE_THRESHOLD", "262144", KnobCategory::kTuning,
+       "CPU all_reduce: messages of at least this many bytes use tree (reduce-scatter + "
+       "all-gather), smaller ones flat."},
+      {"COMMLIB_FLAT_MAX_BYTES", "0", KnobCategory::kTuning,
+       "GPU all_reduce: largest message for flat (one-shot); 0 uses the built-in or tuned table."},
+      {"COMMLIB_TREE_MAX_BYTES", "0", KnobCategory::kTuning,
+       "GPU all_reduce: largest message for tree (two-shot); larger go to NCCL where attached; "
+       "0 uses the built-in or tuned table."},
+      {"COMMLIB_FLAT_LL_MAX_BYTES", "262144", KnobCategory::kTuning,
+       "GPU all_reduce: flat messages of at most this many bytes use the barrier-free LL variant "
+       "(a ready flag in every 8 bytes; csrc/kernels/all_reduce_flat_ll.cu); 0: off."},
+      {"COMMLIB_ALLREDUCE_MAX_BLOCKS", "0", KnobCategory::kTuning,
+       "GPU all_reduce: largest grid (CTAs) of the flat, LL and tree kernels, 1..256; 0: built-in "
+       "(flat 48, LL 64, tree 132). For tuning on a new machine."},
+      {"COMMLIB_TREE_MAX_BLOCKS", "0", KnobCategory::kTuning,
+       "GPU all_reduce, tree: grid cap (CTAs), 1..256; 0: COMMLIB_ALLREDUCE_MAX_BLOCKS when set, "
+       "else 132. Same value on every rank. For tuning (docs/gpu-allreduce.md, Note [tree geometry])."},
+      {"COMMLIB_TREE_THREADS", "0", KnobCategory::kTuning,
+       "GPU all_reduce, tree: threads per CTA cap, a multiple of 32 in 32..512; 0: 256. For tuning."},
+      {"COMMLIB_TREE_MIN_PACKS", "0", KnobCategory::kTuning,
+       "GPU all_reduce, tree: fewest 16-byte packs of each rank's slice per CTA (fewer: fewer CTAs), "
+       "1..16777216; 0: 256. For tuning."},
+      {"COMMLIB_FUSED_NUM_SMS", "0", KnobCategory::kTuning,
+       "CTAs of the fused all-reduce + RMSNorm kernel; 0 chooses by size (barrier kernel: at most "
+       "132, or commlib-tune's fused_num_sms for this world size when the tune file has one; LL "
+       "kernels: see COMMLIB_FUSED_LL_BYTES_PER_CTA)."},
+      {"COMMLIB_FUSED_LL_MAX_BYTES", "262144", KnobCategory::kTuning,
+       "Fused all-reduce + RMSNorm on GPU: when each rank's token slice has at most this many bytes "
+       "and at most COMMLIB_FUSED_LL_MAX_ROWS rows (and fits the LL buffer) it runs the barrier-free LL kernel "
+       "(csrc/kernels/rs_rmsnorm_ag_p2p_ll.cu); 0: never."},
+      {"COMMLIB_FUSED_LL_MAX_ROWS", "16", KnobCategory::kTuning,
+       "Fused all-reduce + RMSNorm on GPU: most rows (ceil(tokens / world)) of a rank's slice that "
+       "run the LL kernel; more rows run the barrier kernel."},
+      {"COMMLIB_FUSED_ONESHOT_MAX_TOKENS", "32", KnobCategory::kTuning,
+       "Fused all-reduce + RMSNorm on GPU: up to this many tokens (and when every row fits the LL "
+       "buffer) every rank receives every row and normalises all of them itself, one NVLink "
+       "crossing instead of two (one-shot LL kernel); 0: never. Replicated mode; sharded: "
+       "COMMLIB_FUSED_ONESHOT_SHARDED_MAX_TOKENS."},
+      {"COMMLIB_FUSED_ONESHOT_SHARDED_MAX_TOKENS", "8", KnobCategory::kTuning,
+       "COMMLIB_FUSED_ONESHOT_MAX_TOKENS for residual_mode=\"sharded\" (the owners' residual rows "
+       "travel too); 0: never."},
+      {"COMMLIB_FUSED_LL_BYTES_PER_CTA", "2048", KnobCategory::kTuning,
+       "Fused all-reduce + RMSNorm, LL kernels (one-shot and two-shot): the CTA count chosen by size "
+       "is at least the x bytes a rank pushes divided by this (at most 128); 0: by rows only."},
+      {"COMMLIB_FUSED_LL_ROW_CTAS", "0", KnobCategory::kTuning,
+       "Fused all-reduce + RMSNorm, LL kernel: CTAs (a thread-block cluster) that share one row, "
+       "1, 2, 4 or 8; 0 chooses by size (up to 4 rows per rank as many as the CTA budget allows for "
+       "the slice's rows, at most 8; beyond, 1). 1 is one CTA per row."},
+      {"COMMLIB_HOST_TEST_JITTER_US", "0", KnobCategory::kTestOnly,
+       "Testing only: after each of its waits on the CPU shared-memory transport (a barrier, a "
+       "pipeline step) a rank sleeps a random 0..N microseconds, so that its peers run ahead as on "
+       "a busy machine and tests meet those interleavings (Note [host shm jitter]); 0: off."},
+      {"COMMLIB_TEST_TIMEOUT_S", "600", KnobCategory::kTestOnly,
+       "tests/conftest.py: default limit, in seconds, of one multi-process test case (the ranks are "
+       "killed and the test fails after it)."},
+      {"COMMLIB_TEST_SHARE_GPUS", "0", KnobCategory::kTestOnly,
+       "tests/conftest.py: 1 lets a test's ranks share the GPUs there are (rank r on GPU r mod count), "
+       "so world sizes above the GPU count run on one machine; 0: such tests skip."},
+      {"COMMLIB_TEST_PROGRESS", "0", KnobCategory::kTestOnly,
+       "tests/conftest.py: 1 makes rank 0 print each test step with the time (run pytest with -s)."},
+      {"COMMLIB_NO_CUDA", "0", KnobCategory::kBuild,
+       "setup.py: 1 builds without the CUDA kernels and GPU transports (CPU paths only; faster)."},
+      {"COMMLIB_BUILD_DIR", "", KnobCategory::kBuild,
+       "setup.py: CMake build directory; empty: build/cmake in the checkout."},
+      {"COMMLIB_EP_TRACE", "", KnobCategory::kBuild,
+       "Not read at run time: a compile definition (CUDAFLAGS=-DCOMMLIB_EP_TRACE when building) that "
+       "compiles the EP kernels' timing trace in, for bench/ep_trace.py."},
   };
   return table;
 }
