@@ -11,6 +11,8 @@ void throw_if_error(const Status& status) {
     case StatusCode::kInvalidArgument:
     case StatusCode::kUnsupported:
       throw InvalidArgument(status.message());
+    case StatusCode::kTypeMismatch:
+      throw TypeMismatch(status.message());
     case StatusCode::kCudaError:
       throw CudaError(status.message());
     case StatusCode::kTimeout:

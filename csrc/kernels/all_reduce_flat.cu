@@ -84,7 +84,7 @@ Status launch_all_reduce_flat(const AllReduceFlatParams& params, Stream stream) 
     const size_t num_packs = (p.count * esize + 15) / 16;
     const int threads = static_cast<int>(std::min<size_t>(kFlatThreads, std::max<size_t>(32, (num_packs + 31) / 32 * 32)));
     const int blocks = static_cast<int>(std::min<size_t>(max_blocks, (num_packs + threads - 1) / threads));
-    COMMLIB_DISPATCH_FLOAT_DTYPE(p.dtype, T, return Status(StatusCode::kInvalidArgument, what), [&] {
+    COMMLIB_DISPATCH_FLOAT_DTYPE(p.dtype, T, what, [&] {
       COMMLIB_DISPATCH_WORLD_SIZE(p.barrier.world_size, kWorldSize, [&] {
         if (p.op == ReduceOp::kAvg) {
           err = launch_kernel(all_reduce_flat_kernel<T, kWorldSize, ReduceOp::kAvg>, dim3(blocks), dim3(threads), 0,

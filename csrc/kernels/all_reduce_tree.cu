@@ -375,7 +375,7 @@ Status launch_all_reduce_tree(const AllReduceTreeParams& params, Stream stream) 
   // Whole 512-byte spans per block, so no cache line is split between two blocks.
   g.per_block = ((slice_packs + blocks - 1) / blocks + 31) / 32 * 32;
   const size_t threads = std::clamp<size_t>((g.per_block + 31) / 32 * 32, 32, max_threads);
-  COMMLIB_DISPATCH_FLOAT_DTYPE(params.dtype, T, return Status(StatusCode::kInvalidArgument, what), [&] {
+  COMMLIB_DISPATCH_FLOAT_DTYPE(params.dtype, T, what, [&] {
     COMMLIB_DISPATCH_WORLD_SIZE(params.barrier.world_size, kWorldSize, [&] {
       if (params.op == ReduceOp::kAvg) {
         launch_typed<T, kWorldSize, ReduceOp::kAvg>(params, g, static_cast<int>(blocks), static_cast<int>(threads),

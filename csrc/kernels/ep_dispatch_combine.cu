@@ -379,7 +379,7 @@ Status launch_ep_dispatch(const EPParams& p, EPMode mode, Stream stream) {
   if (!status.is_ok()) return status;
   const size_t smem = 2 * static_cast<size_t>(p.config.num_experts) * sizeof(int32_t);
   cudaError_t err = cudaSuccess;
-  COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, return Status(StatusCode::kInvalidArgument, what), [&] {
+  COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, what, [&] {
     err = launch_kernel(ep_dispatch_kernel<T>, dim3(p.grid.num_blocks()), dim3(kThreads), smem, stream, order, p, mode,
                         order);
   });
@@ -395,7 +395,7 @@ Status launch_ep_combine(const EPParams& p, EPMode mode, Stream stream) {
   status = read_launch_order(what, &order);
   if (!status.is_ok()) return status;
   cudaError_t err = cudaSuccess;
-  COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, return Status(StatusCode::kInvalidArgument, what), [&] {
+  COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, what, [&] {
     // Rows split into column parts (decode sizes): a lane holds about one pack of a row.
     auto* kernel = p.grid.num_parts > 1 ? ep_combine_kernel<T, true> : ep_combine_kernel<T, false>;
     err = launch_kernel(kernel, dim3(p.grid.num_blocks()), dim3(kThreads), 0, stream, order, p, mode, order);

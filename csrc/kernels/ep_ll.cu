@@ -500,7 +500,7 @@ Status launch_ep_dispatch_ll(const EPParams& p, EPMode mode, Stream stream) {
   if (!status.is_ok()) return status;
   const size_t smem = 2 * static_cast<size_t>(p.config.num_experts) * sizeof(int32_t);
   cudaError_t err = cudaSuccess;
-  COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, return Status(StatusCode::kInvalidArgument, what), [&] {
+  COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, what, [&] {
     err = launch_kernel(ep_dispatch_ll_kernel<T>, dim3(p.grid.num_blocks()), dim3(kThreads), smem, stream, order, p,
                         mode, order);
   });
@@ -513,7 +513,7 @@ Status launch_ep_combine_ll(const EPParams& p, EPMode mode, Stream stream) {
   Status status = read_launch_order(what, &order);
   if (!status.is_ok()) return status;
   cudaError_t err = cudaSuccess;
-  COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, return Status(StatusCode::kInvalidArgument, what), [&] {
+  COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, what, [&] {
     err = launch_kernel(ep_combine_ll_kernel<T>, dim3(p.grid.num_blocks()), dim3(kThreads), 0, stream, order, p, mode,
                         order);
   });

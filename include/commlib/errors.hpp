@@ -20,6 +20,7 @@ enum class StatusCode : int {
   kCudaError = 3,
   kTimeout = 4,
   kInternal = 5,
+  kTypeMismatch = 6,  // a dtype or device the operation does not support
 };
 
 // Returned by launchers (csrc/kernels) and transports: cheap, no exceptions on the hot path.

@@ -2,14 +2,25 @@
 //
 // COMMLIB_DISPATCH_WORLD_SIZE(n, kWorldSize, ...): runs the body with constexpr kWorldSize = 2, 4
 // or 8 when n is one of those, else kWorldSize = 0 ("generic": the kernel reads the runtime n).
-// COMMLIB_DISPATCH_FLOAT_DTYPE(dtype, T, ...): T = float, __half or __nv_bfloat16; any other dtype
-// runs `on_error` (a statement, e.g. `return Status(...)`).
+// COMMLIB_DISPATCH_FLOAT_DTYPE(dtype, T, what, ...): T = float, __half or __nv_bfloat16; any other
+// dtype returns unsupported_float_dtype(what, dtype) from the enclosing function (a Status).
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "commlib/errors.hpp"
 #include "commlib/types.hpp"
+
+namespace commlib {
+
+// "<what>: dtype <dtype> not supported; supported: float32, float16, bfloat16" (STYLE.md rule 5).
+inline Status unsupported_float_dtype(const char* what, DataType dtype) {
+  return Status(StatusCode::kTypeMismatch, detail::concat(what, ": dtype ", dtype_name(dtype),
+                                                          " not supported; supported: float32, float16, bfloat16"));
+}
+
+}  // namespace commlib
 
 #define COMMLIB_DISPATCH_WORLD_SIZE(n, kWorldSize, ...) \
   [&] {                                                 \
@@ -33,7 +44,7 @@
     }                                                   \
   }()
 
-#define COMMLIB_DISPATCH_FLOAT_DTYPE(dtype, T, on_error, ...) \
+#define COMMLIB_DISPATCH_FLOAT_DTYPE(dtype, T, what, ...)     \
   do {                                                        \
     switch (dtype) {                                          \
       case ::commlib::DataType::kFloat32: {                   \
@@ -52,6 +63,6 @@
         break;                                                \
       }                                                       \
       default:                                                \
-        on_error;                                             \
+        return ::commlib::unsupported_float_dtype(what, dtype); \
     }                                                         \
   } while (0)
