@@ -19,7 +19,8 @@ barrier kernel (docs/fused.md). Prints markdown; --out writes it.
 
 Knob A/B in the same run: --ab-env NAME=V1,V2,... (repeatable) times the fused op (--sweep-modes) at
 --ab-tokens once per value of each knob (the others as in the environment), each value checked bit
-for bit first. The knobs are read when a call is launched, so each value gets its own graph, e.g.
+for bit first. Each value gets a communicator of its own (knobs are read once per communicator) and its
+own graph, e.g.
   --ab-env COMMLIB_FUSED_LL_ROW_CTAS=1,2,4,8,0 --ab-env COMMLIB_FUSED_LL_MAX_BYTES=0,262144
 """
 from __future__ import annotations
@@ -90,8 +91,10 @@ def ab_sweep(comm, dev, rank: int, hidden: int, weight, args) -> list[dict]:
             for mode in args.sweep_modes:
                 point = {"tokens": tokens, "mode": mode, "knob": name}
                 for value in values:
-                    with knobs({name: value}):  # read at every call, so also by the captured graph
-                        fn = lambda m=mode: comm.fused_allreduce_rmsnorm(x, res, weight, EPS, out=out, residual_mode=m)
+                    # A communicator resolves its knobs once (docs/cpp.md): one communicator per value.
+                    with knobs({name: value}):
+                        c = type(comm).from_group(name=f"ab-{name}-{value}-{mode}-{tokens}")
+                        fn = lambda m=mode, c=c: c.fused_allreduce_rmsnorm(x, res, weight, EPS, out=out, residual_mode=m)
                         restore()
                         out.fill_(float("nan"))
                         fn()
@@ -99,6 +102,7 @@ def ab_sweep(comm, dev, rank: int, hidden: int, weight, args) -> list[dict]:
                         lo, hi = (0, tokens) if mode == "replicated" else (begin, end)
                         ok = torch.equal(out.cpu(), exact_out) and torch.equal(res[lo:hi].cpu(), exact_res[lo:hi])
                         t = time_graph(fn, restore, ops_for(tokens), args.replays)
+                        c.close()
                     point[value] = f"{t:.1f}" if ok else f"{t:.1f} WRONG"
                 points.append(point)
         if rank == 0:

@@ -134,10 +134,16 @@ struct FusedTuneEntry {
   int num_sms;
 };
 
+struct HostTuneEntry {
+  int world_size;
+  int64_t flat_max_bytes;
+};
+
 // What this process needs from one tune file (Note [tune file format]).
 struct TuneFile {
   std::vector<TuneEntry> all_reduce;
   std::vector<FusedTuneEntry> fused_num_sms;
+  std::vector<HostTuneEntry> host_all_reduce;
 };
 
 // A list-valued top-level section, or nullptr when the file has none.
@@ -188,6 +194,12 @@ TuneFile load_tune_file(const std::string& path) {
                     "; valid: an integer >= 1");
       file.fused_num_sms.push_back(
           {static_cast<int>(number_field(e, "fused_num_sms", "world_size", path)), static_cast<int>(num_sms)});
+    }
+  }
+  if (const Json* list = section(root, "host_all_reduce", path)) {
+    for (const Json& e : list->array) {
+      file.host_all_reduce.push_back({static_cast<int>(number_field(e, "host_all_reduce", "world_size", path)),
+                                      static_cast<int64_t>(number_field(e, "host_all_reduce", "flat_max_bytes", path))});
     }
   }
   return file;
@@ -302,6 +314,84 @@ AllReduceSelector::AllReduceSelector(int world_size)
 
 Algorithm AllReduceSelector::select(size_t bytes, DataType dtype) const {
   return choose(bytes, forced_, limits_[reducible_index(dtype)]);
+}
+
+int64_t tuned_host_flat_max_bytes(int world_size) {
+  const std::string path = tune_file_path();
+  int64_t flat_max = -1;
+  if (path.empty()) return flat_max;
+  for (const HostTuneEntry& e : tune_file(path).host_all_reduce) {
+    if (e.world_size == world_size) flat_max = e.flat_max_bytes;
+  }
+  return flat_max;
+}
+
+namespace {
+
+// A non-negative integer knob no larger than `max`.
+int64_t knob_in_range(const char* name, int64_t min, int64_t max) {
+  const int64_t value = env::get_int(name);
+  COMMLIB_CHECK(value >= min && value <= max, InvalidArgument, name, "=", value, " out of range; valid: ", min, "..",
+                max);
+  return value;
+}
+
+kernels::LaunchOrder launch_order() {
+  const int64_t value = env::get_int("COMMLIB_PDL");
+  COMMLIB_CHECK(value == 0 || value == 1, InvalidArgument, "COMMLIB_PDL=", value, " invalid; valid: 0, 1");
+  return value == 1 ? kernels::LaunchOrder::kProgrammatic : kernels::LaunchOrder::kStream;
+}
+
+// COMMLIB_TREE_* (Note [tree geometry] in csrc/kernels/all_reduce_tree.cu).
+kernels::TreeLaunchConfig tree_config() {
+  kernels::TreeLaunchConfig cfg;
+  cfg.max_blocks = static_cast<int>(knob_in_range("COMMLIB_TREE_MAX_BLOCKS", 0, kMaxBarrierBlocks));
+  const int64_t threads = env::get_int("COMMLIB_TREE_THREADS");
+  COMMLIB_CHECK(threads >= 0 && threads <= kernels::kTreeMaxThreads && threads % 32 == 0, InvalidArgument,
+                "COMMLIB_TREE_THREADS=", threads, " invalid; valid: 0 or a multiple of 32 in 32..",
+                kernels::kTreeMaxThreads);
+  cfg.threads = static_cast<int>(threads);
+  cfg.min_packs_per_block = knob_in_range("COMMLIB_TREE_MIN_PACKS", 0, kernels::kTreeMaxMinPacksPerBlock);
+  return cfg;
+}
+
+constexpr int64_t kInt32Max = 0x7fffffff;
+
+}  // namespace
+
+HostAllReduceConfig resolve_host_all_reduce(int world_size) {
+  HostAllReduceConfig config;
+  const char* set = std::getenv("COMMLIB_HOST_TREE_THRESHOLD");  // an explicit value wins over the tune file
+  const int64_t tuned = set == nullptr || *set == '\0' ? tuned_host_flat_max_bytes(world_size) : -1;
+  if (tuned >= 0) {
+    config.tree_min_bytes = static_cast<size_t>(tuned) + 1;  // flat up to the tuned limit, inclusive
+  } else {
+    config.tree_min_bytes = static_cast<size_t>(knob_in_range("COMMLIB_HOST_TREE_THRESHOLD", 0, int64_t{1} << 62));
+  }
+  return config;
+}
+
+AllReduceConfig::AllReduceConfig(int world_size)
+    : selector(world_size),
+      max_blocks(static_cast<int>(knob_in_range("COMMLIB_ALLREDUCE_MAX_BLOCKS", 0, kMaxBarrierBlocks))),
+      flat_ll_max_bytes(static_cast<size_t>(knob_in_range("COMMLIB_FLAT_LL_MAX_BYTES", 0, int64_t{1} << 62))),
+      tree(tree_config()),
+      order(launch_order()) {}
+
+CommConfig::CommConfig(int world_size_in)
+    : world_size(world_size_in), all_reduce(world_size_in), host(resolve_host_all_reduce(world_size_in)) {
+  fused.num_sms = static_cast<int>(knob_in_range("COMMLIB_FUSED_NUM_SMS", 0, kInt32Max));
+  kernels::FusedKernelConfig& k = fused.kernel;
+  k.ll_max_bytes = knob_in_range("COMMLIB_FUSED_LL_MAX_BYTES", 0, int64_t{1} << 62);
+  k.ll_max_rows = knob_in_range("COMMLIB_FUSED_LL_MAX_ROWS", 0, int64_t{1} << 62);
+  k.oneshot_max_tokens = knob_in_range("COMMLIB_FUSED_ONESHOT_MAX_TOKENS", 0, int64_t{1} << 62);
+  k.oneshot_sharded_max_tokens = knob_in_range("COMMLIB_FUSED_ONESHOT_SHARDED_MAX_TOKENS", 0, int64_t{1} << 62);
+  k.ll_bytes_per_cta = knob_in_range("COMMLIB_FUSED_LL_BYTES_PER_CTA", 0, int64_t{1} << 62);
+  k.ll_row_ctas = knob_in_range("COMMLIB_FUSED_LL_ROW_CTAS", 0, kInt32Max);
+  k.tuned_max_blocks = tuned_fused_num_sms(world_size_in);
+  k.order = all_reduce.order;
+  ep.want_ll = env::get_bool("COMMLIB_EP_LL");
+  ep.order = all_reduce.order;
 }
 
 }  // namespace commlib

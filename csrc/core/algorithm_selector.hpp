@@ -15,11 +15,14 @@
 //    "all_reduce": [
 //      {"world_size": 2, "dtype": "bfloat16", "flat_max_bytes": 131072, "tree_max_bytes": 67108864},
 //      {"world_size": 4, "flat_max_bytes": 65536, "tree_max_bytes": 33554432}, ...]}
-//    "fused_num_sms": [{"world_size": 2, "num_sms": 16}, ...]}
+//    "fused_num_sms": [{"world_size": 2, "num_sms": 16}, ...],
+//    "host_all_reduce": [{"world_size": 2, "flat_max_bytes": 65536}, ...]}
 // An all_reduce entry applies to its world_size and, if "dtype" is present ("float32", "float16",
 // "bfloat16"), to that dtype only; a dtype-specific entry wins over a generic one. A fused_num_sms
 // entry gives, for its world_size, the CTA count commlib-tune measured for the fused all-reduce +
-// RMSNorm P2P kernel (tuned_fused_num_sms below); the last entry for a world size wins. Unknown
+// RMSNorm P2P kernel (tuned_fused_num_sms below); the last entry for a world size wins. A
+// host_all_reduce entry gives the CPU all-reduce's flat limit for its world size (the last wins;
+// resolve_host_all_reduce below). Unknown
 // keys are ignored (other collectives may add their own sections). A file that cannot be read or
 // parsed raises InvalidArgument naming the path. Files are read once per path per process.
 #pragma once
@@ -28,6 +31,9 @@
 #include <string>
 
 #include "commlib/types.hpp"
+#include "kernels/all_reduce_params.hpp"
+#include "kernels/launch.hpp"
+#include "kernels/rs_rmsnorm_ag_params.hpp"
 
 namespace commlib {
 
@@ -62,5 +68,57 @@ class AllReduceSelector {
   Algorithm forced_;
   AllReduceLimits limits_[3];  // float32, float16, bfloat16
 };
+
+// commlib-tune's CPU flat limit for world_size: the tune file's "host_all_reduce" entry (Note
+// [tune file format]), or -1 when there is none (or no file). Throws InvalidArgument for a
+// malformed file.
+int64_t tuned_host_flat_max_bytes(int world_size);
+
+// The CPU all-reduce choice for kAuto (the Python API and the torch backend both end here):
+// COMMLIB_HOST_TREE_THRESHOLD when set, else the tune file's host_all_reduce flat limit, else the
+// built-in threshold (COMMLIB_HOST_TREE_THRESHOLD's default): tree from `tree_min_bytes` on.
+struct HostAllReduceConfig {
+  size_t tree_min_bytes = 0;
+  Algorithm select(size_t bytes) const { return bytes >= tree_min_bytes ? Algorithm::kTree : Algorithm::kFlat; }
+};
+HostAllReduceConfig resolve_host_all_reduce(int world_size);
+
+// Note [communicator configuration]
+// Every choice an operation makes that is not a function of its arguments alone (algorithm,
+// grid caps, LL or not, one-shot limits, programmatic launch) is resolved here, once per
+// communicator, from the built-in table, the tune file and the COMMLIB_* environment, in that
+// order of increasing precedence; an invalid value raises InvalidArgument naming the variable
+// (or the tune file) when the communicator first needs the configuration. The Python API, the
+// C++ API and the torch backend all read the same CommConfig (Communicator::config()), and the
+// kernel launchers receive it in their params: they never read the environment and never switch
+// to another kernel. A process that wants other values creates another communicator.
+struct AllReduceConfig {
+  explicit AllReduceConfig(int world_size);
+  AllReduceSelector selector;  // algorithm by size and dtype
+  int max_blocks = 0;          // COMMLIB_ALLREDUCE_MAX_BLOCKS (0: the kernels' built-in caps)
+  size_t flat_ll_max_bytes = 0;  // COMMLIB_FLAT_LL_MAX_BYTES: flat messages up to this run the LL kernel
+  kernels::TreeLaunchConfig tree;  // COMMLIB_TREE_* (Note [tree geometry])
+  kernels::LaunchOrder order = kernels::LaunchOrder::kStream;  // COMMLIB_PDL (flat and flat LL)
+};
+
+struct FusedConfig {
+  int num_sms = 0;  // COMMLIB_FUSED_NUM_SMS: CTAs when the caller gives none (0: by size)
+  kernels::FusedKernelConfig kernel;  // LL / one-shot limits, LL grid, tuned cap, launch order
+};
+
+struct EPPolicy {
+  bool want_ll = false;  // COMMLIB_EP_LL: this rank asks for the LL kernels (used if every rank does)
+  kernels::LaunchOrder order = kernels::LaunchOrder::kStream;  // COMMLIB_PDL
+};
+
+struct CommConfig {
+  explicit CommConfig(int world_size);  // reads the environment and the tune file
+  int world_size;
+  AllReduceConfig all_reduce;
+  FusedConfig fused;
+  EPPolicy ep;
+  HostAllReduceConfig host;
+};
+
 
 }  // namespace commlib

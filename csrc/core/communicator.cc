@@ -9,7 +9,8 @@
 #include "bootstrap/bootstrap.hpp"
 #include "commlib/env.hpp"
 #include "commlib/errors.hpp"
-#include "core/multicast_guard.hpp"
+#include "core/algorithm_selector.hpp"
+#include "transport/multicast_guard.hpp"
 #include "transport/cuda_multicast.hpp"
 #include "transport/host_shm.hpp"
 
@@ -18,16 +19,19 @@ namespace commlib {
 // Defined in csrc/core/cuda_comm.cc when built with CUDA.
 CudaComm* create_cuda_comm(Communicator& comm, int device);
 void destroy_cuda_comm(CudaComm* cuda);
+int cuda_device(const CudaComm& cuda);
+MulticastWorkspace* create_multicast_workspace(Communicator& comm, int device, int attempt);
 
 namespace {
 
-// Ranks create communicators of one name in the same order, so a per-process counter gives
-// every rank the same, fresh key prefix.
-std::string next_prefix(const std::string& name) {
+// Ranks create communicators of one name in the same order, so a counter per (name, rank) gives
+// every rank the same, fresh key prefix (per rank, so ranks that are threads of one process, as in
+// tests/cpp/commlib_example.cc, count alike too).
+std::string next_prefix(const std::string& name, int rank) {
   static std::mutex mutex;
-  static std::map<std::string, int> created;
+  static std::map<std::pair<std::string, int>, int> created;
   std::lock_guard<std::mutex> lock(mutex);
-  return "commlib/" + name + "/" + std::to_string(created[name]++);
+  return "commlib/" + name + "/" + std::to_string(created[{name, rank}]++);
 }
 
 struct Hello {
@@ -53,7 +57,7 @@ Communicator::Communicator(std::shared_ptr<Store> store, int rank, int world_siz
                 " out of range; valid: 0..", world_size_ - 1);
   const int64_t timeout_ms = env::get_int("COMMLIB_TIMEOUT_MS");
   if (timeout_ms > 0) options_.timeout = std::chrono::milliseconds(timeout_ms);
-  prefix_ = next_prefix(name_);
+  prefix_ = next_prefix(name_, rank_);
 
   // Hello: every rank announces its world size; a rank that disagrees with rank 0 raises at once
   // and tells the others through the abort key, so nobody waits for a rank that does not exist.
@@ -114,16 +118,33 @@ HostShm& Communicator::host() {
   return *host_;
 }
 
+const CommConfig& Communicator::config() {
+  if (!config_) config_ = std::make_shared<const CommConfig>(world_size_);
+  return *config_;
+}
+
 CudaComm& Communicator::cuda(int device) {
   check_open("cuda transport");
-  if (!cuda_) cuda_.reset(create_cuda_comm(*this, device));
+  if (!cuda_) {
+    cuda_.reset(create_cuda_comm(*this, device));
+  } else {
+    const int current = cuda_device(*cuda_);
+    COMMLIB_CHECK(device == current, InvalidArgument, "communicator '", name_, "': device cuda:", device,
+                  " but its GPU state lives on cuda:", current, "; use one device per communicator");
+  }
+  return *cuda_;
+}
+
+CudaComm& Communicator::cuda() {
+  check_open("cuda transport");
+  COMMLIB_CHECK(cuda_ != nullptr, InvalidArgument, "communicator '", name_, "' has not used a GPU yet");
   return *cuda_;
 }
 
 MulticastWorkspace& Communicator::multicast(int device) {
   check_open("multicast transport");
   require_multicast("multicast transport");  // SAFETY: before any CUDA call, on every use
-  if (!multicast_) multicast_.reset(create_multicast_workspace(*this, device));
+  if (!multicast_) multicast_.reset(create_multicast_workspace(*this, device, multicast_attempts_++));
   return *multicast_;
 }
 

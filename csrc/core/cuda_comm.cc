@@ -5,16 +5,18 @@
 
 #include "commlib/env.hpp"
 #include "commlib/errors.hpp"
+#include "commlib/gpu.hpp"
+#include "commlib/phase.hpp"
 #include "core/algorithm_selector.hpp"
 #include "kernels/all_reduce_params.hpp"
-#include "kernels/ep_params.hpp"
-#include "kernels/rs_rmsnorm_ag_params.hpp"
+#include "kernels/all_to_all_v_params.hpp"
 #include "transport/cuda_ipc.hpp"
 
 namespace commlib {
 
 CudaComm* create_cuda_comm(Communicator& comm, int device) { return new CudaComm(comm, device); }
 void destroy_cuda_comm(CudaComm* cuda) { delete cuda; }
+int cuda_device(const CudaComm& cuda) { return cuda.device(); }
 
 namespace {
 
@@ -23,9 +25,6 @@ namespace {
 // 8192 on 2 ranks in one call.
 constexpr size_t kLLBytesPerCall = 512u << 10;
 
-void cuda_check(cudaError_t err, const char* what, const char* call) {
-  COMMLIB_CHECK(err == cudaSuccess, CudaError, what, ": ", call, " failed: ", cudaGetErrorString(err));
-}
 
 // The fields every all-reduce kernel's params take.
 template <typename P>
@@ -42,69 +41,30 @@ P all_reduce_params(const void* input, void* output, size_t count, DataType dtyp
   return p;
 }
 
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    cudaGetDevice(&previous_);
-    changed_ = previous_ != device;
-    if (changed_) cudaSetDevice(device);
-  }
-  ~DeviceGuard() {
-    if (changed_) cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = 0;
-  bool changed_ = false;
-};
-
-// Phase ids of the error word: the all-reduce kernels', from kLLInputs up the fused op's own (its
-// barrier phases 0 and 1 mean what the all-reduce's do: inputs ready, before the gather), and from
-// kDispatchLanded up expert parallelism's.
-const char* phase_name(int phase) {
-  if (phase >= static_cast<int>(kernels::EPPhaseId::kDispatchLanded)) return kernels::ep_phase_name(phase);
-  return phase >= static_cast<int>(kernels::FusedRmsNormPhase::kLLInputs) ? kernels::fused_rmsnorm_phase_name(phase)
-                                                                           : kernels::all_reduce_phase_name(phase);
-}
-
 // Largest symmetric tensor that the tree reduces in place (zero-copy). Above it the copy-in tree,
 // whose NVLink traffic is all stores, beat the zero-copy one, whose reduce loads the peers' slices,
 // on 2x H200: 64 MiB 211.7 vs 221.3 µs, 256 MiB 755.2 vs 809.3 (a tie at 16 MiB; docs/gpu-allreduce.md).
 constexpr size_t kZeroCopyTreeMaxBytes = size_t{16} << 20;
 
-// COMMLIB_TREE_* (Note [tree geometry] in csrc/kernels/all_reduce_tree.cu), checked once here.
-kernels::TreeLaunchConfig read_tree_config() {
-  kernels::TreeLaunchConfig cfg;
-  const int64_t max_blocks = env::get_int("COMMLIB_TREE_MAX_BLOCKS");
-  COMMLIB_CHECK(max_blocks >= 0 && max_blocks <= kMaxBarrierBlocks, InvalidArgument, "COMMLIB_TREE_MAX_BLOCKS=",
-                max_blocks, " out of range; valid: 0..", kMaxBarrierBlocks);
-  const int64_t threads = env::get_int("COMMLIB_TREE_THREADS");
-  COMMLIB_CHECK(threads >= 0 && threads <= kernels::kTreeMaxThreads && threads % 32 == 0, InvalidArgument,
-                "COMMLIB_TREE_THREADS=", threads, " invalid; valid: 0 or a multiple of 32 in 32..",
-                kernels::kTreeMaxThreads);
-  const int64_t min_packs = env::get_int("COMMLIB_TREE_MIN_PACKS");
-  COMMLIB_CHECK(min_packs >= 0 && min_packs <= kernels::kTreeMaxMinPacksPerBlock, InvalidArgument,
-                "COMMLIB_TREE_MIN_PACKS=", min_packs, " out of range; valid: 0..", kernels::kTreeMaxMinPacksPerBlock);
-  cfg.max_blocks = static_cast<int>(max_blocks);
-  cfg.threads = static_cast<int>(threads);
-  cfg.min_packs_per_block = min_packs;
-  return cfg;
-}
-
 }  // namespace
 
+void cuda_check(cudaError_t err, const char* what, const char* call) {
+  COMMLIB_CHECK(err == cudaSuccess, CudaError, what, ": ", call, " failed: ", cudaGetErrorString(err));
+}
+
+DeviceGuard::DeviceGuard(int device) {
+  cudaGetDevice(&previous_);
+  changed_ = previous_ != device;
+  if (changed_) cudaSetDevice(device);
+}
+
+DeviceGuard::~DeviceGuard() {
+  if (changed_) cudaSetDevice(previous_);
+}
+
 CudaComm::CudaComm(Communicator& comm, int device)
-    : device_(device),
-      rank_(comm.rank()),
-      world_size_(comm.world_size()),
-      selector_(comm.world_size()),
-      max_blocks_(env::get_int("COMMLIB_ALLREDUCE_MAX_BLOCKS")),
-      ll_max_bytes_(env::get_int("COMMLIB_FLAT_LL_MAX_BYTES")),
-      tree_config_(read_tree_config()),
-      fused_tuned_blocks_(tuned_fused_num_sms(comm.world_size())) {
+    : comm_(comm), config_(comm.config()), device_(device), rank_(comm.rank()), world_size_(comm.world_size()) {
   const char* what = "cuda communicator";
-  COMMLIB_CHECK(max_blocks_ >= 0 && max_blocks_ <= kMaxBarrierBlocks, InvalidArgument, "COMMLIB_ALLREDUCE_MAX_BLOCKS=",
-                max_blocks_, " out of range; valid: 0..", kMaxBarrierBlocks);
   int count = 0;
   cuda_check(cudaGetDeviceCount(&count), what, "cudaGetDeviceCount");
   COMMLIB_CHECK(device >= 0 && device < count, InvalidArgument, what, ": device ", device,
@@ -136,6 +96,7 @@ CudaComm::~CudaComm() {
   // In-flight kernels may still use the mappings; every wait is bounded, so this returns.
   cudaDeviceSynchronize();
   user_buffers_.clear();
+  a2a_control_.reset();
   ll_lines_.reset();
   workspace_.reset();
   signal_pad_.reset();
@@ -232,28 +193,30 @@ void CudaComm::all_reduce(const void* input, void* output, size_t count, DataTyp
   }
   const size_t bytes = count * dtype_size(dtype);
   if (algo == Algorithm::kAuto) {
-    algo = selector_.select(bytes, dtype);
+    algo = config_.all_reduce.selector.select(bytes, dtype);
     if (algo == Algorithm::kNccl) algo = Algorithm::kTree;  // no NCCL engine in the direct API
   }
   DeviceGuard guard(device_);
   begin_op(stream, what);
   Status status;
-  const int64_t max_blocks = max_blocks_;
-  const int64_t ll_max = ll_max_bytes_;
+  const AllReduceConfig& cfg = config_.all_reduce;
+  const int64_t max_blocks = cfg.max_blocks;
   const BarrierDevice barrier = barrier_handle();
-  if (algo == Algorithm::kFlat && ll_max > 0 && bytes <= static_cast<size_t>(ll_max)) {
+  if (algo == Algorithm::kFlat && bytes <= cfg.flat_ll_max_bytes) {
     auto p = all_reduce_params<kernels::AllReduceFlatLLParams>(input, output, count, dtype, op, barrier, max_blocks);
     p.lines = ll_lines_->device_handle();
     p.max_bytes_per_call = kLLBytesPerCall;
+    p.order = cfg.order;
     status = kernels::launch_all_reduce_flat_ll(p, stream);
   } else if (algo == Algorithm::kFlat) {
     auto p = all_reduce_params<kernels::AllReduceFlatParams>(input, output, count, dtype, op, barrier, max_blocks);
     p.workspace = workspace_->device_handle();
+    p.order = cfg.order;
     status = kernels::launch_all_reduce_flat(p, stream);
   } else {
     auto p = all_reduce_params<kernels::AllReduceTreeParams>(input, output, count, dtype, op, barrier, max_blocks);
     p.workspace = workspace_->device_handle();
-    p.config = tree_config_;
+    p.config = cfg.tree;
     size_t offset = 0;
     std::shared_ptr<SymmetricBuffer> sym;
     if (input == output && bytes <= kZeroCopyTreeMaxBytes && (reinterpret_cast<uintptr_t>(output) & 15u) == 0 &&
@@ -265,6 +228,79 @@ void CudaComm::all_reduce(const void* input, void* output, size_t count, DataTyp
   }
   throw_if_error(status);
   end_op(stream, what);
+}
+
+const SymmetricBuffer& CudaComm::all_to_all_control() {
+  if (!a2a_control_) {
+    const char* what = "all_to_all_v";
+    DeviceGuard guard(device_);
+    a2a_control_ = allocate_symmetric(kernels::kAllToAllVControlBytes);
+    cuda_check(cudaMemset(a2a_control_->local(), 0, kernels::kAllToAllVControlBytes), what, "cudaMemset");
+    cuda_check(cudaDeviceSynchronize(), what, "cudaDeviceSynchronize");
+    comm_.barrier_host();  // nobody writes a peer's control area before the peer cleared it
+  }
+  return *a2a_control_;
+}
+
+void CudaComm::all_to_all_v(const void* input, void* output, int64_t row_bytes, int64_t in_rows, int64_t out_rows,
+                            const int64_t* in_splits, const int64_t* out_splits, cudaStream_t stream) {
+  const char* what = "all_to_all_v";
+  DeviceGuard guard(device_);
+  const SymmetricBuffer& control = all_to_all_control();  // collective on first use
+  begin_op(stream, what);
+  kernels::AllToAllVParams p;
+  p.input = input;
+  p.output = output;
+  p.row_bytes = row_bytes;
+  p.in_rows = in_rows;
+  p.out_rows = out_rows;
+  p.in_splits = in_splits;
+  p.out_splits = out_splits;
+  p.control = control.device_handle();
+  p.barrier = barrier_handle();
+  size_t offset = 0;
+  const size_t out_bytes = static_cast<size_t>(out_rows * row_bytes);
+  std::shared_ptr<SymmetricBuffer> sym = find_symmetric(output, std::max<size_t>(out_bytes, 1), &offset);
+  if (sym != nullptr) {
+    p.target = kernels::AllToAllVTarget::kSymmetricOutput;
+    p.recv = sym->device_handle_at(offset);
+  } else {
+    p.target = kernels::AllToAllVTarget::kWorkspace;
+    p.recv = workspace_->device_handle();
+    COMMLIB_CHECK(out_bytes <= p.recv.bytes / 2 / 16 * 16, InvalidArgument, what, ": output of ", out_bytes,
+                  " bytes exceeds the workspace half (", p.recv.bytes / 2 / 16 * 16,
+                  " bytes); allocate the output with comm.symmetric_empty or raise COMMLIB_GPU_WORKSPACE_BYTES");
+  }
+  throw_if_error(kernels::launch_all_to_all_v(p, stream));
+  end_op(stream, what);
+}
+
+void CudaComm::check_all_to_all() {
+  const char* what = "all_to_all_v";
+  DeviceGuard guard(device_);
+  const SymmetricBuffer& control = all_to_all_control();
+  uint64_t errors = 0;
+  char* word = static_cast<char*>(control.local()) + kernels::kAllToAllVErrorOffset;
+  cuda_check(cudaMemcpy(&errors, word, sizeof(errors), cudaMemcpyDeviceToHost), what, "cudaMemcpy");
+  if (errors == 0) return;
+  cuda_check(cudaMemset(word, 0, sizeof(errors)), what, "cudaMemset");
+  throw InvalidArgument(detail::concat(
+      "all_to_all_v: ", errors, " block(s) of CUDA calls since the last check found invalid device splits: a negative "
+      "split, splits summing past the tensor's rows, output beyond the workspace, or output_split_sizes[q] on one "
+      "rank != input_split_sizes[r] on rank q; the rows between those ranks were not sent"));
+}
+
+// ---- include/commlib/gpu.hpp ----
+
+bool gpu_built() { return true; }
+
+void all_reduce_gpu(Communicator& comm, int device, const void* input, void* output, size_t count, DataType dtype,
+                    ReduceOp op, Algorithm algo, GpuStream stream) {
+  comm.cuda(device).all_reduce(input, output, count, dtype, op, algo, reinterpret_cast<cudaStream_t>(stream));
+}
+
+void check_gpu_error(Communicator& comm) {
+  if (comm.has_cuda()) comm.cuda().check_error("check_gpu_error");
 }
 
 }  // namespace commlib

@@ -1,5 +1,8 @@
-// CudaComm: a communicator's GPU state, created collectively on first GPU use
-// (Communicator::cuda(device)); nothing CUDA happens at import or communicator construction.
+// CudaComm: a communicator's GPU state and the orchestration of its GPU operations (all-reduce,
+// fused all-reduce + RMSNorm, all_to_all_v; EP in csrc/core/cuda_ep.cc), created collectively on
+// first GPU use (Communicator::cuda(device)); nothing CUDA happens at import or communicator
+// construction. It takes every choice from the communicator's configuration (Note [communicator
+// configuration]) and calls the kernel launchers with it; the public face is include/commlib/gpu.hpp.
 //
 // Owns: the CudaIpc transport (symmetric allocations), the barrier signal pad (symmetric, zeroed),
 // the device-local BarrierCallState, the host-mapped DeviceErrorWord, and the copy-in workspace
@@ -21,10 +24,10 @@
 #include <vector>
 
 #include "commlib/communicator.hpp"
+#include "commlib/fused_rmsnorm.hpp"
 #include "commlib/symmetric_buffer.hpp"
 #include "commlib/types.hpp"
 #include "core/algorithm_selector.hpp"
-#include "kernels/all_reduce_params.hpp"
 
 namespace commlib {
 
@@ -67,16 +70,33 @@ class CudaComm {
   void begin_op(cudaStream_t stream, const char* what);
   void end_op(cudaStream_t stream, const char* what);
 
+  const CommConfig& config() const { return config_; }
+
   // In-place or out-of-place all-reduce of `count` elements on `stream` (collective).
   // algo kAuto chooses (csrc/core/algorithm_selector.hpp); kNccl runs tree here (no NCCL engine).
   void all_reduce(const void* input, void* output, size_t count, DataType dtype, ReduceOp op, Algorithm algo,
                   cudaStream_t stream);
 
-  // commlib-tune's CTA count for the fused all-reduce + RMSNorm kernel at this world size (0: none),
-  // read once at creation (tuned_fused_num_sms in csrc/core/algorithm_selector.hpp).
-  int fused_tuned_blocks() const { return fused_tuned_blocks_; }
+  // Fused all-reduce + RMSNorm (include/commlib/gpu.hpp) on `stream` (collective): the LL or the
+  // barrier P2P kernel by size, or the multicast kernel for FusedAlgo::kMultimem where the guard
+  // allows it (csrc/core/fused_cuda.cc).
+  void fused_allreduce_rmsnorm(const FusedRmsNormArgs& args, int num_sms, FusedAlgo algo, cudaStream_t stream);
+
+  // all_to_all_v of `row_bytes`-byte rows on `stream` (collective). in_splits / out_splits: device
+  // [world] int64 row counts, or null for equal splits (rows divisible by the world size). The
+  // output is written in place when it lies in a symmetric buffer, else through the workspace.
+  void all_to_all_v(const void* input, void* output, int64_t row_bytes, int64_t in_rows, int64_t out_rows,
+                    const int64_t* in_splits, const int64_t* out_splits, cudaStream_t stream);
+  // Raises InvalidArgument if an all_to_all_v since the last check found bad device splits (a
+  // device synchronisation). Not collective.
+  void check_all_to_all();
 
  private:
+  // The all_to_all_v control area, allocated collectively by the first all_to_all_v.
+  const SymmetricBuffer& all_to_all_control();
+
+  Communicator& comm_;
+  const CommConfig& config_;
   int device_;
   int rank_;
   int world_size_;
@@ -93,12 +113,20 @@ class CudaComm {
   cudaStream_t last_stream_ = nullptr;
   bool has_last_ = false;
   bool capturing_ = false;
-  // Read once, at creation (COMMLIB_ALLREDUCE_ALGO, the limits, the tune file, the LL, grid and tree knobs).
-  AllReduceSelector selector_;
-  int64_t max_blocks_;
-  int64_t ll_max_bytes_;
-  kernels::TreeLaunchConfig tree_config_;  // COMMLIB_TREE_* (Note [tree geometry])
-  int fused_tuned_blocks_;  // whether the call between begin_op and end_op is being captured
+  std::shared_ptr<SymmetricBuffer> a2a_control_;
 };
+
+// Sets `device` current for the scope (restores the previous one).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+
+ private:
+  int previous_ = 0;
+  bool changed_ = false;
+};
+
+void cuda_check(cudaError_t err, const char* what, const char* call);
 
 }  // namespace commlib

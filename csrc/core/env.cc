@@ -38,14 +38,14 @@ const std::vector<Knob>& knobs() {
       {"COMMLIB_EP_LL", "0", KnobCategory::kRuntime,
        "EPBuffer on GPU: 1: buffers with a decode grid (column parts, at most 4 tokens a chunk, rows a "
        "whole number of 16-byte packs) run dispatch / combine over flag-carrying lines (Note [EP LL "
-       "protocol], csrc/kernels/ep_ll.cu); 0: the flag kernels. Read when a buffer is created; "
+       "protocol], csrc/kernels/ep_ll.cu); 0: the flag kernels. Read once per communicator; "
        "used only if every rank asks for it."},
       {"COMMLIB_PDL", "0", KnobCategory::kRuntime,
        "Programmatic dependent launch (sm_90) of the EP dispatch / combine, fused LL and flat / flat "
        "LL all-reduce kernels: 1: each may be scheduled while the previous kernel of its stream "
        "finishes and waits on the GPU (griddepcontrol.wait) before touching memory; 0: plain stream "
-       "order. Read at every launch (a graph keeps the value it was captured with). Note [programmatic "
-       "dependent launch] (csrc/kernels/pdl.cuh)."},
+       "order. Read once per communicator (Note [communicator configuration]). Note [programmatic "
+       "dependent launch] (csrc/kernels/launch.cuh)."},
       {"COMMLIB_ENABLE_MULTICAST", "0", KnobCategory::kRuntime,
        "Opt in to NVLink multicast (NVLS multimem) kernels. Refused whenever "
        "COMMLIB_DISABLE_MULTICAST=1, NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 or "

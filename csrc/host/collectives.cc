@@ -5,8 +5,8 @@
 #include <vector>
 
 #include "commlib/communicator.hpp"
-#include "commlib/env.hpp"
 #include "commlib/errors.hpp"
+#include "core/algorithm_selector.hpp"
 #include "host/reduce.hpp"
 #include "transport/host_shm.hpp"
 
@@ -210,10 +210,7 @@ void Communicator::all_reduce_host(const void* input, void* output, size_t count
   check_reducible(what, dtype);
   const size_t esize = dtype_size(dtype);
   check_same_or_disjoint(what, input, output, count * esize);
-  if (algo == Algorithm::kAuto) {
-    algo = count * esize >= static_cast<size_t>(env::get_int("COMMLIB_HOST_TREE_THRESHOLD")) ? Algorithm::kTree
-                                                                                              : Algorithm::kFlat;
-  }
+  if (algo == Algorithm::kAuto) algo = config().host.select(count * esize);  // Note [communicator configuration]
   COMMLIB_CHECK(algo == Algorithm::kFlat || algo == Algorithm::kTree, InvalidArgument, what, ": algo ",
                 algorithm_name(algo), " not supported for CPU tensors; supported: auto, flat, tree");
   HostShm& shm = host();

@@ -7,7 +7,7 @@
 
 #include "commlib/device/vec.cuh"
 #include "kernels/all_reduce_params.hpp"
-#include "kernels/pdl.cuh"
+#include "kernels/launch.cuh"
 
 namespace commlib::kernels {
 
@@ -82,7 +82,5 @@ inline Status check_common(const char* what, DataType dtype, ReduceOp op, const 
   }
   return Status::ok();
 }
-
-inline Status cuda_status(const char* what) { return cuda_status(what, cudaGetLastError()); }
 
 }  // namespace commlib::kernels

@@ -5,7 +5,7 @@
 #include "commlib/device/barrier.cuh"
 #include "commlib/device/dispatch.cuh"
 #include "kernels/all_reduce_common.cuh"
-#include "kernels/pdl.cuh"
+#include "kernels/launch.cuh"
 
 namespace commlib::kernels {
 namespace {
@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(kFlatThreads) all_reduce_flat_kernel(AllReduce
   for (size_t v = begin + threadIdx.x; v < end; v += blockDim.x) {
     load_pack(in, v, p.count, in_aligned).store(mine + v * N);
   }
-  if (!device::barrier_block(p.barrier, call.call, static_cast<int>(AllReducePhase::kInputsReady))) return;
+  if (!device::barrier_block(p.barrier, call.call, static_cast<int>(Phase::kInputsReady))) return;
   // The workspace always holds whole packs, so the reads are full width even in the tail.
   for (size_t v = begin + threadIdx.x; v < end; v += blockDim.x) {
     const Pack<T> x = reduce_pack<T, kWorldSize, kOp>(srcs, world, v, num_packs * N, true);
@@ -53,15 +53,6 @@ __global__ void __launch_bounds__(kFlatThreads) all_reduce_flat_kernel(AllReduce
 
 }  // namespace
 
-const char* all_reduce_phase_name(int phase) {
-  switch (static_cast<AllReducePhase>(phase)) {
-    case AllReducePhase::kInputsReady: return "inputs ready (after copy-in)";
-    case AllReducePhase::kSlicesReduced: return "slices reduced (before gather)";
-    case AllReducePhase::kPeersDone: return "peers done reading (end)";
-    case AllReducePhase::kLLData: return "LL data from the peer";
-  }
-  return "unknown phase";
-}
 
 Status launch_all_reduce_flat(const AllReduceFlatParams& params, Stream stream) {
   const char* what = "all_reduce(flat)";
@@ -72,10 +63,7 @@ Status launch_all_reduce_flat(const AllReduceFlatParams& params, Stream stream) 
   const size_t chunk = half_bytes / esize;  // a multiple of the pack, so chunks keep alignment
   if (chunk == 0) return Status(StatusCode::kInvalidArgument, detail::concat(what, ": workspace too small"));
   const int max_blocks = params.max_blocks > 0 ? std::min(params.max_blocks, kMaxBarrierBlocks) : kFlatMaxBlocks;
-  LaunchOrder order = LaunchOrder::kStream;
-  status = read_launch_order(what, &order);
-  if (!status.is_ok()) return status;
-  cudaError_t err = cudaSuccess;
+  const LaunchOrder order = params.order;
   for (size_t first = 0; first < params.count; first += chunk) {
     AllReduceFlatParams p = params;
     p.count = std::min(chunk, params.count - first);
@@ -87,15 +75,14 @@ Status launch_all_reduce_flat(const AllReduceFlatParams& params, Stream stream) 
     COMMLIB_DISPATCH_FLOAT_DTYPE(p.dtype, T, what, [&] {
       COMMLIB_DISPATCH_WORLD_SIZE(p.barrier.world_size, kWorldSize, [&] {
         if (p.op == ReduceOp::kAvg) {
-          err = launch_kernel(all_reduce_flat_kernel<T, kWorldSize, ReduceOp::kAvg>, dim3(blocks), dim3(threads), 0,
-                              stream, order, p, half_bytes, order);
+          status = launch_kernel(what, all_reduce_flat_kernel<T, kWorldSize, ReduceOp::kAvg>, {dim3(blocks), dim3(threads)},
+                                 stream, order, p, half_bytes, order);
         } else {
-          err = launch_kernel(all_reduce_flat_kernel<T, kWorldSize, ReduceOp::kSum>, dim3(blocks), dim3(threads), 0,
-                              stream, order, p, half_bytes, order);
+          status = launch_kernel(what, all_reduce_flat_kernel<T, kWorldSize, ReduceOp::kSum>, {dim3(blocks), dim3(threads)},
+                                 stream, order, p, half_bytes, order);
         }
       });
     });
-    status = cuda_status(what, err);
     if (!status.is_ok()) return status;
   }
   return Status::ok();

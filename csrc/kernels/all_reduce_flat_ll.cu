@@ -5,7 +5,7 @@
 #include "commlib/device/barrier.cuh"
 #include "commlib/device/dispatch.cuh"
 #include "kernels/all_reduce_common.cuh"
-#include "kernels/pdl.cuh"
+#include "kernels/launch.cuh"
 
 namespace commlib::kernels {
 namespace {
@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kLLThreads) all_reduce_flat_ll_kernel(AllReduc
           b = device::ld_volatile_v4_u32(src + 1);
           const uint64_t elapsed = device::globaltimer_ns() - start;
           if (elapsed > p.barrier.timeout_ns) {
-            device::record_timeout(p.barrier, r, static_cast<int>(AllReducePhase::kLLData), elapsed, call.call);
+            device::record_timeout(p.barrier, r, static_cast<int>(Phase::kLLData), elapsed, call.call);
             failed = 1;
             break;
           }
@@ -105,10 +105,7 @@ Status launch_all_reduce_flat_ll(const AllReduceFlatLLParams& params, Stream str
     return Status(StatusCode::kInvalidArgument, detail::concat(what, ": LL buffer too small"));
   }
   const int max_blocks = params.max_blocks > 0 ? std::min(params.max_blocks, kMaxBarrierBlocks) : kLLMaxBlocks;
-  LaunchOrder order = LaunchOrder::kStream;
-  status = read_launch_order(what, &order);
-  if (!status.is_ok()) return status;
-  cudaError_t err = cudaSuccess;
+  const LaunchOrder order = params.order;
   for (size_t first = 0; first < params.count; first += chunk) {
     AllReduceFlatLLParams p = params;
     p.count = std::min(chunk, params.count - first);
@@ -120,15 +117,14 @@ Status launch_all_reduce_flat_ll(const AllReduceFlatLLParams& params, Stream str
     COMMLIB_DISPATCH_FLOAT_DTYPE(p.dtype, T, what, [&] {
       COMMLIB_DISPATCH_WORLD_SIZE(p.barrier.world_size, kWorldSize, [&] {
         if (p.op == ReduceOp::kAvg) {
-          err = launch_kernel(all_reduce_flat_ll_kernel<T, kWorldSize, ReduceOp::kAvg>, dim3(blocks), dim3(threads), 0,
-                              stream, order, p, order);
+          status = launch_kernel(what, all_reduce_flat_ll_kernel<T, kWorldSize, ReduceOp::kAvg>,
+                                 {dim3(blocks), dim3(threads)}, stream, order, p, order);
         } else {
-          err = launch_kernel(all_reduce_flat_ll_kernel<T, kWorldSize, ReduceOp::kSum>, dim3(blocks), dim3(threads), 0,
-                              stream, order, p, order);
+          status = launch_kernel(what, all_reduce_flat_ll_kernel<T, kWorldSize, ReduceOp::kSum>,
+                                 {dim3(blocks), dim3(threads)}, stream, order, p, order);
         }
       });
     });
-    status = cuda_status(what, err);
     if (!status.is_ok()) return status;
   }
   return Status::ok();

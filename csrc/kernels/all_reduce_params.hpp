@@ -15,8 +15,10 @@
 #include <cstdint>
 
 #include "commlib/errors.hpp"
+#include "commlib/phase.hpp"
 #include "commlib/symmetric_buffer.hpp"
 #include "commlib/types.hpp"
+#include "kernels/launch.hpp"
 
 struct CUstream_st;
 
@@ -24,9 +26,6 @@ namespace commlib::kernels {
 
 using Stream = CUstream_st*;
 
-// Barrier phase ids recorded in DeviceErrorWord::phase.
-enum class AllReducePhase : int { kInputsReady = 0, kSlicesReduced = 1, kPeersDone = 2, kLLData = 3 };
-const char* all_reduce_phase_name(int phase);
 
 // Where the tree kernel's sources live.
 enum class AllReduceSource : int {
@@ -43,6 +42,7 @@ struct AllReduceFlatParams {
   SymmetricBufferDevice workspace{};  // two halves of workspace.bytes / 2, alternating per call
   BarrierDevice barrier{};
   int max_blocks = 0;  // 0: the built-in choice
+  LaunchOrder order = LaunchOrder::kStream;  // COMMLIB_PDL, resolved by the core
 };
 
 // Launch geometry of the tree kernel; 0 fields take the built-in choice (all_reduce_tree.cu).
@@ -88,6 +88,7 @@ struct AllReduceFlatLLParams {
   size_t max_bytes_per_call = 0;  // payload per call; larger messages run as several calls
   BarrierDevice barrier{};        // call counter, timeout and error word only
   int max_blocks = 0;
+  LaunchOrder order = LaunchOrder::kStream;  // COMMLIB_PDL, resolved by the core
 };
 
 // Bytes of each rank's LL buffer for `max_bytes_per_call` of payload (two parities, all sources).

@@ -230,7 +230,7 @@ __device__ __forceinline__ bool tree_symmetric(const AllReduceTreeParams& p, uin
   const Chunk<T> c = chunk_at(static_cast<const T*>(p.input), static_cast<T*>(p.output), p.count, 0, p.count, world);
   // Every rank's tensor holds its input (with this, the peers'). The inputs were written by earlier
   // work, not by this kernel, so the arrival may be relaxed (Note [tree barriers]).
-  if (!device::barrier_block(p.barrier, call, static_cast<int>(AllReducePhase::kInputsReady),
+  if (!device::barrier_block(p.barrier, call, static_cast<int>(Phase::kInputsReady),
                              device::BarrierArrival::kRelaxed)) {
     return false;
   }
@@ -242,7 +242,7 @@ __device__ __forceinline__ bool tree_symmetric(const AllReduceTreeParams& p, uin
         for (int i = 0; i < world; ++i) store_user(path, p.source.peer<T>(peer_after(rank, i, world)), v, c.count, true, x);
       });
   // The peers' reduced slices are in this tensor, and the peers are done reading it.
-  return device::barrier_block(p.barrier, call, static_cast<int>(AllReducePhase::kPeersDone));
+  return device::barrier_block(p.barrier, call, static_cast<int>(Phase::kPeersDone));
 }
 
 template <typename T, int kWorldSize, ReduceOp kOp>
@@ -287,7 +287,7 @@ __device__ __forceinline__ bool tree_workspace(const AllReduceTreeParams& p, uin
           [&](auto, size_t v, const Pack<T>& x) { x.store(slot + (v - slice_begin) * N); });
     }
     if (c > 0) copy_out(prev, c - 1);
-    if (!device::barrier_block(p.barrier, call_c, static_cast<int>(AllReducePhase::kInputsReady))) return false;
+    if (!device::barrier_block(p.barrier, call_c, static_cast<int>(Phase::kInputsReady))) return false;
 
     const T* mine = half_of(rank, c);
     const size_t slice_begin = static_cast<size_t>(rank) * cur.slice_packs;
@@ -304,7 +304,7 @@ __device__ __forceinline__ bool tree_workspace(const AllReduceTreeParams& p, uin
             x.store(half_of(q, c) + rank * slot_elems + (v - slice_begin) * N);  // rank q's AG slot `rank`
           }
         });
-    if (!device::barrier_block(p.barrier, call_c, static_cast<int>(AllReducePhase::kSlicesReduced))) return false;
+    if (!device::barrier_block(p.barrier, call_c, static_cast<int>(Phase::kSlicesReduced))) return false;
     prev = cur;
   }
   copy_out(prev, g.num_chunks - 1);
@@ -325,12 +325,15 @@ __global__ void __launch_bounds__(kTreeThreads) all_reduce_tree_kernel(AllReduce
 }
 
 template <typename T, int kWorldSize, ReduceOp kOp>
-void launch_typed(const AllReduceTreeParams& p, const TreeGeometry& g, int blocks, int threads, Stream stream) {
+Status launch_typed(const char* what, const AllReduceTreeParams& p, const TreeGeometry& g, int blocks, int threads,
+                    Stream stream) {
+  const LaunchShape shape{dim3(blocks), dim3(threads)};
   if (p.source_kind == AllReduceSource::kSymmetricInput) {
-    all_reduce_tree_kernel<T, kWorldSize, kOp, AllReduceSource::kSymmetricInput><<<blocks, threads, 0, stream>>>(p, g);
-  } else {
-    all_reduce_tree_kernel<T, kWorldSize, kOp, AllReduceSource::kWorkspace><<<blocks, threads, 0, stream>>>(p, g);
+    return launch_kernel(what, all_reduce_tree_kernel<T, kWorldSize, kOp, AllReduceSource::kSymmetricInput>, shape,
+                         stream, LaunchOrder::kStream, p, g);
   }
+  return launch_kernel(what, all_reduce_tree_kernel<T, kWorldSize, kOp, AllReduceSource::kWorkspace>, shape, stream,
+                       LaunchOrder::kStream, p, g);
 }
 
 }  // namespace
@@ -378,15 +381,15 @@ Status launch_all_reduce_tree(const AllReduceTreeParams& params, Stream stream) 
   COMMLIB_DISPATCH_FLOAT_DTYPE(params.dtype, T, what, [&] {
     COMMLIB_DISPATCH_WORLD_SIZE(params.barrier.world_size, kWorldSize, [&] {
       if (params.op == ReduceOp::kAvg) {
-        launch_typed<T, kWorldSize, ReduceOp::kAvg>(params, g, static_cast<int>(blocks), static_cast<int>(threads),
-                                                     stream);
+        status = launch_typed<T, kWorldSize, ReduceOp::kAvg>(what, params, g, static_cast<int>(blocks),
+                                                              static_cast<int>(threads), stream);
       } else {
-        launch_typed<T, kWorldSize, ReduceOp::kSum>(params, g, static_cast<int>(blocks), static_cast<int>(threads),
-                                                     stream);
+        status = launch_typed<T, kWorldSize, ReduceOp::kSum>(what, params, g, static_cast<int>(blocks),
+                                                              static_cast<int>(threads), stream);
       }
     });
   });
-  return cuda_status(what);
+  return status;
 }
 
 }  // namespace commlib::kernels

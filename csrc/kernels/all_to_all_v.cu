@@ -17,7 +17,7 @@
 #include "commlib/device/barrier.cuh"
 #include "commlib/device/dispatch.cuh"
 #include "kernels/all_to_all_v_params.hpp"
-#include "kernels/pdl.cuh"
+#include "kernels/launch.cuh"
 
 namespace commlib::kernels {
 namespace {
@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(kThreads) all_to_all_v_kernel(AllToAllVParams 
     slot->offset = splits_ok ? out_off[d] : -1;
     slot->rows = splits_ok ? out_rows[d] : 0;
   }
-  if (!device::barrier_block(p.barrier, call.call, static_cast<int>(AllToAllVPhase::kOffsetsPublished))) return;
+  if (!device::barrier_block(p.barrier, call.call, static_cast<int>(Phase::kAllToAllOffsetsPublished))) return;
 
   // Phase B: this block's slice of the rows for every peer, straight into the peer's buffer.
   const size_t half = (call.call & 1) * half_bytes;
@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kThreads) all_to_all_v_kernel(AllToAllVParams 
     copy_bytes(dst + (slot.offset + lo) * p.row_bytes,
                static_cast<const char*>(p.input) + (in_off[d] + lo) * p.row_bytes, (hi - lo) * p.row_bytes);
   }
-  if (!device::barrier_block(p.barrier, call.call, static_cast<int>(AllToAllVPhase::kRowsLanded))) return;
+  if (!device::barrier_block(p.barrier, call.call, static_cast<int>(Phase::kAllToAllRowsLanded))) return;
 
   if (p.target == AllToAllVTarget::kWorkspace && splits_ok) {
     for (int s = 0; s < world; ++s) {
@@ -104,13 +104,6 @@ __global__ void __launch_bounds__(kThreads) all_to_all_v_kernel(AllToAllVParams 
 
 }  // namespace
 
-const char* all_to_all_v_phase_name(int phase) {
-  switch (static_cast<AllToAllVPhase>(phase)) {
-    case AllToAllVPhase::kOffsetsPublished: return "all_to_all_v: offsets published";
-    case AllToAllVPhase::kRowsLanded: return "all_to_all_v: rows landed";
-  }
-  return "unknown phase";
-}
 
 Status launch_all_to_all_v(const AllToAllVParams& p, Stream stream) {
   const char* what = "all_to_all_v(cuda)";
@@ -123,10 +116,10 @@ Status launch_all_to_all_v(const AllToAllVParams& p, Stream stream) {
   }
   const size_t half_bytes = p.target == AllToAllVTarget::kWorkspace ? p.recv.bytes / 2 / 16 * 16 : 0;
   const int blocks = std::clamp(p.num_blocks, 1, kMaxBarrierBlocks);
-  COMMLIB_DISPATCH_WORLD_SIZE(p.barrier.world_size, kWorldSize, [&] {
-    all_to_all_v_kernel<kWorldSize><<<blocks, kThreads, 0, stream>>>(p, half_bytes);
+  return COMMLIB_DISPATCH_WORLD_SIZE(p.barrier.world_size, kWorldSize, [&] {
+    return launch_kernel(what, all_to_all_v_kernel<kWorldSize>, {dim3(blocks), dim3(kThreads)}, stream,
+                         LaunchOrder::kStream, p, half_bytes);
   });
-  return cuda_status(what, cudaGetLastError());
 }
 
 }  // namespace commlib::kernels

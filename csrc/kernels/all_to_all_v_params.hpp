@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "commlib/errors.hpp"
+#include "commlib/phase.hpp"
 #include "commlib/symmetric_buffer.hpp"
 
 struct CUstream_st;
@@ -14,8 +15,6 @@ namespace commlib::kernels {
 
 using Stream = CUstream_st*;
 
-enum class AllToAllVPhase : int { kOffsetsPublished = 20, kRowsLanded = 21 };
-const char* all_to_all_v_phase_name(int phase);
 
 // Where peers write the rows.
 enum class AllToAllVTarget : int {

@@ -12,6 +12,10 @@
 #include "kernels/ep_params.hpp"
 
 namespace commlib::kernels {
+
+// Validates the params of every EP launcher (ep_dispatch_combine.cu).
+Status check_ep_params(const EPParams& p, const char* what);
+
 namespace {
 
 constexpr int kThreads = 512;
@@ -122,15 +126,16 @@ __device__ __forceinline__ size_t row(const EPParams& p, int s, int64_t t) {
   return (static_cast<size_t>(s) * p.config.max_tokens_per_rank + t) * p.config.hidden;
 }
 
-// The start of a call in block b: its seq (Note [EP GPU protocol]) and whether the communicator is
+// The start of an EP call in block b (not the flag barrier's call_begin: EP kernels count calls in
+// their own seq): its seq (Note [EP GPU protocol]) and whether the communicator is
 // poisoned (a wait of this rank gave up: return at once). The two words load together, one memory
 // round trip.
-struct CallStart {
+struct EPSeq {
   uint64_t seq;
   bool poisoned;
 };
 
-__device__ __forceinline__ CallStart begin_call(const EPParams& p) {
+__device__ __forceinline__ EPSeq read_ep_seq(const EPParams& p) {
   const uint64_t seq = device::ld_volatile_u64(&piece<EPControl>(p, p.rank, p.layout.control)->seq[blockIdx.x]);
   const uint32_t poisoned = device::ld_volatile_u32(&p.barrier.state->poisoned);
   return {seq, poisoned != 0};
@@ -199,7 +204,7 @@ struct FlagSet {
   size_t flags;
   int block;
   unsigned ranks;
-  EPPhaseId phase;
+  Phase phase;
 };
 
 // Lane q of a waiting warp waits for rank q's flag of `set` (if q is in it); true if it gave up.

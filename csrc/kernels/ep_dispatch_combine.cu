@@ -7,7 +7,7 @@
 
 #include "commlib/device/dispatch.cuh"
 #include "kernels/ep_common.cuh"
-#include "kernels/pdl.cuh"
+#include "kernels/launch.cuh"
 
 namespace commlib::kernels {
 namespace {
@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
   const int64_t t_begin = role.chunk * p.grid.tokens_per_chunk;
   const Cols cols = cols_of<T>(c.hidden, role.part, p.grid.num_parts);  // this block's columns of every row
   const T* x = static_cast<const T*>(p.x);
-  const CallStart start = begin_call(p);
+  const EPSeq start = read_ep_seq(p);
   if (start.poisoned) return;
   const uint64_t seq = start.seq, value = seq + 1;
   trace(EPTracePoint::kDispatchStart, 0);
@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
     // Own positions need the totals of the ranks below this one (their leads' meta flags) and, in
     // a part other than the lead, this rank's own meta, which its lead writes.
     const FlagSet meta{p.layout.meta_flags, role.lead, ranks_below(p) | (is_lead ? 0u : self_rank(p)),
-                       EPPhaseId::kDispatchMeta};
+                       Phase::kDispatchMeta};
     failed = wait_warp(p, meta, value, seq, lane);
     if (!failed) {
       const int64_t items = chunk_tokens(p, me, role.chunk);
@@ -169,8 +169,8 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_kernel(EPParams p, EP
   // meta[q][lead] of every rank, its own included (the totals of this rank are the base of the
   // sources above it).
   if (__syncthreads_or(failed)) return;
-  const FlagSet data{p.layout.data_flags, b, other_ranks(p), EPPhaseId::kDispatchLanded};
-  const FlagSet meta{p.layout.meta_flags, role.lead, is_lead ? 0u : all_ranks(p), EPPhaseId::kDispatchMeta};
+  const FlagSet data{p.layout.data_flags, b, other_ranks(p), Phase::kDispatchLanded};
+  const FlagSet meta{p.layout.meta_flags, role.lead, is_lead ? 0u : all_ranks(p), Phase::kDispatchMeta};
   if (wait_block(p, data, meta, value, seq)) return;
   trace(EPTracePoint::kDispatchDataLanded, 0);
   const int32_t lane_tokens = lane_chunk_tokens(p, role.chunk, me, lane);
@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPM
   const int64_t num_local = c.num_experts / n;
   const int64_t t_begin = role.chunk * p.grid.tokens_per_chunk;
   const Cols cols = cols_of<T>(c.hidden, role.part, p.grid.num_parts);  // this block's columns of every row
-  const CallStart start = begin_call(p);
+  const EPSeq start = read_ep_seq(p);
   if (start.poisoned) return;
   const uint64_t seq = start.seq, value = seq + 1;
   trace(EPTracePoint::kCombineStart, 0);
@@ -250,8 +250,8 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPM
   // the dispatch kernel, is loaded while they are waited for).
   const int64_t items = chunk_tokens(p, me, role.chunk);
   const int parts = parts_for<T>(items, kWarps, cols.size());
-  const FlagSet partials{p.layout.combine_flags, b, other_ranks(p), EPPhaseId::kCombineLanded};
-  const FlagSet none{p.layout.combine_flags, b, 0u, EPPhaseId::kCombineLanded};
+  const FlagSet partials{p.layout.combine_flags, b, other_ranks(p), Phase::kCombineLanded};
+  const FlagSet none{p.layout.combine_flags, b, 0u, Phase::kCombineLanded};
   if (wait_block(p, partials, none, value, seq)) return;
   trace(EPTracePoint::kCombineLanded, 0);
   const T* land_y = piece<const T>(p, me, p.layout.land_y);
@@ -272,7 +272,10 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_kernel(EPParams p, EPM
   trace(EPTracePoint::kCombineEnd, 0);
 }
 
-Status check_params(const EPParams& p, const char* what) {
+
+}  // namespace
+
+Status check_ep_params(const EPParams& p, const char* what) {
   if (p.world_size < 1 || p.world_size > kMaxDeviceRanks) {
     return Status(StatusCode::kInvalidArgument,
                   detail::concat(what, ": world_size ", p.world_size, " not supported; valid: 1..", kMaxDeviceRanks));
@@ -300,8 +303,6 @@ Status check_params(const EPParams& p, const char* what) {
   return Status::ok();
 }
 
-}  // namespace
-
 std::vector<int64_t> ep_trace_snapshot() {
   // The kernels of the last call: the flag path's or the LL path's (the later dispatch start).
   std::vector<int64_t> mine = read_trace(), ll = ep_ll_trace_snapshot();
@@ -309,14 +310,6 @@ std::vector<int64_t> ep_trace_snapshot() {
   return !ll.empty() && (mine.empty() || ll[start] > mine[start]) ? ll : mine;
 }
 
-const char* ep_phase_name(int phase) {
-  switch (static_cast<EPPhaseId>(phase)) {
-    case EPPhaseId::kDispatchLanded: return "EP dispatch: tokens landed";
-    case EPPhaseId::kCombineLanded: return "EP combine: partials landed";
-    case EPPhaseId::kDispatchMeta: return "EP dispatch: routing counts landed";
-  }
-  return "unknown phase";
-}
 
 int ep_threads_per_block() { return kThreads; }
 
@@ -371,36 +364,32 @@ EPSymmetricLayout ep_symmetric_layout(const EPConfig& c, int world_size, const E
 
 Status launch_ep_dispatch(const EPParams& p, EPMode mode, Stream stream) {
   const char* what = has(mode, EPMode::kSend) ? "EPBuffer.dispatch" : "EPBuffer.dispatch_recv";
-  Status status = check_params(p, what);
+  Status status = check_ep_params(p, what);
   if (!status.is_ok()) return status;
-  if (p.path == EPPath::kLL) return launch_ep_dispatch_ll(p, mode, stream);
-  LaunchOrder order = LaunchOrder::kStream;
-  status = read_launch_order(what, &order);
-  if (!status.is_ok()) return status;
+  if (p.path != EPPath::kFlags) {
+    return Status(StatusCode::kInvalidArgument, detail::concat(what, ": params for the LL path; use launch_ep_dispatch_ll"));
+  }
   const size_t smem = 2 * static_cast<size_t>(p.config.num_experts) * sizeof(int32_t);
-  cudaError_t err = cudaSuccess;
   COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, what, [&] {
-    err = launch_kernel(ep_dispatch_kernel<T>, dim3(p.grid.num_blocks()), dim3(kThreads), smem, stream, order, p, mode,
-                        order);
+    status = launch_kernel(what, ep_dispatch_kernel<T>, {dim3(p.grid.num_blocks()), dim3(kThreads), smem}, stream,
+                           p.order, p, mode, p.order);
   });
-  return cuda_status(what, err);
+  return status;
 }
 
 Status launch_ep_combine(const EPParams& p, EPMode mode, Stream stream) {
   const char* what = has(mode, EPMode::kSend) ? "EPBuffer.combine" : "EPBuffer.combine_recv";
-  Status status = check_params(p, what);
+  Status status = check_ep_params(p, what);
   if (!status.is_ok()) return status;
-  if (p.path == EPPath::kLL) return launch_ep_combine_ll(p, mode, stream);
-  LaunchOrder order = LaunchOrder::kStream;
-  status = read_launch_order(what, &order);
-  if (!status.is_ok()) return status;
-  cudaError_t err = cudaSuccess;
+  if (p.path != EPPath::kFlags) {
+    return Status(StatusCode::kInvalidArgument, detail::concat(what, ": params for the LL path; use launch_ep_combine_ll"));
+  }
   COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, what, [&] {
     // Rows split into column parts (decode sizes): a lane holds about one pack of a row.
     auto* kernel = p.grid.num_parts > 1 ? ep_combine_kernel<T, true> : ep_combine_kernel<T, false>;
-    err = launch_kernel(kernel, dim3(p.grid.num_blocks()), dim3(kThreads), 0, stream, order, p, mode, order);
+    status = launch_kernel(what, kernel, {dim3(p.grid.num_blocks()), dim3(kThreads)}, stream, p.order, p, mode, p.order);
   });
-  return cuda_status(what, err);
+  return status;
 }
 
 }  // namespace commlib::kernels

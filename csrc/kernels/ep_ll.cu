@@ -8,7 +8,7 @@
 #include "commlib/device/dispatch.cuh"
 #include "commlib/device/ll.cuh"
 #include "kernels/ep_common.cuh"
-#include "kernels/pdl.cuh"
+#include "kernels/launch.cuh"
 
 namespace commlib::kernels {
 namespace {
@@ -100,7 +100,7 @@ __device__ __noinline__ void weighted_sum_lines_unaligned(uint4* dst, const T* c
 
 // Waits for the line pair at `lines` (written by `peer`), clears it and returns its payload; on
 // timeout records it and sets `failed` (the payload is then garbage).
-__device__ __forceinline__ uint4 take_pair(uint4* lines, int peer, uint32_t flag, const EPParams& p, EPPhaseId phase,
+__device__ __forceinline__ uint4 take_pair(uint4* lines, int peer, uint32_t flag, const EPParams& p, Phase phase,
                                            uint64_t seq, int& failed) {
   const uint4* src[1] = {lines};
   const int peers[1] = {peer};
@@ -138,7 +138,7 @@ __device__ __forceinline__ bool poll_meta(const EPParams& p, uint32_t flag, uint
     const int s = static_cast<int>((me + 1 + at / pairs) % n);
     const int64_t q = at % pairs;
     const uint4 words =
-        take_pair(dispatch_zone(p, me, s, b) + 2 * q, s, flag, p, EPPhaseId::kDispatchMeta, seq, failed);
+        take_pair(dispatch_zone(p, me, s, b) + 2 * q, s, flag, p, Phase::kDispatchMeta, seq, failed);
     if (failed) break;
     const uint32_t w[4] = {words.x, words.y, words.z, words.w};
 #pragma unroll
@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_ll_kernel(EPParams p,
   const Cols cols = cols_of<T>(c.hidden, role.part, p.grid.num_parts);  // this block's columns of every row
   const int64_t first_pack = cols.begin / N;
   const T* x = static_cast<const T*>(p.x);
-  const CallStart start = begin_call(p);
+  const EPSeq start = read_ep_seq(p);
   if (start.poisoned) return;
   const uint64_t seq = start.seq;
   const uint32_t flag = ll_flag(seq);
@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(kThreads, 1) ep_dispatch_ll_kernel(EPParams p,
           peer[u] = s;
         }
         device::ll_wait_all<kLLExpandPacks>(src, peer, lo, hi, flag, p.barrier,
-                                            static_cast<int>(EPPhaseId::kDispatchLanded), seq, lost);
+                                            static_cast<int>(Phase::kDispatchLanded), seq, lost);
         if (lost) break;
 #pragma unroll
         for (int u = 0; u < kLLExpandPacks; ++u) {
@@ -381,7 +381,7 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_ll_kernel(EPParams p, 
   const int64_t num_local = c.num_experts / n;
   const int64_t t_begin = role.chunk * p.grid.tokens_per_chunk;
   const Cols cols = cols_of<T>(c.hidden, role.part, p.grid.num_parts);  // this block's columns of every row
-  const CallStart start = begin_call(p);
+  const EPSeq start = read_ep_seq(p);
   if (start.poisoned) return;
   const uint64_t seq = start.seq;
   const uint32_t flag = ll_flag(seq);
@@ -447,7 +447,7 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_ll_kernel(EPParams p, 
           peer[u] = d;
         }
         device::ll_wait_all<kLLOwnersAtOnce>(src, peer, lo, hi, flag, p.barrier,
-                                             static_cast<int>(EPPhaseId::kCombineLanded), seq, failed);
+                                             static_cast<int>(Phase::kCombineLanded), seq, failed);
         if (failed) break;
 #pragma unroll
         for (int u = 0; u < kLLOwnersAtOnce; ++u) {
@@ -465,7 +465,7 @@ __global__ void __launch_bounds__(kThreads, 1) ep_combine_ll_kernel(EPParams p, 
   // The peers' sync pairs for this block (thread q: rank q).
   const int q = static_cast<int>(threadIdx.x);
   if (q < n && q != me && !failed) {
-    take_pair(combine_sync(p, me, q, blockIdx.x), q, flag, p, EPPhaseId::kCombineLanded, seq, failed);
+    take_pair(combine_sync(p, me, q, blockIdx.x), q, flag, p, Phase::kCombineLanded, seq, failed);
   }
   trace(EPTracePoint::kCombineLanded, 0);
   advance_seq(p, seq);
@@ -495,29 +495,31 @@ EPLLGeometry ep_ll_geometry(const EPConfig& c, int world_size, const EPGrid& gri
 
 Status launch_ep_dispatch_ll(const EPParams& p, EPMode mode, Stream stream) {
   const char* what = has(mode, EPMode::kSend) ? "EPBuffer.dispatch" : "EPBuffer.dispatch_recv";
-  LaunchOrder order = LaunchOrder::kStream;
-  Status status = read_launch_order(what, &order);
+  Status status = check_ep_params(p, what);
   if (!status.is_ok()) return status;
+  if (p.path != EPPath::kLL) {
+    return Status(StatusCode::kInvalidArgument, detail::concat(what, ": params for the flag path; use launch_ep_dispatch"));
+  }
   const size_t smem = 2 * static_cast<size_t>(p.config.num_experts) * sizeof(int32_t);
-  cudaError_t err = cudaSuccess;
   COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, what, [&] {
-    err = launch_kernel(ep_dispatch_ll_kernel<T>, dim3(p.grid.num_blocks()), dim3(kThreads), smem, stream, order, p,
-                        mode, order);
+    status = launch_kernel(what, ep_dispatch_ll_kernel<T>, {dim3(p.grid.num_blocks()), dim3(kThreads), smem}, stream,
+                           p.order, p, mode, p.order);
   });
-  return cuda_status(what, err);
+  return status;
 }
 
 Status launch_ep_combine_ll(const EPParams& p, EPMode mode, Stream stream) {
   const char* what = has(mode, EPMode::kSend) ? "EPBuffer.combine" : "EPBuffer.combine_recv";
-  LaunchOrder order = LaunchOrder::kStream;
-  Status status = read_launch_order(what, &order);
+  Status status = check_ep_params(p, what);
   if (!status.is_ok()) return status;
-  cudaError_t err = cudaSuccess;
+  if (p.path != EPPath::kLL) {
+    return Status(StatusCode::kInvalidArgument, detail::concat(what, ": params for the flag path; use launch_ep_combine"));
+  }
   COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, what, [&] {
-    err = launch_kernel(ep_combine_ll_kernel<T>, dim3(p.grid.num_blocks()), dim3(kThreads), 0, stream, order, p, mode,
-                        order);
+    status = launch_kernel(what, ep_combine_ll_kernel<T>, {dim3(p.grid.num_blocks()), dim3(kThreads)}, stream, p.order,
+                           p, mode, p.order);
   });
-  return cuda_status(what, err);
+  return status;
 }
 
 }  // namespace commlib::kernels

@@ -111,7 +111,9 @@
 
 #include "commlib/ep.hpp"
 #include "commlib/errors.hpp"
+#include "commlib/phase.hpp"
 #include "commlib/symmetric_buffer.hpp"
+#include "kernels/launch.hpp"
 
 struct CUstream_st;
 
@@ -119,9 +121,6 @@ namespace commlib::kernels {
 
 using Stream = CUstream_st*;
 
-// Barrier phase ids recorded in DeviceErrorWord::phase (distinct from the all-reduce's).
-enum class EPPhaseId : int { kDispatchLanded = 16, kCombineLanded = 17, kDispatchMeta = 18 };
-const char* ep_phase_name(int phase);
 
 // Largest chunk (tokens) of the LL path (Note [EP LL protocol]).
 constexpr int64_t kEPLLMaxChunkTokens = 4;
@@ -201,7 +200,8 @@ struct EPParams {
   int rank = 0;
   int world_size = 1;
   EPGrid grid{};
-  EPPath path = EPPath::kFlags;
+  EPPath path = EPPath::kFlags;  // which launcher the core calls: launch_ep_* or launch_ep_*_ll
+  LaunchOrder order = LaunchOrder::kStream;  // COMMLIB_PDL, resolved by the core
   EPLLGeometry ll{};
   SymmetricBufferDevice sym{};  // every rank's piece (EPSymmetricLayout)
   EPSymmetricLayout layout{};
@@ -233,7 +233,7 @@ std::vector<int64_t> ep_ll_trace_snapshot();  // the LL kernels' (ep_trace_snaps
 
 Status launch_ep_dispatch(const EPParams& params, EPMode mode, Stream stream);
 Status launch_ep_combine(const EPParams& params, EPMode mode, Stream stream);
-// The LL path's kernels (launch_ep_dispatch / launch_ep_combine call them when params.path is kLL).
+// The LL path's kernels, for params.path == kLL (the flag launchers above refuse it).
 Status launch_ep_dispatch_ll(const EPParams& params, EPMode mode, Stream stream);
 Status launch_ep_combine_ll(const EPParams& params, EPMode mode, Stream stream);
 

@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "commlib/device/vec.cuh"
+#include "kernels/launch.cuh"
 #include "kernels/rs_rmsnorm_ag_params.hpp"
 
 namespace commlib::kernels {

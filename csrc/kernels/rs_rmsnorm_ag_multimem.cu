@@ -4,7 +4,7 @@
 // O gather), but phase 1 reads region X once through the multicast address instead of n peer
 // loads, and pushes the normalised row with one multicast store instead of n - 1 peer stores.
 //
-// SAFETY: never launched unless the multicast guard allowed it (csrc/core/multicast_guard.hpp:
+// SAFETY: never launched unless the multicast guard allowed it (csrc/transport/multicast_guard.hpp:
 // explicit COMMLIB_ENABLE_MULTICAST set to 1 and no kill switch); nothing in this file creates a
 // multicast object. On the lent machines it is compiled and its SASS inspected only.
 //
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   // The unicast copy-in, ordered before multicast reads of the same bytes (Note [multimem proxy fences]).
   fence_proxy_alias();
   // Publishes this block's copy-in to the peers' block b (whose multimem loads read it).
-  if (!device::barrier_block(p.barrier, call.call, static_cast<int>(FusedRmsNormPhase::kInputsReady))) return;
+  if (!device::barrier_block(p.barrier, call.call, static_cast<int>(Phase::kInputsReady))) return;
   // The peers' copy-ins, acquired through the unicast flags, ordered before the multicast loads.
   fence_proxy_alias();
 
@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   // accesses to the same bytes (Note [multimem proxy fences]).
   fence_proxy_alias();
   device::fence_acq_rel_sys();
-  if (!device::barrier_block(p.barrier, call.call, static_cast<int>(FusedRmsNormPhase::kRowsPushed))) return;
+  if (!device::barrier_block(p.barrier, call.call, static_cast<int>(Phase::kRowsPushed))) return;
   // What the peers' multimem stores wrote, ordered before this rank's unicast reads of it.
   fence_proxy_alias();
 
@@ -187,13 +187,8 @@ template <typename T>
 Status launch_typed(const RsRmsNormAgMultimemParams& params, const FusedChunk& chunk, int blocks, Stream stream) {
   const int threads = fused_threads(params.args.hidden);
   auto go = [&](auto kernel) {
-    kernel<<<blocks, threads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(params, chunk);
-    const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) {
-      return Status(StatusCode::kCudaError, detail::concat("fused_allreduce_rmsnorm(multimem): kernel launch failed: ",
-                                                           cudaGetErrorString(err)));
-    }
-    return Status::ok();
+    return launch_kernel("fused_allreduce_rmsnorm(multimem)", kernel, {dim3(blocks), dim3(threads)},
+                         reinterpret_cast<cudaStream_t>(stream), LaunchOrder::kStream, params, chunk);
   };
   switch (fused_packs_per_thread(params.args.hidden)) {
     case 1: return go(rs_rmsnorm_ag_multimem_kernel<T, 1>);

@@ -102,7 +102,6 @@
 
 #include "commlib/device/barrier.cuh"
 #include "commlib/device/dispatch.cuh"
-#include "commlib/env.hpp"
 #include "kernels/rs_rmsnorm_ag_common.cuh"
 
 namespace commlib::kernels {
@@ -530,10 +529,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     // The previous chunk's gather runs while this chunk's pushes are in flight (other half).
     if (k > 0) phase_c(chunk_at(k - 1), half_of(call_k - 1));
     // Publishes this block's pushes to the peers' block b; acquires the rows they pushed here.
-    if (!device::barrier_block(p.barrier, call_k, static_cast<int>(FusedRmsNormPhase::kInputsReady))) return;
+    if (!device::barrier_block(p.barrier, call_k, static_cast<int>(Phase::kInputsReady))) return;
     phase_b(cur, half_of(call_k));
     // Publishes this block's pushed rows to the peers' block b; acquires the rows they pushed here.
-    if (!device::barrier_block(p.barrier, call_k, static_cast<int>(FusedRmsNormPhase::kRowsPushed))) return;
+    if (!device::barrier_block(p.barrier, call_k, static_cast<int>(Phase::kRowsPushed))) return;
   }
   const int last = sched.num_chunks - 1;
   phase_c(chunk_at(last), half_of(call.call + static_cast<uint64_t>(last)));
@@ -543,14 +542,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 template <typename T, int kWorldSize>
 Status launch_typed(const RsRmsNormAgP2pParams& params, const FusedChunk& chunk, const FusedSchedule& sched,
                     int blocks, int group, Stream stream) {
-  rs_rmsnorm_ag_p2p_kernel<T, kWorldSize><<<blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-      params, chunk, sched, group);
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    return Status(StatusCode::kCudaError,
-                  detail::concat("fused_allreduce_rmsnorm(p2p): kernel launch failed: ", cudaGetErrorString(err)));
-  }
-  return Status::ok();
+  return launch_kernel("fused_allreduce_rmsnorm(p2p)", rs_rmsnorm_ag_p2p_kernel<T, kWorldSize>,
+                       {dim3(blocks), dim3(kThreads)}, reinterpret_cast<cudaStream_t>(stream), LaunchOrder::kStream,
+                       params, chunk, sched, group);
 }
 
 }  // namespace
@@ -581,19 +575,9 @@ Status check_p2p_args(const char* what, const FusedRmsNormArgs& a, const Barrier
 
 }  // namespace fused_detail
 
-const char* fused_rmsnorm_phase_name(int phase) {
-  switch (static_cast<FusedRmsNormPhase>(phase)) {
-    case FusedRmsNormPhase::kInputsReady: return "inputs ready (after the x push)";
-    case FusedRmsNormPhase::kRowsPushed: return "normalised rows pushed (before gather)";
-    case FusedRmsNormPhase::kLLInputs: return "LL x rows from the peer (owner waits)";
-    case FusedRmsNormPhase::kLLRows: return "LL normalised rows from the owner";
-  }
-  return "unknown phase";
-}
 
 int fused_rmsnorm_num_blocks(int requested, int max_blocks, int64_t work_units) {
   const int limit = std::min(kFusedMaxBlocks, kMaxBarrierBlocks);
-  if (requested <= 0) requested = static_cast<int>(env::get_int("COMMLIB_FUSED_NUM_SMS"));
   if (requested > 0) return std::min(requested, limit);
   // By size: one CTA per unit of work up to the cap (no idle CTAs in the barriers).
   const int cap = max_blocks > 0 ? std::min(max_blocks, limit) : kFusedDefaultMaxBlocks;
@@ -606,7 +590,6 @@ Status launch_rs_rmsnorm_ag_p2p(const RsRmsNormAgP2pParams& params, Stream strea
   const int world = params.barrier.world_size;
   Status status = check_p2p_args(what, a, params.barrier);
   if (!status.is_ok() || a.num_tokens == 0) return status;
-  if (fused_rmsnorm_use_ll(params)) return launch_rs_rmsnorm_ag_p2p_ll(params, stream);
   FusedSchedule sched;
   const size_t row_bytes = static_cast<size_t>(a.hidden) * dtype_size(a.dtype);
   // Regions X, and O (sharded) or R (replicated): Note [fused p2p workspace].
@@ -643,7 +626,7 @@ Status launch_rs_rmsnorm_ag_p2p(const RsRmsNormAgP2pParams& params, Stream strea
   }
   const int64_t num_chunks = (per_rank + chunk.capacity - 1) / chunk.capacity;
   const int64_t rows_per_unit = rows_per_work_unit(a.hidden);
-  const int cap = params.tuned_max_blocks > 0 ? params.tuned_max_blocks : kFusedP2pDefaultMaxBlocks;
+  const int cap = params.config.tuned_max_blocks > 0 ? params.config.tuned_max_blocks : kFusedP2pDefaultMaxBlocks;
   const int blocks = fused_rmsnorm_num_blocks(params.num_blocks, cap,
                                               (chunk.capacity + rows_per_unit - 1) / rows_per_unit);
   // Only the order of work depends on the group size, never the bits (Note [fused p2p phase B]).

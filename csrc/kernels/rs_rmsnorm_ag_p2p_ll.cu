@@ -73,8 +73,7 @@
 #include "commlib/device/barrier.cuh"
 #include "commlib/device/dispatch.cuh"
 #include "commlib/device/ll.cuh"
-#include "commlib/env.hpp"
-#include "kernels/pdl.cuh"
+#include "kernels/launch.cuh"
 #include "kernels/rs_rmsnorm_ag_common.cuh"
 
 namespace commlib::kernels {
@@ -265,7 +264,7 @@ __global__ void __launch_bounds__(kLLMaxThreads)
         src[s] = wanted ? region(rank, kLLRegionX, s) + line0 + 2 * k : nullptr;
       }
       uint4 lo[kCap], hi[kCap];
-      device::ll_wait_all<kCap>(src, peer, lo, hi, flag, p.barrier, static_cast<int>(FusedRmsNormPhase::kLLInputs),
+      device::ll_wait_all<kCap>(src, peer, lo, hi, flag, p.barrier, static_cast<int>(Phase::kFusedLLInputs),
                                   call.call, failed);
 #pragma unroll
       for (int s = 0; s < kCap; ++s) {  // rank order (Note [reduction order])
@@ -289,7 +288,7 @@ __global__ void __launch_bounds__(kLLMaxThreads)
             peer[j] = s;
             src[j] = k < num_packs ? region(rank, kLLRegionX, s) + line0 + 2 * k : nullptr;
           }
-          device::ll_wait_all<kVecs>(src, peer, lo, hi, flag, p.barrier, static_cast<int>(FusedRmsNormPhase::kLLInputs),
+          device::ll_wait_all<kVecs>(src, peer, lo, hi, flag, p.barrier, static_cast<int>(Phase::kFusedLLInputs),
                                       call.call, failed);
         }
 #pragma unroll
@@ -312,7 +311,7 @@ __global__ void __launch_bounds__(kLLMaxThreads)
         src[j] = k < num_packs ? residual_lines(rank, owner) + res_line0 + 2 * k : nullptr;
       }
       uint4 lo[kVecs], hi[kVecs];
-      device::ll_wait_all<kVecs>(src, peer, lo, hi, flag, p.barrier, static_cast<int>(FusedRmsNormPhase::kLLInputs),
+      device::ll_wait_all<kVecs>(src, peer, lo, hi, flag, p.barrier, static_cast<int>(Phase::kFusedLLInputs),
                                   call.call, failed);
 #pragma unroll
       for (int j = 0; j < kVecs; ++j) res[j] = device::ll_payload(lo[j], hi[j]);
@@ -433,7 +432,7 @@ __global__ void __launch_bounds__(kLLMaxThreads)
         peer[u] = peer[kLLGatherPacks + u] = d;
       }
       uint4 lo[kN], hi[kN];
-      device::ll_wait_all<kN>(src, peer, lo, hi, flag, p.barrier, static_cast<int>(FusedRmsNormPhase::kLLRows),
+      device::ll_wait_all<kN>(src, peer, lo, hi, flag, p.barrier, static_cast<int>(Phase::kFusedLLRows),
                                   call.call, failed);
       if (failed) break;
 #pragma unroll
@@ -473,8 +472,7 @@ bool fused_rmsnorm_use_oneshot(const RsRmsNormAgP2pParams& params) {
   // Sharded, the owners' residual rows travel too: on 2x H200 the two-shot kernel was faster from
   // 16 tokens (9.5 vs 11.2 µs; replicated one-shot 8.4 vs 11.0; docs/fused.md).
   const bool sharded = a.mode == ResidualMode::kSharded;
-  const int64_t max_tokens =
-      env::get_int(sharded ? "COMMLIB_FUSED_ONESHOT_SHARDED_MAX_TOKENS" : "COMMLIB_FUSED_ONESHOT_MAX_TOKENS");
+  const int64_t max_tokens = sharded ? params.config.oneshot_sharded_max_tokens : params.config.oneshot_max_tokens;
   if (a.num_tokens > max_tokens) return false;
   const size_t row_bytes = static_cast<size_t>(a.hidden) * dtype_size(a.dtype);
   const int64_t per_rank = (a.num_tokens + world - 1) / world;
@@ -491,29 +489,30 @@ bool fused_rmsnorm_use_ll(const RsRmsNormAgP2pParams& params) {
   if (fused_rmsnorm_use_oneshot(params)) return true;
   const int64_t rows = (a.num_tokens + world - 1) / world;
   const int64_t slice_bytes = rows * a.hidden * static_cast<int64_t>(dtype_size(a.dtype));
-  const int64_t limit = env::get_int("COMMLIB_FUSED_LL_MAX_BYTES");
+  const int64_t limit = params.config.ll_max_bytes;
   // Lines carry 8 payload bytes in 16.
-  // COMMLIB_FUSED_LL_MAX_ROWS (16): at 16 rows per rank (hidden 8192) the LL kernel with one
+  // ll_max_rows (COMMLIB_FUSED_LL_MAX_ROWS, 16): at 16 rows per rank (hidden 8192) the LL kernel with one
   // lane-major CTA per row beat the barrier kernel on 2x H200 (sharded 11.8 vs 13.8 µs, replicated
   // 15.0 vs 15.1; docs/fused.md); beyond, the LL buffer or
   // COMMLIB_FUSED_LL_MAX_BYTES ends it at this hidden size anyway.
-  const int64_t max_rows = env::get_int("COMMLIB_FUSED_LL_MAX_ROWS");
+  const int64_t max_rows = params.config.ll_max_rows;
   return rows <= max_rows && slice_bytes <= limit &&
          2 * static_cast<size_t>(slice_bytes) <= fused_ll_region_bytes(params.lines.bytes, world);
 }
 
-FusedLLGrid fused_ll_grid(int64_t rows_per_rank, int64_t hidden, int num_blocks, int max_blocks, int min_blocks) {
-  // C: COMMLIB_FUSED_LL_ROW_CTAS (rounded down to a power of two, at most kLLMaxRowCtas), or when 0
+FusedLLGrid fused_ll_grid(int64_t rows_per_rank, int64_t hidden, int num_blocks, int max_blocks, int min_blocks,
+                          int64_t row_ctas) {
+  // C: row_ctas (COMMLIB_FUSED_LL_ROW_CTAS, rounded down to a power of two, at most kLLMaxRowCtas), or when 0
   // and the slice has at most kLLSplitMaxRows rows the most that give every row of the slice its own
   // cluster within the CTA budget (beyond: 1, lane-major, Note [fused LL row split]). At least 32
   // packs per CTA (a smaller share would leave most of a warp holding zeros).
   const int64_t padded = next_pow2(std::max<int64_t>(1, hidden / kGroup));
-  const int64_t knob = env::get_int("COMMLIB_FUSED_LL_ROW_CTAS");
+  const int64_t knob = row_ctas;
   const int64_t rows = std::max<int64_t>(rows_per_rank, 1);
   const int64_t max_ctas = knob > 0              ? floor_pow2(std::min<int64_t>(knob, kLLMaxRowCtas))
                            : rows <= kLLSplitMaxRows ? kLLMaxRowCtas
                                                      : 1;
-  // The budget: num_sms / COMMLIB_FUSED_NUM_SMS exactly, else by size (C CTAs per row, at least
+  // The budget: num_blocks (num_sms, or COMMLIB_FUSED_NUM_SMS) exactly, else by size (C CTAs per row, at least
   // kLLMinBlocks and min_blocks, at most max_blocks or kFusedDefaultMaxBlocks). With C = 1: one CTA
   // per row; CTAs beyond the rows only push (and, two-shot, gather).
   const int budget = fused_rmsnorm_num_blocks(
@@ -554,39 +553,18 @@ Status launch_rs_rmsnorm_ag_p2p_ll(const RsRmsNormAgP2pParams& params, Stream st
   const int64_t rows = one_shot ? a.num_tokens : per_rank;  // rows a rank normalises and pushes to each peer
   const size_t row_bytes = static_cast<size_t>(a.hidden) * dtype_size(a.dtype);
   const size_t pushed = static_cast<size_t>(world - 1) * rows * row_bytes;
-  const int64_t bytes_per_cta = env::get_int("COMMLIB_FUSED_LL_BYTES_PER_CTA");
+  const int64_t bytes_per_cta = params.config.ll_bytes_per_cta;
   const int push_ctas = bytes_per_cta > 0 ? static_cast<int>(std::min<int64_t>(
                                                 (pushed + bytes_per_cta - 1) / bytes_per_cta, kLLMaxPushBlocks))
                                           : 0;
   const int cap = std::max(one_shot ? kLLOneShotMaxBlocks : kFusedDefaultMaxBlocks, push_ctas);
-  const FusedLLGrid grid = fused_ll_grid(rows, a.hidden, params.num_blocks, cap, push_ctas);
+  const FusedLLGrid grid = fused_ll_grid(rows, a.hidden, params.num_blocks, cap, push_ctas, params.config.ll_row_ctas);
   const LLGeometry geo{region_bytes, grid.row_ctas, one_shot ? oneshot_residual_offset(a.num_tokens, row_bytes) : 0};
-  LaunchOrder order = LaunchOrder::kStream;
-  status = read_launch_order(what, &order);
-  if (!status.is_ok()) return status;
+  const LaunchOrder order = params.config.order;
+  const LaunchShape shape{dim3(static_cast<unsigned>(grid.blocks)), dim3(static_cast<unsigned>(grid.threads)), 0,
+                          static_cast<unsigned>(grid.row_ctas)};
   auto go = [&](auto kernel) {
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(static_cast<unsigned>(grid.blocks));
-    config.blockDim = dim3(static_cast<unsigned>(grid.threads));
-    config.dynamicSmemBytes = 0;
-    config.stream = reinterpret_cast<cudaStream_t>(stream);
-    cudaLaunchAttribute cluster{};
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = static_cast<unsigned>(grid.row_ctas);
-    cluster.val.clusterDim.y = 1;
-    cluster.val.clusterDim.z = 1;
-    cudaLaunchAttribute attrs[2] = {cluster, {}};
-    const unsigned num_cluster_attrs = grid.row_ctas > 1 ? 1 : 0;
-    config.attrs = attrs + 1 - num_cluster_attrs;  // the cluster attribute only when it is used
-    config.numAttrs = num_cluster_attrs + launch_order_attribute(order, &attrs[1]);
-    cudaError_t err = cudaLaunchKernelEx(&config, kernel, params, geo, order);
-    if (err == cudaSuccess) err = cudaGetLastError();
-    if (err != cudaSuccess) {
-      return Status(StatusCode::kCudaError, detail::concat(what, ": kernel launch failed (", grid.blocks, " CTAs of ",
-                                                           grid.threads, " threads, clusters of ", grid.row_ctas,
-                                                           "): ", cudaGetErrorString(err)));
-    }
-    return Status::ok();
+    return launch_kernel(what, kernel, shape, reinterpret_cast<cudaStream_t>(stream), order, params, geo, order);
   };
   const auto by_shape = [&]<typename T, bool kOneShot>() {
     return COMMLIB_DISPATCH_WORLD_SIZE(world, kWorldSize, [&] {

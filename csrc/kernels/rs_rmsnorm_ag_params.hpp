@@ -5,20 +5,21 @@
 //   rs_rmsnorm_ag_p2p_ll.cu    the same data flow without barriers: every 8 bytes pushed carry
 //                              their ready flag (Note [LL lines]); for the smallest token counts
 //   rs_rmsnorm_ag_multimem.cu  NVLS multimem.ld_reduce / multimem.st (sm_90a; behind the multicast
-//                              guard, csrc/core/multicast_guard.hpp; never run on lent machines)
+//                              guard, csrc/transport/multicast_guard.hpp; never run on lent machines)
 // Semantics, slicing and arithmetic: include/commlib/fused_rmsnorm.hpp. Host-compilable, no torch.
-// Launchers validate, split the tokens into chunks that fit one workspace half (one kernel call
-// each), and return a Status. launch_rs_rmsnorm_ag_p2p picks the LL kernel itself when the whole
-// op fits one LL call (fused_rmsnorm_use_ll).
+// Launchers validate, choose the grid and return a Status; which kernel serves a call is the core's
+// choice (fused_rmsnorm_use_ll), made with the configuration in the params.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
 #include "commlib/errors.hpp"
+#include "commlib/phase.hpp"
 #include "commlib/fused_rmsnorm.hpp"
 #include "commlib/symmetric_buffer.hpp"
 #include "commlib/types.hpp"
+#include "kernels/launch.hpp"
 
 struct CUstream_st;
 
@@ -26,36 +27,45 @@ namespace commlib::kernels {
 
 using Stream = CUstream_st*;
 
-// Phase ids recorded in DeviceErrorWord::phase. The barrier phases are < kBarrierPhasesPerCall
-// (they are part of the flag value); the LL waits have ids of their own, above the all-reduce's.
-enum class FusedRmsNormPhase : int { kInputsReady = 0, kRowsPushed = 1, kLLInputs = 4, kLLRows = 5 };
-const char* fused_rmsnorm_phase_name(int phase);
 
-// Largest CTA count of the fused kernels, and the by-size cap when num_blocks == 0,
-// COMMLIB_FUSED_NUM_SMS is 0 and no tuned count applies (chosen by size, at most this).
+// Largest CTA count of the fused kernels, and the by-size cap when num_blocks == 0 and no tuned
+// count applies (chosen by size, at most this).
 constexpr int kFusedMaxBlocks = 132;
 constexpr int kFusedDefaultMaxBlocks = 16;
 // The barrier (p2p) kernel's by-size cap: the whole GPU. Measured on 2x H200 at 512-4096 tokens x
 // 8192 (docs/fused.md, "CTA count"): 132 CTAs are the fastest count at every size,
 // and 16 CTAs reach 68-80% of that (a CTA is latency-bound, not NVLink-bound: 8 CTAs already
-// saturate the link for a plain copy). Callers that overlap the op with compute pass num_sms (or
-// COMMLIB_FUSED_NUM_SMS, or the tune file's fused_num_sms) to cap it.
+// saturate the link for a plain copy). Callers that overlap the op with compute pass num_sms (the
+// core resolves it from the call, COMMLIB_FUSED_NUM_SMS or the tune file's fused_num_sms).
 constexpr int kFusedP2pDefaultMaxBlocks = kFusedMaxBlocks;
 // The barrier kernel's chunk size in replicated mode (residual gather) when the rank's slice would
 // otherwise run as one chunk, or one full chunk and a short one: 8 MiB, 512 rows of hidden 8192
 // (launch_rs_rmsnorm_ag_p2p).
 constexpr size_t kFusedRepSplitBytes = size_t{8} << 20;
 
+// The fused kernels' configuration, resolved once per communicator by the core (Note
+// [communicator configuration] in csrc/core/algorithm_selector.hpp); the defaults are the knobs'.
+struct FusedKernelConfig {
+  int64_t ll_max_bytes = 262144;         // COMMLIB_FUSED_LL_MAX_BYTES
+  int64_t ll_max_rows = 16;              // COMMLIB_FUSED_LL_MAX_ROWS
+  int64_t oneshot_max_tokens = 32;       // COMMLIB_FUSED_ONESHOT_MAX_TOKENS
+  int64_t oneshot_sharded_max_tokens = 8;  // COMMLIB_FUSED_ONESHOT_SHARDED_MAX_TOKENS
+  int64_t ll_bytes_per_cta = 2048;       // COMMLIB_FUSED_LL_BYTES_PER_CTA
+  int64_t ll_row_ctas = 0;               // COMMLIB_FUSED_LL_ROW_CTAS
+  // commlib-tune's fused_num_sms for this world size (tuned_fused_num_sms); 0: none,
+  // kFusedP2pDefaultMaxBlocks applies. The barrier kernel's by-size cap; the LL kernel (small
+  // slices) keeps kFusedDefaultMaxBlocks.
+  int tuned_max_blocks = 0;
+  LaunchOrder order = LaunchOrder::kStream;  // COMMLIB_PDL (the LL kernels)
+};
+
 struct RsRmsNormAgP2pParams {
   FusedRmsNormArgs args{};            // x, residual, weight, out: this rank's, 16-byte aligned
   SymmetricBufferDevice workspace{};  // two halves alternating by call parity (Note [flag barrier])
   SymmetricBufferDevice lines{};      // the communicator's LL buffer (Note [LL lines]), zeroed; may be empty
   BarrierDevice barrier{};
-  int num_blocks = 0;  // CTAs; 0: COMMLIB_FUSED_NUM_SMS, else by size (<= the cap, fused_rmsnorm_num_blocks)
-  // commlib-tune's fused_num_sms for this world size (tuned_fused_num_sms, read once by CudaComm);
-  // 0: none, kFusedP2pDefaultMaxBlocks applies. The barrier kernel's by-size cap; the LL kernel
-  // (small slices) keeps kFusedDefaultMaxBlocks.
-  int tuned_max_blocks = 0;
+  int num_blocks = 0;  // CTAs; 0: by size (<= the cap, fused_rmsnorm_num_blocks)
+  FusedKernelConfig config{};
 };
 
 // The multimem variant: the reduction reads x through the multicast mapping of the workspace
@@ -70,8 +80,7 @@ struct RsRmsNormAgMultimemParams {
 
 // CTAs the launcher uses for `work_units` independent units of work per rank (rows for the LL and
 // multimem kernels, row groups for the p2p kernel); the same on every rank. In order: `requested`
-// (the caller's num_sms) if > 0, else COMMLIB_FUSED_NUM_SMS if > 0, exactly (capped at
-// kFusedMaxBlocks); else one CTA per unit of work up to `max_blocks` (the p2p kernel passes
+// (num_sms as the core resolved it) if > 0, exactly (capped at kFusedMaxBlocks); else one CTA per unit of work up to `max_blocks` (the p2p kernel passes
 // commlib-tune's measurement or kFusedP2pDefaultMaxBlocks) if > 0, else up to kFusedDefaultMaxBlocks. A cap rather than a count, so small
 // batches do not launch idle CTAs that would still take part in every barrier.
 int fused_rmsnorm_num_blocks(int requested, int max_blocks, int64_t work_units);
@@ -87,18 +96,19 @@ inline size_t fused_ll_region_bytes(size_t lines_bytes, int world_size) {
   if (world_size < 2) return 0;
   return lines_bytes / (2 * static_cast<size_t>(world_size - 1) * 3) / 32 * 32;
 }
-// Whether launch_rs_rmsnorm_ag_p2p runs the LL kernel: every rank's slice (ceil(tokens / world)
-// rows, at most COMMLIB_FUSED_LL_MAX_ROWS) fits one LL region as lines (twice its bytes) and is at
-// most COMMLIB_FUSED_LL_MAX_BYTES.
+// Whether the LL kernel (launch_rs_rmsnorm_ag_p2p_ll) serves this call rather than the barrier
+// kernel (launch_rs_rmsnorm_ag_p2p); the core decides with it: every rank's slice (ceil(tokens /
+// world) rows, at most config.ll_max_rows) fits one LL region as lines (twice its bytes) and is at
+// most config.ll_max_bytes.
 bool fused_rmsnorm_use_ll(const RsRmsNormAgP2pParams& params);
 // Whether that LL call is one-shot (Note [fused one-shot] in rs_rmsnorm_ag_p2p_ll.cu): at most
-// COMMLIB_FUSED_ONESHOT_MAX_TOKENS tokens, and every row's lines (sharded: plus the owner's
+// config.oneshot_max_tokens (sharded: oneshot_sharded_max_tokens) tokens, and every row's lines (sharded: plus the owner's
 // residual lines) fit one slot of the LL buffer. fused_rmsnorm_use_ll is then true as well.
 bool fused_rmsnorm_use_oneshot(const RsRmsNormAgP2pParams& params);
 
 // The LL kernel's launch shape for `rows_per_rank` rows per rank (one-shot: every row; Note [fused
 // LL row split] in rs_rmsnorm_ag_p2p_ll.cu): `row_ctas` CTAs per row (a thread-block cluster when
-// > 1; from COMMLIB_FUSED_LL_ROW_CTAS, 0: by size), `blocks` CTAs in all (a multiple of row_ctas,
+// > 1; from config.ll_row_ctas, 0: by size), `blocks` CTAs in all (a multiple of row_ctas,
 // within the budget of fused_rmsnorm_num_blocks with the by-size cap max_blocks, 0: its default,
 // and by size at least min_blocks), `threads` per CTA and packs per thread. The same on every rank.
 struct FusedLLGrid {
@@ -107,7 +117,8 @@ struct FusedLLGrid {
   int threads = 32;
   int packs_per_thread = 1;
 };
-FusedLLGrid fused_ll_grid(int64_t rows_per_rank, int64_t hidden, int num_blocks, int max_blocks, int min_blocks);
+FusedLLGrid fused_ll_grid(int64_t rows_per_rank, int64_t hidden, int num_blocks, int max_blocks, int min_blocks,
+                          int64_t row_ctas);
 
 Status launch_rs_rmsnorm_ag_p2p(const RsRmsNormAgP2pParams& params, Stream stream);
 Status launch_rs_rmsnorm_ag_p2p_ll(const RsRmsNormAgP2pParams& params, Stream stream);

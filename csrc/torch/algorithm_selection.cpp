@@ -1,5 +1,6 @@
-// commlib._C.select_all_reduce_algorithm / all_reduce_limits / tuned_fused_num_sms: the pure GPU
-// choices of csrc/core/algorithm_selector.hpp, for the torch backend, commlib-tune and tests. No GPU needed.
+// commlib._C.select_all_reduce_algorithm / all_reduce_limits / tuned_fused_num_sms /
+// select_host_all_reduce_algorithm: the pure choices of csrc/core/algorithm_selector.hpp, for
+// commlib-tune, the Python API and tests. No GPU needed.
 #include <torch/csrc/utils/pybind.h>
 
 #include "core/algorithm_selector.hpp"
@@ -48,6 +49,18 @@ BindingRegistrar reg("algorithm_selection", [](py::module_& m) {
       "commlib-tune's CTA count for the fused all-reduce + RMSNorm GPU kernel at world_size (the tune "
       "file's fused_num_sms list, COMMLIB_TUNE_FILE), 0 when none: the by-size cap used when num_sms is "
       "None and COMMLIB_FUSED_NUM_SMS is 0.");
+  m.def(
+      "select_host_all_reduce_algorithm",
+      [](int64_t bytes, int world_size) {
+        const char* what = "select_host_all_reduce_algorithm";
+        COMMLIB_CHECK(bytes >= 0 && world_size >= 1, InvalidArgument, what, ": need bytes >= 0 and world_size >= 1; got ",
+                      bytes, ", ", world_size);
+        return std::string(algorithm_name(resolve_host_all_reduce(world_size).select(static_cast<size_t>(bytes))));
+      },
+      py::arg("bytes"), py::arg("world_size"),
+      "The CPU all-reduce algorithm ('flat' or 'tree') that algo='auto' runs for a message of `bytes` bytes: "
+      "COMMLIB_HOST_TREE_THRESHOLD when set, else the tune file's host_all_reduce entry, else the built-in "
+      "threshold. A communicator resolves it once, when it first needs it.");
 });
 
 }  // namespace

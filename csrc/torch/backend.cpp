@@ -405,9 +405,10 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::route_cuda_all_reduce(std::vector<at:
   // is the same everywhere (Note [ddacomm routing]).
   const bool candidate = comm_ && !shut_down_ && op && (*op == ReduceOp::kSum || *op == ReduceOp::kAvg) &&
                          is_reducible_type(t.scalar_type()) && t.layout() == at::kStrided;
-  if (candidate && !selector_) selector_.emplace(getSize());  // reads the environment once
-  const Algorithm algo = candidate ? selector_->select(static_cast<size_t>(t.numel()) * t.element_size(),
-                                                       to_data_type(t.scalar_type(), "allreduce"))
+  // The communicator's configuration, as for the Python and C++ APIs (Note [communicator configuration]).
+  const Algorithm algo = candidate ? comm_->config().all_reduce.selector.select(
+                                         static_cast<size_t>(t.numel()) * t.element_size(),
+                                         to_data_type(t.scalar_type(), "allreduce"))
                                    : Algorithm::kNccl;
   const bool eligible = algo != Algorithm::kNccl;
   if (eligible && t.is_contiguous()) {

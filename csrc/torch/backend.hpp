@@ -136,7 +136,6 @@ class DdaBackend final : public c10d::Backend {
   int64_t num_fallback_calls_ = 0;
   bool cuda_used_ = false;
   bool shut_down_ = false;
-  std::optional<AllReduceSelector> selector_;  // created at the first CUDA all-reduce
   bool coalescing_ = false;
   bool nccl_coalescing_ = false;    // the inner NCCL backend's startCoalescing was called
   bool collect_next_work_ = false;  // the next fallback() work is gloo's, inside a coalescing region

@@ -4,7 +4,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include "core/algorithm_selector.hpp"
 #include "core/cuda_comm.hpp"
 #include "torch/bindings.hpp"
 #include "torch/torch_common.hpp"
@@ -17,15 +16,8 @@ namespace {
 CudaComm& cuda_state(Communicator& comm, const at::Device& device, const char* what) {
   COMMLIB_CHECK(device.is_cuda(), TypeMismatch, what, ": device ", device.str(), " not supported; supported: cuda");
   const int index = device.has_index() ? device.index() : c10::cuda::current_device();
-  if (comm.has_cuda()) {
-    CudaComm& cuda = comm.cuda(index);
-    COMMLIB_CHECK(cuda.device() == index, InvalidArgument, what, ": tensor is on cuda:", index,
-                  " but this communicator's GPU state lives on cuda:", cuda.device(),
-                  "; use one device per communicator");
-    return cuda;
-  }
   c10::cuda::CUDAGuard guard(index);
-  return comm.cuda(index);
+  return comm.cuda(index);  // one device per communicator: another index throws
 }
 
 }  // namespace
@@ -85,7 +77,7 @@ BindingRegistrar reg("cuda_all_reduce", [](py::module_& m) {
   add_method(
       cls, "check_gpu_error",
       [](Communicator& c) {
-        if (c.has_cuda()) c.cuda(0).check_error("check_gpu_error");
+        if (c.has_cuda()) c.cuda().check_error("check_gpu_error");
       },
       "Raises commlib.TimeoutError if a GPU wait of this communicator expired (no synchronisation).");
   add_method(

@@ -24,10 +24,6 @@ struct EPTensors {
   at::Tensor overflow;         // [kEPOverflowWords] int64
 };
 
-// Which part of a dispatch or combine to run (split phases overlap communication with compute:
-// kSend returns once this rank's data is on its way; kRecv waits for the peers and finishes).
-enum class EPPhase : int { kBoth = 0, kSend = 1, kRecv = 2 };
-
 class EPBufferTorch {
  public:
   // Collective on CUDA (allocates symmetric memory); local on CPU.

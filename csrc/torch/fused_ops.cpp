@@ -8,7 +8,7 @@
 #include <unordered_map>
 
 #include "commlib/fused_rmsnorm.hpp"
-#include "core/multicast_guard.hpp"
+#include "transport/multicast_guard.hpp"
 #include "transport/cuda_multicast.hpp"
 #include "torch/bindings.hpp"
 #include "torch/fused_ops.hpp"

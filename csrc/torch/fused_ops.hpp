@@ -16,8 +16,6 @@
 
 namespace commlib::torch_layer {
 
-enum class FusedAlgo : int { kAuto = 0, kP2p = 1, kMultimem = 2 };
-
 FusedAlgo parse_fused_algo(const std::string& name);
 ResidualMode parse_residual_mode(const std::string& name);
 

@@ -13,7 +13,7 @@
 
 #include "bootstrap/bootstrap.hpp"
 #include "commlib/errors.hpp"
-#include "core/cuda_driver.hpp"
+#include "transport/cuda_driver.hpp"
 
 namespace commlib {
 namespace {

@@ -14,12 +14,9 @@
 #include <vector>
 
 #include "bootstrap/bootstrap.hpp"
-#include "commlib/communicator.hpp"
-#include "commlib/env.hpp"
 #include "commlib/errors.hpp"
-#include "core/cuda_comm.hpp"
-#include "core/cuda_driver.hpp"
-#include "core/multicast_guard.hpp"
+#include "transport/cuda_driver.hpp"
+#include "transport/multicast_guard.hpp"
 #include "transport/cuda_ipc.hpp"
 
 namespace commlib {
@@ -68,11 +65,11 @@ struct Support {
 
 }  // namespace
 
-MulticastWorkspace::MulticastWorkspace(CudaComm& cuda, Store& store, const std::string& prefix, size_t bytes) {
+MulticastWorkspace::MulticastWorkspace(CudaIpc& ipc, int rank, int world, int device, Store& store,
+                                       const std::string& prefix, size_t bytes) {
   // SAFETY: first, before any CUDA call (DESIGN.md, Safety).
   require_multicast(kWhat);
-  const int rank = cuda.rank(), world = cuda.world_size();
-  device_ = cuda.device();
+  device_ = device;
   const auto& drv = cuda::driver();
   const auto& mc = multicast_driver();
   Bootstrap bootstrap(store, prefix, rank, world);
@@ -95,7 +92,7 @@ MulticastWorkspace::MulticastWorkspace(CudaComm& cuda, Store& store, const std::
   size_t granularity = 0;
   cuda::check(mc.cuMulticastGetGranularity(&granularity, &prop, CU_MULTICAST_GRANULARITY_MINIMUM), kWhat,
               "cuMulticastGetGranularity");
-  unicast_ = cuda.ipc().allocate(bytes, ZeroFill::kNo, kWhat, granularity);
+  unicast_ = ipc.allocate(bytes, ZeroFill::kNo, kWhat, granularity);
   bytes_ = unicast_->bytes();
   prop.size = bytes_;
 
@@ -119,7 +116,7 @@ MulticastWorkspace::MulticastWorkspace(CudaComm& cuda, Store& store, const std::
     const auto outcome = bootstrap.broadcast("created", std::vector<uint8_t>(failure.begin(), failure.end()), 0);
     COMMLIB_CHECK(outcome.empty(), PeerError, kWhat, ": rank 0 could not create the multicast object: ",
                   std::string(outcome.begin(), outcome.end()));
-    fd = cuda.ipc().broadcast_fd(0, fd, kWhat);
+    fd = ipc.broadcast_fd(0, fd, kWhat);
     if (rank != 0) {
       CUmemGenericAllocationHandle handle = 0;
       cuda::check(drv.cuMemImportFromShareableHandle(&handle, reinterpret_cast<void*>(static_cast<intptr_t>(fd)),
@@ -178,23 +175,6 @@ void MulticastWorkspace::release() noexcept {
   }
   unicast_.reset();
   cudaGetLastError();
-}
-
-MulticastWorkspace* create_multicast_workspace(Communicator& comm, int device) {
-  require_multicast(kWhat);  // SAFETY: before cuda(device), which makes CUDA calls of its own
-  CudaComm& cuda = comm.cuda(device);
-  const int64_t ws = env::get_int("COMMLIB_GPU_WORKSPACE_BYTES");
-  // Store keys of their own for each attempt (a failed one, e.g. a GPU without multicast, may be
-  // retried): ranks attempt in the same order, so a per-process count agrees across them.
-  static std::mutex mutex;
-  static std::map<std::string, int> attempts;
-  int attempt = 0;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    attempt = attempts[comm.prefix()]++;
-  }
-  return new MulticastWorkspace(cuda, comm.store(), comm.prefix() + "/multicast/" + std::to_string(attempt),
-                                static_cast<size_t>(ws));
 }
 
 void destroy_multicast_workspace(MulticastWorkspace* workspace) { delete workspace; }

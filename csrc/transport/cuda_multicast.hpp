@@ -3,9 +3,9 @@
 //
 // SAFETY (DESIGN.md, Safety): this is the only code in commlib that creates a multicast object.
 // Its constructor calls require_multicast() first: unless the guard allows multicast (the explicit
-// opt-in COMMLIB_ENABLE_MULTICAST set to 1 and no kill switch, csrc/core/multicast_guard.hpp) it
+// opt-in COMMLIB_ENABLE_MULTICAST set to 1 and no kill switch, csrc/transport/multicast_guard.hpp) it
 // throws InvalidArgument before any CUDA runtime or driver call. The multicast entry points are
-// resolved here, after the guard, never with the driver table of csrc/core/cuda_driver.cc. It has
+// resolved here, after the guard, never with the driver table of csrc/transport/cuda_driver.cc. It has
 // never been constructed on the lent machines: no opt-in is set there (and bench/gpu_suite.sh adds
 // every kill switch).
 //
@@ -37,15 +37,15 @@
 
 namespace commlib {
 
-class Communicator;
-class CudaComm;
+class CudaIpc;
 class Store;
 
 class MulticastWorkspace {
  public:
   // Collective (see the Note); `bytes` is rounded up to the multicast granularity; `prefix`: store
-  // keys of this workspace alone.
-  MulticastWorkspace(CudaComm& cuda, Store& store, const std::string& prefix, size_t bytes);
+  // keys of this workspace alone; `ipc`: the communicator's peer-memory transport on `device`.
+  MulticastWorkspace(CudaIpc& ipc, int rank, int world_size, int device, Store& store, const std::string& prefix,
+                     size_t bytes);
   ~MulticastWorkspace();
   MulticastWorkspace(const MulticastWorkspace&) = delete;
   MulticastWorkspace& operator=(const MulticastWorkspace&) = delete;
@@ -67,9 +67,8 @@ class MulticastWorkspace {
   bool bound_ = false;
 };
 
-// Communicator::multicast's factory (csrc/transport/cuda_multicast.cc; a stub that raises
-// without CUDA). Not collective by itself: the constructor it calls is.
-MulticastWorkspace* create_multicast_workspace(Communicator& comm, int device);
+// Deletes a workspace (Communicator::multicast's deleter; a no-op stub without CUDA). The factory
+// is the core's (create_multicast_workspace in csrc/core/cuda_comm.cc).
 void destroy_multicast_workspace(MulticastWorkspace* workspace);
 
 // Multicast objects this process has created (cuMulticastCreate calls that succeeded): the GPU

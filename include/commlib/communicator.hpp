@@ -23,6 +23,7 @@
 namespace commlib {
 
 class HostShm;
+struct CommConfig;  // csrc/core/algorithm_selector.hpp: every operation's configuration
 class CudaComm;  // GPU state (csrc/core/cuda_comm.hpp), created on first GPU use.
 class MulticastWorkspace;  // NVLink multicast workspace (csrc/transport/cuda_multicast.hpp)
 
@@ -68,8 +69,17 @@ class Communicator {
   void barrier_host();
   HostShm& host();
 
+  // The configuration of every operation (algorithm, grid, LL, PDL; Note [communicator
+  // configuration]), resolved from the built-in table, the tune file and the environment on first
+  // use and kept for the communicator's life. Throws InvalidArgument for a bad COMMLIB_* value or
+  // tune file (naming it). Not collective.
+  const CommConfig& config();
+
   // ---- GPU state: created on first use for `device` (all ranks must call collectively). ----
+  // A communicator drives one GPU: a later call with another device throws InvalidArgument.
   CudaComm& cuda(int device);
+  // The GPU state cuda(device) created (InvalidArgument when there is none). Not collective.
+  CudaComm& cuda();
   bool has_cuda() const { return cuda_ != nullptr; }
   // The multimem kernels' workspace, created on first use (collective, outside graph capture;
   // Note [multicast workspace]). Only where the multicast guard allows it: otherwise throws
@@ -87,7 +97,9 @@ class Communicator {
   CommunicatorOptions options_;
   std::vector<int64_t> peer_pids_;
   bool closed_ = false;
+  int multicast_attempts_ = 0;  // store keys of each multicast workspace attempt
   std::unique_ptr<HostShm> host_;
+  std::shared_ptr<const CommConfig> config_;
   std::unique_ptr<CudaComm, void (*)(CudaComm*)> cuda_;
   std::unique_ptr<MulticastWorkspace, void (*)(MulticastWorkspace*)> multicast_;  // released before cuda_
 };

@@ -53,6 +53,10 @@ constexpr int kEPOverflowWords = 4;
 // the value and the valid range, or TypeMismatch for the dtype. Not collective.
 EPConfig validate_ep_config(const EPConfig& config, int world_size);
 
+// Which part of a dispatch or combine to run (split phases overlap communication with compute:
+// kSend returns once this rank's data is on its way; kRecv waits for the peers and finishes).
+enum class EPPhase : int { kBoth = 0, kSend = 1, kRecv = 2 };
+
 // The registered state of one EPBuffer on one rank (host or device pointers).
 struct EPState {
   void* expert_x = nullptr;          // [L, capacity, hidden], dtype

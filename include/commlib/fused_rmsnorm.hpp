@@ -72,6 +72,10 @@ enum class ResidualLayout : int { kFull = 0, kSlice = 1 };
 inline constexpr int64_t kFusedHiddenAlign = 8;
 inline constexpr int64_t kFusedMaxHidden = 16384;
 
+// Which kernel runs the op on GPU: kAuto and kP2p the peer-to-peer kernels (LL or barrier, chosen
+// by size), kMultimem the NVLS kernel (only where the multicast guard allows it).
+enum class FusedAlgo : int { kAuto = 0, kP2p = 1, kMultimem = 2 };
+
 struct FusedRmsNormArgs {
   const void* x = nullptr;     // [num_tokens, hidden], row-major, contiguous
   void* residual = nullptr;    // see Note [residual modes]

@@ -55,7 +55,7 @@ struct DeviceErrorWord {
   uint32_t failed;
   int32_t rank;   // the rank that waited
   int32_t peer;   // the rank it waited for
-  int32_t phase;  // kernel-defined phase id (see the kernel's Params)
+  int32_t phase;  // a Phase (commlib/phase.hpp)
   int32_t block;
   uint64_t elapsed_ns;
   uint64_t call;  // the communicator's collective call number

@@ -79,7 +79,6 @@ class Communicator:
             raise ValueError(f"Communicator: timeout must be a positive timedelta, got {timeout!r}")
         self._comm = _C.Communicator(store, int(rank), int(world_size), str(name), timeout.total_seconds())
         self._store = store
-        self._tuned_flat_max = False
         _live.add(self)
 
     @classmethod
@@ -155,8 +154,6 @@ class Communicator:
         _check_tensor("all_reduce", "tensor", tensor)
         if algo not in _ALGOS:
             raise ValueError(f"all_reduce: algo '{algo}' not supported; supported: {', '.join(_ALGOS)}")
-        if algo == "auto" and not tensor.is_cuda:
-            algo = self._host_auto_algo(tensor.numel() * tensor.element_size())
         if out is None or out is tensor:
             self._comm.all_reduce(tensor, _op_name("all_reduce", op), algo)
             return tensor
@@ -202,15 +199,9 @@ class Communicator:
             self._comm.check_gpu_error()
 
     def _host_auto_algo(self, nbytes: int) -> str:
-        """CPU auto selection: the commlib-tune cache's flat limit when it has an entry for this
-        machine (and COMMLIB_HOST_TREE_THRESHOLD is unset), else "auto" (the built-in threshold)."""
-        flat_max = self._tuned_flat_max
-        if flat_max is False:  # not looked up yet
-            from .tune import host_flat_max_bytes
-            flat_max = self._tuned_flat_max = host_flat_max_bytes(self.world_size)
-        if flat_max is None:
-            return "auto"
-        return "flat" if nbytes <= flat_max else "tree"
+        """The CPU algorithm ("flat" or "tree") that ``algo="auto"`` runs for ``nbytes``: chosen in C++
+        from COMMLIB_HOST_TREE_THRESHOLD, the tune file and the built-in threshold, as for the backend."""
+        return _C.select_host_all_reduce_algorithm(int(nbytes), self.world_size)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op="sum") -> torch.Tensor:
         """``output`` (n elements) receives this rank's slice of the reduction of ``input`` (world × n)."""

@@ -12,11 +12,14 @@ The cache (``COMMLIB_TUNE_FILE``, default ``~/.cache/commlib/tune.json``) holds 
                   "all_reduce": {"flat_max_bytes": 262144, "tree_max_bytes": 33554432},
                   "fused_num_sms": 16}],
      "all_reduce": [{"world_size": 2, "flat_max_bytes": 262144, "tree_max_bytes": 33554432}],
-     "fused_num_sms": [{"world_size": 2, "num_sms": 16}]}
+     "fused_num_sms": [{"world_size": 2, "num_sms": 16}],
+     "host_all_reduce": [{"world_size": 2, "flat_max_bytes": 65536}]}
 
-``entries`` is what the Python side reads (keyed; CPU entries have link "shm"); the top-level
-``all_reduce`` and ``fused_num_sms`` lists are rewritten from the GPU entries on every save and are
-what the C++ side (GPU path, torch backend, fused op) reads: the file describes one machine.
+``entries`` is what commlib-tune reads (keyed; CPU entries have link "shm"); the top-level
+``all_reduce`` and ``fused_num_sms`` lists (from the GPU entries) and ``host_all_reduce`` (from the
+CPU entries) are rewritten on every save and are what the library reads, in C++, for the Python
+API and the torch backend alike (csrc/core/algorithm_selector.hpp, Note [tune file format]): the
+file describes one machine. A malformed file raises ValueError naming the file.
 
 all_reduce with ``algo="auto"`` uses flat up to ``flat_max_bytes`` (inclusive), tree up to
 ``tree_max_bytes``, and NCCL above where an NCCL engine is attached (tree otherwise; on CPU there
@@ -155,6 +158,10 @@ def save(entry: dict, path: Optional[str] = None) -> Path:
     # Read by csrc/core/algorithm_selector.cc (tuned_fused_num_sms; Note [tune file format]).
     data["fused_num_sms"] = [{"world_size": e["key"]["world_size"], "num_sms": e["fused_num_sms"]}
                              for e in gpu_entries if e.get("fused_num_sms") is not None]
+    # The CPU all-reduce's flat limit, read by the same C++ selector (resolve_host_all_reduce).
+    data["host_all_reduce"] = [{"world_size": e["key"]["world_size"],
+                                "flat_max_bytes": e["all_reduce"]["flat_max_bytes"]}
+                               for e in data["entries"] if e["key"].get("link") == "shm"]
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tune-", suffix=".json")
     with os.fdopen(fd, "w") as f:
@@ -162,28 +169,6 @@ def save(entry: dict, path: Optional[str] = None) -> Path:
         f.write("\n")
     os.replace(tmp, p)
     return p
-
-
-_host_cache: dict = {}
-
-
-def host_flat_max_bytes(world_size: int) -> Optional[int]:
-    """CPU all_reduce auto selection: the tuned flat limit for this machine, or None (use the
-    built-in threshold). ``COMMLIB_HOST_TREE_THRESHOLD`` set explicitly wins over the cache.
-    Cached per process; a malformed file is ignored with a warning."""
-    if os.environ.get("COMMLIB_HOST_TREE_THRESHOLD"):
-        return None
-    ck = (str(cache_path()), world_size)
-    if ck not in _host_cache:
-        value = None
-        try:
-            entry = load(make_key("cpu", world_size))
-            if entry is not None:
-                value = int(entry["all_reduce"]["flat_max_bytes"])
-        except (ValueError, OSError) as e:
-            print(f"commlib: ignoring tune file: {e}", file=sys.stderr)
-        _host_cache[ck] = value
-    return _host_cache[ck]
 
 
 def _threshold(sizes: List[int], below: list, above: list) -> int:

@@ -327,13 +327,14 @@ def test_multicast_created_only_behind_the_guard():
     assert creators == ["csrc/transport/cuda_multicast.cc"], creators
     makers = sorted(p.relative_to(ROOT).as_posix() for p in sources
                     if "new MulticastWorkspace" in p.read_text() or "create_multicast_workspace(*this" in p.read_text())
-    assert makers == ["csrc/core/communicator.cc", "csrc/transport/cuda_multicast.cc"], makers
+    assert makers == ["csrc/core/communicator.cc", "csrc/core/fused_cuda.cc"], makers
     multicast = (ROOT / "csrc/transport/cuda_multicast.cc").read_text()
+    factory = (ROOT / "csrc/core/fused_cuda.cc").read_text()
     communicator = (ROOT / "csrc/core/communicator.cc").read_text()
-    stub = (ROOT / "csrc/transport/cuda_multicast_stub.cc").read_text()
+    stub = (ROOT / "csrc/core/cuda_comm_stub.cc").read_text()
     for where, text, signature in [
             ("constructor", multicast, "MulticastWorkspace::MulticastWorkspace("),
-            ("factory", multicast, "MulticastWorkspace* create_multicast_workspace("),
+            ("factory", factory, "MulticastWorkspace* create_multicast_workspace("),
             ("stub factory", stub, "MulticastWorkspace* create_multicast_workspace("),
             ("Communicator::multicast", communicator, "MulticastWorkspace& Communicator::multicast(")]:
         statements = [re.sub(r"^(//[^\n]*\n\s*)+", "", s.strip()) for s in _function_body(text, signature).split(";")]
@@ -342,7 +343,7 @@ def test_multicast_created_only_behind_the_guard():
         assert first[0].startswith("require_multicast(") or (
             first[0].startswith("check_open(") and first[1].startswith("require_multicast(")), (where, first)
     # The multicast entry points are resolved only in that file, never with the shared driver table.
-    driver = (ROOT / "csrc/core/cuda_driver.cc").read_text() + (ROOT / "csrc/core/cuda_driver.hpp").read_text()
+    driver = (ROOT / "csrc/transport/cuda_driver.cc").read_text() + (ROOT / "csrc/transport/cuda_driver.hpp").read_text()
     assert "Multicast" not in driver
 
 

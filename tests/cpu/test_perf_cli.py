@@ -238,6 +238,23 @@ def _auto_follows_tune_file(ctx, flat_max):
         comm.close()
 
 
+def _auto_refuses_bad_tune_file(ctx, path):
+    import re
+
+    import torch
+    comm = ctx.new_comm()
+    try:
+        for call in (lambda: comm.all_reduce(torch.ones(8)), lambda: comm._host_auto_algo(8)):
+            with pytest.raises(ValueError, match=re.escape(f"COMMLIB_TUNE_FILE: cannot read '{path}'")):
+                call()
+        x = torch.ones(8)
+        comm.all_reduce(x, algo="flat")  # an explicit algorithm needs no tune file; still usable
+        assert torch.equal(x, torch.full((8,), float(ctx.world_size)))
+        return True
+    finally:
+        comm.close()
+
+
 def test_cpu_auto_honours_tune_file(ranks, tmp_path):
     sys.path.insert(0, str(ROOT / "python"))
     from commlib import tune
@@ -247,8 +264,15 @@ def test_cpu_auto_honours_tune_file(ranks, tmp_path):
                "fused_num_sms": None}, str(cache))
     out = ranks(2, env={"COMMLIB_TUNE_FILE": str(cache)}).run(_auto_follows_tune_file, 4096)
     assert out == [["flat", "tree"]] * 2
-    out = ranks(2, env={"COMMLIB_TUNE_FILE": str(tmp_path / "missing.json")}).run(_auto_follows_tune_file, 4096)
-    assert out == [["auto", "auto"]] * 2  # no entry: the built-in threshold (C++) decides
+    # No CPU entry: the built-in threshold (256 KiB) decides, in C++ as for the backend.
+    gpu_only = tmp_path / "gpu.json"
+    gpu_only.write_text('{"version": 1, "entries": [], "all_reduce": [{"world_size": 2, "flat_max_bytes": 1, '
+                        '"tree_max_bytes": 2}]}')
+    out = ranks(2, env={"COMMLIB_TUNE_FILE": str(gpu_only)}).run(_auto_follows_tune_file, 4096)
+    assert out == [["flat", "flat"]] * 2
+    # A tune file that cannot be read is the same clear error on CPU as on GPU.
+    missing = tmp_path / "missing.json"
+    assert all(ranks(2, env={"COMMLIB_TUNE_FILE": str(missing)}).run(_auto_refuses_bad_tune_file, str(missing)))
 
 
 # ---- operations over [tokens, hidden] rows: fused_allreduce_rmsnorm, ep_dispatch_combine ----

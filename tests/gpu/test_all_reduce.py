@@ -231,7 +231,7 @@ def test_cuda_graph_1000_replays_with_changing_inputs(ranks, algo, symmetric):
     assert all(ranks(2).run(_graph_replay, algo, symmetric))
 
 
-# Note [programmatic dependent launch] (csrc/kernels/pdl.cuh): with COMMLIB_PDL=1 the flat and LL
+# Note [programmatic dependent launch] (csrc/kernels/launch.cuh): with COMMLIB_PDL=1 the flat and LL
 # kernels (two per replay, back to back) may start while the previous kernel finishes.
 PDL_ENVS = {"ll": {"COMMLIB_PDL": "1"}, "flat-barrier": {"COMMLIB_PDL": "1", "COMMLIB_FLAT_LL_MAX_BYTES": "0"}}
 

@@ -175,7 +175,7 @@ def _graph_replay(ctx, split):
     return True
 
 
-# Note [programmatic dependent launch] (csrc/kernels/pdl.cuh): the same tests with each kernel
+# Note [programmatic dependent launch] (csrc/kernels/launch.cuh): the same tests with each kernel
 # allowed to start while the previous kernel of its stream finishes.
 PDL = {"COMMLIB_PDL": "1"}
 

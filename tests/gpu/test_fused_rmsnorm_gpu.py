@@ -266,7 +266,7 @@ def _mixed_sequence(ctx):
     return True
 
 
-# Note [programmatic dependent launch] (csrc/kernels/pdl.cuh): the LL and flat kernels may start
+# Note [programmatic dependent launch] (csrc/kernels/launch.cuh): the LL and flat kernels may start
 # while the previous kernel of their stream finishes.
 PDL = {"COMMLIB_PDL": "1"}
 

@@ -68,7 +68,7 @@ __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_re
 // fence.acq_rel.gpu: the same, for observers on this device only.
 __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
-// griddepcontrol (sm_90; Note [programmatic dependent launch] in csrc/kernels/pdl.cuh). Both are
+// griddepcontrol (sm_90; Note [programmatic dependent launch] in csrc/kernels/launch.cuh). Both are
 // no-ops in a grid launched without programmatic stream serialization.
 // .wait: blocks until every prerequisite grid has completed and its memory operations are
 // performed and visible to this grid. The "memory" clobber keeps the compiler from hoisting any

@@ -1,4 +1,4 @@
-#include "core/cuda_driver.hpp"
+#include "transport/cuda_driver.hpp"
 
 #include <cuda_runtime.h>
 

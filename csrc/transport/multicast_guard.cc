@@ -1,4 +1,4 @@
-#include "core/multicast_guard.hpp"
+#include "transport/multicast_guard.hpp"
 
 #include <cstdlib>
 

@@ -1,11 +1,11 @@
-// Programmatic dependent launch (PDL) for commlib's kernels: the COMMLIB_PDL knob, the launch
-// helper that sets the attribute, and the prologue every such kernel runs first.
+// The one way commlib launches a kernel (launch_kernel), and the prologue of kernels that may be
+// launched with programmatic dependent launch (pdl_begin).
 //
 // Note [programmatic dependent launch]
 // Why: at decode sizes a step of commlib work is a few short kernels back to back (EP dispatch,
 // combine; fused all-reduce + RMSNorm), and each kernel boundary costs microseconds of launch,
-// CTA placement and prologue. With COMMLIB_PDL=1 the launchers of the EP, fused LL, flat and flat
-// LL kernels set cudaLaunchAttributeProgrammaticStreamSerialization: the kernel may be scheduled
+// CTA placement and prologue. With COMMLIB_PDL=1 (resolved per communicator, passed in the params'
+// `order`) the launchers of the EP, fused LL, flat and flat LL kernels set cudaLaunchAttributeProgrammaticStreamSerialization: the kernel may be scheduled
 // before the previous kernel of its stream has completed, namely once every CTA of that previous
 // ("primary") grid has executed griddepcontrol.launch_dependents or exited (without a trigger:
 // when all its CTAs have exited). Stream capture records the dependency as a programmatic edge, so
@@ -38,9 +38,9 @@
 //    triggers early: its CTAs are all resident when it does.
 //    Cost: CTAs waiting in .wait hold registers and shared memory that kernels of other streams
 //    could use meanwhile (e.g. a GEMM beside the fused kernel in the TokenWeave overlap).
-// 4. COMMLIB_PDL=0 (default): launched as before, without the attribute, and the kernel skips
-//    both instructions (the order is a kernel argument), so not even another library's PDL kernel
-//    after ours is launched earlier than today.
+// 4. COMMLIB_PDL=0 (default): launched without the attribute, and the kernel skips both
+//    instructions (the order is a kernel argument), so not even another library's PDL kernel after
+//    ours is launched earlier.
 // Kernels launched without the attribute (tree, barrier fused, all_to_all_v, multimem) neither
 // wait nor trigger: a PDL kernel after one of them starts when it has exited (implicit trigger) and
 // still waits for its completion; one of them after a PDL kernel is in plain stream order.
@@ -48,64 +48,58 @@
 
 #include <cuda_runtime.h>
 
-#include <cstdint>
+#include <cstddef>
 
 #include "commlib/device/ptx.cuh"
-#include "commlib/env.hpp"
 #include "commlib/errors.hpp"
+#include "kernels/launch.hpp"
 
 namespace commlib::kernels {
 
-// How a kernel is ordered after the previous work of its stream.
-enum class LaunchOrder : uint8_t {
-  kStream,        // plain stream order: starts when the previous kernel has completed
-  kProgrammatic,  // Note [programmatic dependent launch]
+// Grid, block, dynamic shared memory and thread-block cluster size (x; 1: no cluster) of a launch.
+struct LaunchShape {
+  dim3 grid;
+  dim3 block;
+  size_t smem = 0;
+  unsigned cluster = 1;
 };
 
-// COMMLIB_PDL, read at every launch (a captured graph keeps the order it was captured with).
-inline Status read_launch_order(const char* what, LaunchOrder* order) {
-  const int64_t value = env::get_int("COMMLIB_PDL");
-  if (value != 0 && value != 1) {
-    return Status(StatusCode::kInvalidArgument, detail::concat(what, ": COMMLIB_PDL=", value, " invalid; valid: 0, 1"));
-  }
-  *order = value == 1 ? LaunchOrder::kProgrammatic : LaunchOrder::kStream;
-  return Status::ok();
-}
-
-// The launch attribute for `order` (in `attr`); returns the number of attributes to pass (0 or 1).
-inline unsigned launch_order_attribute(LaunchOrder order, cudaLaunchAttribute* attr) {
-  if (order != LaunchOrder::kProgrammatic) return 0;
-  *attr = cudaLaunchAttribute{};
-  attr->id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr->val.programmaticStreamSerializationAllowed = 1;
-  return 1;
-}
-
-// Launches kernel<<<grid, block, smem, stream>>>(args...) in `order`; returns the launch error
-// (cudaGetLastError after a <<<>>> launch). kStream uses <<<>>> exactly as before the knob existed.
+// Launches kernel(args...) with `shape` on `stream` in `order` (cudaLaunchKernelEx with the
+// cluster and PDL attributes it needs, none for a plain launch). Returns a Status naming `what`
+// and the shape when the launch fails.
 template <typename... Params, typename... Args>
-cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                          LaunchOrder order, Args&&... args) {
-  if (order == LaunchOrder::kStream) {
-    kernel<<<grid, block, smem, stream>>>(static_cast<Params>(args)...);
-    return cudaGetLastError();
+Status launch_kernel(const char* what, void (*kernel)(Params...), const LaunchShape& shape, cudaStream_t stream,
+                     LaunchOrder order, Args&&... args) {
+  cudaLaunchAttribute attrs[2];
+  unsigned num_attrs = 0;
+  if (shape.cluster > 1) {
+    attrs[num_attrs] = cudaLaunchAttribute{};
+    attrs[num_attrs].id = cudaLaunchAttributeClusterDimension;
+    attrs[num_attrs].val.clusterDim.x = shape.cluster;
+    attrs[num_attrs].val.clusterDim.y = 1;
+    attrs[num_attrs].val.clusterDim.z = 1;
+    ++num_attrs;
   }
-  cudaLaunchAttribute attr;
+  if (order == LaunchOrder::kProgrammatic) {
+    attrs[num_attrs] = cudaLaunchAttribute{};
+    attrs[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[num_attrs].val.programmaticStreamSerializationAllowed = 1;
+    ++num_attrs;
+  }
   cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem;
+  config.gridDim = shape.grid;
+  config.blockDim = shape.block;
+  config.dynamicSmemBytes = shape.smem;
   config.stream = stream;
-  config.numAttrs = launch_order_attribute(order, &attr);
-  config.attrs = &attr;
-  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
-  return err != cudaSuccess ? err : cudaGetLastError();
-}
-
-// The Status of a kernel launch that returned `err` (launch_kernel, or cudaGetLastError).
-inline Status cuda_status(const char* what, cudaError_t err) {
+  config.attrs = num_attrs > 0 ? attrs : nullptr;
+  config.numAttrs = num_attrs;
+  cudaError_t err = cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
+  if (err == cudaSuccess) err = cudaGetLastError();
   if (err == cudaSuccess) return Status::ok();
-  return Status(StatusCode::kCudaError, detail::concat(what, ": kernel launch failed: ", cudaGetErrorString(err)));
+  return Status(StatusCode::kCudaError,
+                detail::concat(what, ": kernel launch failed (", shape.grid.x, " CTAs of ", shape.block.x, " threads",
+                               shape.cluster > 1 ? detail::concat(", clusters of ", shape.cluster) : std::string(),
+                               "): ", cudaGetErrorString(err)));
 }
 
 // The prologue of a kernel that may be launched in `order`: every thread of every block calls it

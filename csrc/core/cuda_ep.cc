@@ -1,0 +1,193 @@
+// EPBufferGpu (include/commlib/gpu.hpp): the GPU side of an expert-parallel buffer. The ranks
+// agree on the grid and on the LL kernels here, the buffer owns its symmetric piece and the
+// protocol state (the call the kernels' sequence numbers expect next: Note [EP GPU protocol]), and
+// each call picks the flag or LL launcher the buffer was set up for.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "commlib/errors.hpp"
+#include "commlib/gpu.hpp"
+#include "core/algorithm_selector.hpp"
+#include "core/cuda_comm.hpp"
+#include "kernels/ep_params.hpp"
+
+namespace commlib {
+
+struct EPBufferGpu::Impl {
+  Communicator* comm = nullptr;
+  CudaComm* cuda = nullptr;
+  EPConfig config{};
+  std::shared_ptr<SymmetricBuffer> sym;
+  kernels::EPParams params;  // the fixed part; per-call fields are filled by each call
+  const void* pending_x = nullptr;  // the last dispatch send's x (the caller keeps it alive until kRecv)
+  // The call the protocol expects next: the kernels' flags are sequence-numbered per
+  // dispatch/combine pair, so out-of-order calls would read stale rows (Note [EP GPU protocol]).
+  enum class Next { kDispatch, kDispatchRecv, kCombine, kCombineRecv } next = Next::kDispatch;
+};
+
+namespace {
+
+const char* expected_call(EPBufferGpu::Impl::Next next) {
+  using Next = EPBufferGpu::Impl::Next;
+  switch (next) {
+    case Next::kDispatch: return "dispatch or dispatch_send";
+    case Next::kDispatchRecv: return "dispatch_recv";
+    case Next::kCombine: return "combine or combine_send";
+    default: return "combine_recv";
+  }
+}
+
+// Raises unless `phase` of `what` is the call the protocol expects next.
+void check_order(const EPBufferGpu::Impl& s, const char* what, EPPhase phase, EPBufferGpu::Impl::Next first,
+                 EPBufferGpu::Impl::Next second) {
+  const EPBufferGpu::Impl::Next wanted = phase == EPPhase::kRecv ? second : first;
+  COMMLIB_CHECK(s.next == wanted, InvalidArgument, what, "(phase ",
+                phase == EPPhase::kRecv ? "recv" : (phase == EPPhase::kSend ? "send" : "both"),
+                ") out of order: expected ", expected_call(s.next),
+                "; on CUDA dispatch and combine alternate, each split phase followed by its recv");
+}
+
+kernels::EPMode mode_of(EPPhase phase) {
+  switch (phase) {
+    case EPPhase::kSend: return kernels::EPMode::kSend;
+    case EPPhase::kRecv: return kernels::EPMode::kRecv;
+    default: return kernels::EPMode::kBoth;
+  }
+}
+
+}  // namespace
+
+EPBufferGpu::EPBufferGpu(Communicator& comm, const EPConfig& config_in, int device) : impl_(std::make_unique<Impl>()) {
+  const char* what = "EPBuffer";
+  const int n = comm.world_size();
+  const EPConfig config = validate_ep_config(config_in, n);
+  COMMLIB_CHECK(n <= kMaxDeviceRanks, InvalidArgument, what, ": world_size ", n, " not supported on CUDA; valid: 1..",
+                kMaxDeviceRanks);
+  COMMLIB_CHECK(config.num_experts <= kernels::kEPMaxExpertsCuda, InvalidArgument, what, ": num_experts ",
+                config.num_experts, " not supported on CUDA; valid: up to ", kernels::kEPMaxExpertsCuda);
+  CudaComm& cuda = comm.cuda(device);
+  DeviceGuard guard(cuda.device());
+  // Block b of every rank pairs with block b of the peers (Note [EP GPU protocol]), so every rank
+  // launches the same grid (chunks x column parts), at most one block per SM of the smallest GPU
+  // (all blocks resident). The LL path (Note [EP LL protocol]) only when every rank asks for it
+  // (COMMLIB_EP_LL, in the communicator's configuration).
+  int num_sms = 0;
+  cuda_check(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, cuda.device()), what,
+             "cudaDeviceGetAttribute");
+  struct Wish {
+    int32_t sms, ll;
+  };
+  std::vector<Wish> wishes(n);
+  const Wish mine{num_sms, cuda.config().ep.want_ll ? 1 : 0};
+  comm.all_gather_host(wishes.data(), &mine, sizeof(Wish));  // collective
+  int32_t min_sms = num_sms;
+  bool all_ll = true;
+  for (const Wish& w : wishes) {
+    min_sms = std::min(min_sms, w.sms);
+    all_ll = all_ll && w.ll != 0;
+  }
+  const kernels::EPGrid grid = kernels::ep_grid(config, min_sms);
+  const kernels::EPPath path =
+      all_ll && kernels::ep_ll_eligible(config, grid) ? kernels::EPPath::kLL : kernels::EPPath::kFlags;
+  const kernels::EPLLGeometry ll = kernels::ep_ll_geometry(config, n, grid, path);
+  const kernels::EPSymmetricLayout layout = kernels::ep_symmetric_layout(config, n, grid, ll);
+  Impl& s = *impl_;
+  s.comm = &comm;
+  s.cuda = &cuda;
+  s.config = config;
+  s.sym = cuda.allocate_symmetric(layout.total);  // collective
+  // Only the control words, overflow word, flags and LL lines must start at zero (every other region
+  // is written before it is read); the host barrier keeps peers from raising flags before that.
+  cuda_check(cudaMemset(s.sym->local(), 0, layout.control_end), what, "cudaMemset");
+  cuda_check(cudaDeviceSynchronize(), what, "cudaDeviceSynchronize");
+  comm.barrier_host();
+
+  kernels::EPParams& p = s.params;
+  p.config = config;
+  p.rank = comm.rank();
+  p.world_size = n;
+  p.grid = grid;
+  p.path = path;
+  p.order = cuda.config().ep.order;
+  p.ll = ll;
+  p.sym = s.sym->device_handle();
+  p.layout = layout;
+  p.barrier = cuda.barrier_handle();
+}
+
+EPBufferGpu::~EPBufferGpu() = default;
+
+void EPBufferGpu::set_local(void* expert_x, int32_t* expert_counts, int32_t* recv_pos) {
+  impl_->params.expert_x = expert_x;
+  impl_->params.expert_counts = expert_counts;
+  impl_->params.recv_pos = recv_pos;
+}
+
+EPState EPBufferGpu::state() const {
+  const kernels::EPParams& p = impl_->params;
+  char* base = static_cast<char*>(impl_->sym->local());
+  EPState st;
+  st.expert_x = p.expert_x;
+  st.expert_counts = p.expert_counts;
+  st.recv_pos = p.recv_pos;
+  st.meta_idx = reinterpret_cast<int32_t*>(base + p.layout.meta_idx);
+  st.meta_w = reinterpret_cast<float*>(base + p.layout.meta_w);
+  // Each chunk's lead block of a source writes its token count into the chunk's slot; column 0 is one of them.
+  st.meta_num_tokens = reinterpret_cast<int32_t*>(base + p.layout.num_tokens);
+  st.overflow = reinterpret_cast<int64_t*>(base + p.layout.overflow);
+  return st;
+}
+
+int64_t EPBufferGpu::meta_num_tokens_stride() const { return impl_->params.grid.num_chunks; }
+
+std::shared_ptr<void> EPBufferGpu::symmetric_keepalive() const { return impl_->sym; }
+
+const EPConfig& EPBufferGpu::config() const { return impl_->config; }
+
+int EPBufferGpu::device() const { return impl_->cuda->device(); }
+
+const char* EPBufferGpu::kernels() const { return impl_->params.path == kernels::EPPath::kLL ? "ll" : "flags"; }
+
+void EPBufferGpu::dispatch(const void* x, int64_t num_tokens, const int64_t* topk_idx, const float* topk_weights,
+                           EPPhase phase, GpuStream stream_in) {
+  const char* what = "EPBuffer.dispatch";
+  Impl& s = *impl_;
+  check_order(s, what, phase, Impl::Next::kDispatch, Impl::Next::kDispatchRecv);
+  const cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_in);
+  DeviceGuard guard(s.cuda->device());
+  s.cuda->begin_op(stream, what);
+  kernels::EPParams p = s.params;
+  if (phase != EPPhase::kRecv) {
+    s.pending_x = x;  // the receive part expands this rank's own rows from x
+    p.topk_idx = topk_idx;
+    p.topk_weights = topk_weights;
+    p.num_tokens = num_tokens;
+  }
+  p.x = s.pending_x;
+  throw_if_error(p.path == kernels::EPPath::kLL ? kernels::launch_ep_dispatch_ll(p, mode_of(phase), stream)
+                                                : kernels::launch_ep_dispatch(p, mode_of(phase), stream));
+  s.cuda->end_op(stream, what);
+  s.next = phase == EPPhase::kSend ? Impl::Next::kDispatchRecv : Impl::Next::kCombine;
+}
+
+void EPBufferGpu::combine(const void* expert_out, void* out, EPPhase phase, GpuStream stream_in) {
+  const char* what = "EPBuffer.combine";
+  Impl& s = *impl_;
+  check_order(s, what, phase, Impl::Next::kCombine, Impl::Next::kCombineRecv);
+  const cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_in);
+  DeviceGuard guard(s.cuda->device());
+  s.cuda->begin_op(stream, what);
+  kernels::EPParams p = s.params;
+  p.out = out;
+  if (phase != EPPhase::kRecv) p.expert_out = expert_out;
+  throw_if_error(p.path == kernels::EPPath::kLL ? kernels::launch_ep_combine_ll(p, mode_of(phase), stream)
+                                                : kernels::launch_ep_combine(p, mode_of(phase), stream));
+  s.cuda->end_op(stream, what);
+  s.next = phase == EPPhase::kSend ? Impl::Next::kCombineRecv : Impl::Next::kDispatch;
+}
+
+std::vector<int64_t> ep_trace_snapshot_gpu() { return kernels::ep_trace_snapshot(); }
+
+}  // namespace commlib

@@ -1,0 +1,74 @@
+// CudaComm's fused all-reduce + RMSNorm (include/commlib/gpu.hpp): the kernel choice (LL or
+// barrier P2P kernel by size; the multicast kernel for FusedAlgo::kMultimem, behind the guard) and
+// the multicast workspace's factory. Kept apart from cuda_comm.cc, whose all-reduce path never
+// touches multicast (DESIGN.md, Safety).
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "commlib/env.hpp"
+#include "commlib/errors.hpp"
+#include "commlib/gpu.hpp"
+#include "core/cuda_comm.hpp"
+#include "kernels/rs_rmsnorm_ag_params.hpp"
+#include "transport/cuda_ipc.hpp"
+#include "transport/cuda_multicast.hpp"
+#include "transport/multicast_guard.hpp"
+
+namespace commlib {
+
+void CudaComm::fused_allreduce_rmsnorm(const FusedRmsNormArgs& args, int num_sms, FusedAlgo algo,
+                                       cudaStream_t stream) {
+  const char* what = "fused_allreduce_rmsnorm";
+  // SAFETY: refused before any CUDA call unless the multicast guard allows it.
+  if (algo == FusedAlgo::kMultimem) require_multicast(what);
+  COMMLIB_CHECK(args.dtype == DataType::kBFloat16 || args.dtype == DataType::kFloat16, TypeMismatch, what, ": dtype ",
+                dtype_name(args.dtype), " not supported for CUDA tensors; supported: bfloat16, float16");
+  COMMLIB_CHECK(num_sms >= 0, InvalidArgument, what, ": num_sms ", num_sms, " must be >= 0");
+  DeviceGuard guard(device_);
+  const int blocks = num_sms > 0 ? num_sms : config_.fused.num_sms;
+  if (algo == FusedAlgo::kMultimem) {
+    const MulticastWorkspace& mc = comm_.multicast(device_);  // collective on first use
+    kernels::RsRmsNormAgMultimemParams p;
+    p.args = args;
+    p.barrier = barrier_handle();
+    p.num_blocks = blocks;
+    p.workspace = mc.unicast().device_handle();
+    p.multicast_workspace = mc.address();
+    begin_op(stream, what);
+    throw_if_error(kernels::launch_rs_rmsnorm_ag_multimem(p, stream));
+    end_op(stream, what);
+    return;
+  }
+  kernels::RsRmsNormAgP2pParams p;
+  p.args = args;
+  p.barrier = barrier_handle();
+  p.num_blocks = blocks;
+  p.workspace = workspace_->device_handle();
+  p.lines = ll_lines_handle();
+  p.config = config_.fused.kernel;
+  begin_op(stream, what);
+  // The LL kernel for small slices, the barrier kernel beyond (Note [fused LL layout]).
+  throw_if_error(kernels::fused_rmsnorm_use_ll(p) ? kernels::launch_rs_rmsnorm_ag_p2p_ll(p, stream)
+                                                  : kernels::launch_rs_rmsnorm_ag_p2p(p, stream));
+  end_op(stream, what);
+}
+
+MulticastWorkspace* create_multicast_workspace(Communicator& comm, int device, int attempt) {
+  require_multicast("multicast workspace");  // SAFETY: before cuda(device), which makes CUDA calls of its own
+  CudaComm& cuda = comm.cuda(device);
+  const int64_t ws = env::get_int("COMMLIB_GPU_WORKSPACE_BYTES");
+  // Store keys of their own for each attempt (a failed one, e.g. a GPU without multicast, may be
+  // retried): ranks attempt in the same order, so the communicator's count agrees across them.
+  return new MulticastWorkspace(cuda.ipc(), cuda.rank(), cuda.world_size(), cuda.device(), comm.store(),
+                                comm.prefix() + "/multicast/" + std::to_string(attempt), static_cast<size_t>(ws));
+}
+
+void fused_allreduce_rmsnorm_gpu(Communicator& comm, int device, const FusedRmsNormArgs& args, int num_sms,
+                                 FusedAlgo algo, GpuStream stream) {
+  if (algo == FusedAlgo::kMultimem) require_multicast("fused_allreduce_rmsnorm");  // before any CUDA call
+  check_fused_rmsnorm_args(args, comm.world_size(), comm.rank());
+  comm.cuda(device).fused_allreduce_rmsnorm(args, num_sms, algo, reinterpret_cast<cudaStream_t>(stream));
+}
+
+}  // namespace commlib

@@ -1,0 +1,89 @@
+// GPU operations of a Communicator, for C++ callers (the torch layer drives the same core calls).
+// Everything runs on `stream` of the communicator's GPU and never synchronises the host, so every
+// call can be captured in a CUDA graph once its communicator and buffers exist (create them, and
+// make a first call of each operation, outside capture). A communicator drives one GPU: the first
+// GPU call picks `device`, a later call with another device throws InvalidArgument.
+//
+// Collective: every rank calls each operation in the same order with matching sizes, dtypes and
+// modes. Errors: InvalidArgument / TypeMismatch (bad argument, on the calling rank, before any
+// communication; the communicator stays usable), PeerError (the GPUs cannot reach each other's
+// memory), Timeout (a peer did not arrive: raised by the next call or check_gpu_error, naming rank,
+// peer and phase; the communicator is then unusable). Configuration: Note [communicator
+// configuration] (Communicator::config()). Host-compilable; needs no CUDA header. In a build
+// without CUDA every call throws InvalidArgument.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "commlib/communicator.hpp"
+#include "commlib/ep.hpp"
+#include "commlib/fused_rmsnorm.hpp"
+#include "commlib/types.hpp"
+
+struct CUstream_st;
+
+namespace commlib {
+
+using GpuStream = CUstream_st*;
+
+// Whether this build has the GPU paths.
+bool gpu_built();
+
+// In-place (input == output) or out-of-place all-reduce of `count` elements (float32, float16,
+// bfloat16; sum or avg). algo kAuto chooses by size (Communicator::config()); kNccl is refused
+// (no NCCL engine here).
+void all_reduce_gpu(Communicator& comm, int device, const void* input, void* output, size_t count, DataType dtype,
+                    ReduceOp op, Algorithm algo, GpuStream stream);
+
+// Fused all-reduce + residual add + RMSNorm (include/commlib/fused_rmsnorm.hpp) on bfloat16 or
+// float16 device pointers, 16-byte aligned. num_sms: CTAs (0: COMMLIB_FUSED_NUM_SMS, else by size).
+void fused_allreduce_rmsnorm_gpu(Communicator& comm, int device, const FusedRmsNormArgs& args, int num_sms,
+                                 FusedAlgo algo, GpuStream stream);
+
+// Raises Timeout if a GPU wait of this communicator expired (host memory only; no synchronisation).
+void check_gpu_error(Communicator& comm);
+
+// The GPU side of an expert-parallel buffer (Note [EP layout], Note [EP GPU protocol]): registered
+// once, then each dispatch / combine only moves data. Created collectively (agrees on the grid and
+// on the LL kernels with the peers, allocates symmetric memory). The caller owns expert_x
+// [L, capacity, hidden], expert_counts [L] and recv_pos [world, max_tokens, topk] on the device and
+// registers them with set_local before the first dispatch; meta_idx, meta_w, meta_num_tokens and
+// overflow live in the buffer's symmetric memory (state()). Calls alternate dispatch, combine; a
+// split phase (kSend) is followed by its kRecv.
+class EPBufferGpu {
+ public:
+  EPBufferGpu(Communicator& comm, const EPConfig& config, int device);
+  ~EPBufferGpu();
+  EPBufferGpu(const EPBufferGpu&) = delete;
+  EPBufferGpu& operator=(const EPBufferGpu&) = delete;
+
+  void set_local(void* expert_x, int32_t* expert_counts, int32_t* recv_pos);
+  // The registered state; meta_num_tokens[r] is at meta_num_tokens + r * meta_num_tokens_stride().
+  EPState state() const;
+  int64_t meta_num_tokens_stride() const;
+  // The symmetric memory behind state()'s meta_* and overflow (keeps the mapping alive).
+  std::shared_ptr<void> symmetric_keepalive() const;
+  const EPConfig& config() const;
+  int device() const;
+  const char* kernels() const;  // "flags" or "ll" (Note [EP LL protocol])
+
+  // x, topk_idx, topk_weights: [num_tokens, ...] device rows of this rank (kRecv: ignored).
+  void dispatch(const void* x, int64_t num_tokens, const int64_t* topk_idx, const float* topk_weights, EPPhase phase,
+                GpuStream stream);
+  // expert_out: [L, capacity, hidden] (kRecv: ignored); out: [num_tokens of the dispatch, hidden].
+  void combine(const void* expert_out, void* out, EPPhase phase, GpuStream stream);
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// Developer aid: the EP kernels' last-call timing trace on the current device (%globaltimer ns per
+// point); empty unless built with -DCOMMLIB_EP_TRACE (bench/ep_trace.py reads it).
+std::vector<int64_t> ep_trace_snapshot_gpu();
+
+}  // namespace commlib
