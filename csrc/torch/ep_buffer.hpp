@@ -11,6 +11,8 @@
 
 namespace commlib::torch_layer {
 
+using ::commlib::EPPhase;  // include/commlib/ep.hpp
+
 struct EPCudaState;  // GPU buffers and launch state (ep_cuda_ops.cpp)
 
 // Tensors over the registered state (Note [EP layout]); on CUDA some are views of symmetric memory.

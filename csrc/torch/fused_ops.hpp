@@ -16,6 +16,8 @@
 
 namespace commlib::torch_layer {
 
+using ::commlib::FusedAlgo;  // include/commlib/fused_rmsnorm.hpp
+
 FusedAlgo parse_fused_algo(const std::string& name);
 ResidualMode parse_residual_mode(const std::string& name);
 
