@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cpp"))
-from build import build_dir, build_example  # noqa: E402
+from cpp_example_build import build_dir, build_example  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "cpp"))
-from build import build_dir  # noqa: E402
+from cpp_example_build import build_dir  # noqa: E402
 
 # (target, a header of a layer below or its own, a header of a layer above)
 CASES = [
