@@ -6,7 +6,7 @@
 //   commlib_example [--world N] [--gpu]     exits 0 and prints "OK ..." when every check passed
 //
 // tests/cpu/test_cpp_example.py builds it (CMake target commlib_example) and runs the CPU path; the
-// GPU path runs in tests/gpu (rank r on GPU r mod the GPU count).
+// GPU path runs in tests/gpu (rank r on GPU r; one GPU per rank).
 #include <algorithm>
 #include <cmath>
 #include <condition_variable>
@@ -345,9 +345,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "commlib_example: this build has no GPU paths\n");
     return 2;
   }
-  int num_devices = 0;
 #if defined(COMMLIB_WITH_CUDA)
-  if (gpu) check(cudaGetDeviceCount(&num_devices) == cudaSuccess && num_devices > 0, "a GPU");
+  int num_devices = 0;
+  // One GPU per rank: the ranks are threads of one process, whose kernels (which wait for each
+  // other) would all have to be resident at once on a shared GPU.
+  if (gpu && (cudaGetDeviceCount(&num_devices) != cudaSuccess || num_devices < world)) {
+    std::fprintf(stderr, "commlib_example: --gpu needs one GPU per rank (%d ranks, %d GPUs)\n", world, num_devices);
+    return 2;
+  }
 #endif
   auto store = std::make_shared<InMemoryStore>();
   std::vector<std::string> errors(world);
@@ -359,7 +364,7 @@ int main(int argc, char** argv) {
         all_reduce_cpu(comm, 1000003);
         fused_cpu(comm, 5, 72);
         ep_cpu(comm, 7, 64);
-        if (gpu) gpu_paths(comm, rank % num_devices);
+        if (gpu) gpu_paths(comm, rank);
         comm.close();
       } catch (const std::exception& e) {
         errors[rank] = e.what();
