@@ -28,6 +28,7 @@
 #include "commlib/errors.hpp"
 #include "torch/bindings.hpp"
 #include "torch/torch_common.hpp"
+#include "torch/work.hpp"
 
 #if defined(COMMLIB_TORCH_CUDA)
 #include <c10/cuda/CUDAException.h>
@@ -35,10 +36,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include <mutex>
 #include <unordered_map>
-#include <vector>
-
 #endif
 
 namespace py = pybind11;
@@ -81,163 +79,6 @@ at::Device device_of(const std::vector<at::Tensor>& ts, const char* what) {
   TORCH_CHECK_VALUE(!ts.empty() && ts[0].defined(), what, ": expected at least one defined tensor");
   return ts[0].device();
 }
-
-// A Work that finished before it was returned (CPU calls run synchronously).
-class CompletedWork final : public c10d::Work {
- public:
-  CompletedWork(int rank, c10d::OpType op, std::vector<at::Tensor> outputs)
-      : Work(rank, op), outputs_(std::move(outputs)) {}
-  bool isCompleted() override { return true; }
-  bool isSuccess() const override { return true; }
-  bool wait(std::chrono::milliseconds /*timeout*/) override { return true; }
-  void synchronize() override {}
-  std::vector<at::Tensor> result() override { return outputs_; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {  // built on first use
-    if (!future_) {
-      future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
-      future_->markCompleted(c10::IValue(outputs_));
-    }
-    return future_;
-  }
-
- private:
-  std::vector<at::Tensor> outputs_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-};
-
-// The works an inner backend returned inside one coalescing region (batch_isend_irecv on CPU
-// tensors: gloo's sends and receives), finished together.
-class JoinedWork final : public c10d::Work {
- public:
-  JoinedWork(int rank, std::vector<c10::intrusive_ptr<c10d::Work>> works)
-      : Work(rank, c10d::OpType::COALESCED), works_(std::move(works)) {}
-  bool isCompleted() override {
-    for (auto& w : works_) {
-      if (!w->isCompleted()) return false;
-    }
-    return true;
-  }
-  bool isSuccess() const override {
-    for (const auto& w : works_) {
-      if (!w->isSuccess()) return false;
-    }
-    return true;
-  }
-  bool wait(std::chrono::milliseconds timeout) override {
-    for (auto& w : works_) w->wait(timeout);
-    return true;
-  }
-  void synchronize() override {
-    for (auto& w : works_) w->synchronize();
-  }
-
- private:
-  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
-};
-
-#if defined(COMMLIB_TORCH_CUDA)
-// Timing-free CUDA events, reused: creating one per call costs more than the all-reduce kernel's
-// launch. Events belong to the device that was current at creation, so the pool is per device.
-class EventPool {
- public:
-  static cudaEvent_t acquire(int device) {
-    EventPool& pool = instance();
-    {
-      std::lock_guard<std::mutex> lock(pool.mutex_);
-      auto& free = pool.free_[device];
-      if (!free.empty()) {
-        cudaEvent_t event = free.back();
-        free.pop_back();
-        return event;
-      }
-    }
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-    cudaEvent_t event = nullptr;
-    C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-    return event;
-  }
-  static void release(int device, cudaEvent_t event) {
-    EventPool& pool = instance();
-    std::lock_guard<std::mutex> lock(pool.mutex_);
-    pool.free_[device].push_back(event);
-  }
-
- private:
-  // Never destroyed: events may be released during interpreter exit, after static destructors.
-  static EventPool& instance() {
-    static auto* pool = new EventPool();
-    return *pool;
-  }
-  std::mutex mutex_;
-  std::unordered_map<int, std::vector<cudaEvent_t>> free_;
-};
-
-// A timing-free CUDA event from the pool (ATen's CUDAEvent pulls in the cuBLAS/cuSPARSE headers).
-class StreamEvent {
- public:
-  explicit StreamEvent(int device) : device_(device), event_(EventPool::acquire(device)) {}
-  ~StreamEvent() { EventPool::release(device_, event_); }
-  StreamEvent(const StreamEvent&) = delete;
-  StreamEvent& operator=(const StreamEvent&) = delete;
-  void record(const c10::cuda::CUDAStream& stream) { C10_CUDA_CHECK(cudaEventRecord(event_, stream.stream())); }
-  // Makes `stream` wait for the work recorded so far (no host wait).
-  void block(const c10::cuda::CUDAStream& stream) const {
-    C10_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), event_, 0));
-  }
-  bool query() const {
-    const cudaError_t err = cudaEventQuery(event_);
-    if (err == cudaErrorNotReady) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    C10_CUDA_CHECK(err);
-    return true;
-  }
-
- private:
-  int device_;
-  cudaEvent_t event_;
-};
-
-// A CUDA call enqueued on a stream; `end_` is recorded after its last kernel. wait() makes the
-// caller's current stream wait for it (it does not block the host), as NCCL's Work does.
-class CudaWork final : public c10d::Work {
- public:
-  CudaWork(int rank, c10d::OpType op, std::vector<at::Tensor> outputs, c10::cuda::CUDAStream stream)
-      : Work(rank, op), outputs_(std::move(outputs)), device_(stream.device()), stream_(stream), end_(device_.index()) {
-    end_.record(stream);
-  }
-  bool isCompleted() override { return end_.query(); }
-  bool isSuccess() const override { return true; }
-  bool wait(std::chrono::milliseconds /*timeout*/) override {
-    // On the stream the work ran on (every synchronous call), the stream is already in order.
-    const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device_.index());
-    if (current != stream_) end_.block(current);
-    return true;
-  }
-  void synchronize() override { wait(kNoTimeout); }
-  std::vector<at::Tensor> result() override { return outputs_; }
-  // Built on first use: most callers never ask, and building it costs as much as the launch.
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
-    if (!future_) {
-      // Marked complete on the work's stream: users of the value wait for that stream to reach this
-      // point, which is after the collective (later work on it only makes them wait longer).
-      c10::cuda::CUDAStreamGuard guard(stream_);
-      future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
-                                                         std::vector<c10::Device>{device_});
-      future_->markCompleted(c10::IValue(outputs_));
-    }
-    return future_;
-  }
-
- private:
-  std::vector<at::Tensor> outputs_;
-  c10::Device device_;
-  c10::cuda::CUDAStream stream_;
-  StreamEvent end_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-};
-#endif
 
 }  // namespace
 
