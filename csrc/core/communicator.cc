@@ -104,7 +104,7 @@ HostShm& Communicator::host() {
     size_t slot = options_.shm_slot_bytes != 0 ? options_.shm_slot_bytes
                                                : static_cast<size_t>(env::get_int("COMMLIB_SHM_SLOT_BYTES"));
     COMMLIB_CHECK(slot >= 4096, InvalidArgument, "COMMLIB_SHM_SLOT_BYTES=", slot, " too small; minimum 4096");
-    Bootstrap bootstrap(*store_, prefix_, rank_, world_size_);
+    Bootstrap bootstrap(*store_, prefix_, rank_, world_size_, options_.timeout);
     const auto jitter = std::chrono::microseconds(env::get_int("COMMLIB_HOST_TEST_JITTER_US"));
     COMMLIB_CHECK(jitter.count() >= 0, InvalidArgument, "COMMLIB_HOST_TEST_JITTER_US=", jitter.count(),
                   " is negative; valid: 0 (off) or a number of microseconds");

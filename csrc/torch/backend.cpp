@@ -21,6 +21,7 @@
 
 #include <pybind11/chrono.h>
 
+#include <cstring>
 #include <optional>
 
 #include "commlib/env.hpp"
@@ -78,6 +79,21 @@ bool all_of(const std::vector<at::Tensor>& ts, bool (*pred)(at::ScalarType)) {
 at::Device device_of(const std::vector<at::Tensor>& ts, const char* what) {
   TORCH_CHECK_VALUE(!ts.empty() && ts[0].defined(), what, ": expected at least one defined tensor");
   return ts[0].device();
+}
+
+// Runs a fast-path call, translating commlib's errors (translate_errors). A wait of the lazy
+// transport set-up reports only its phase ("Timed out after ... at set-up phase 'shm/created'"):
+// the operation that triggered it is named in front.
+template <typename F>
+void run_fast(const char* what, F&& body) {
+  translate_errors([&] {
+    try {
+      body();
+    } catch (const Timeout& e) {
+      if (std::strncmp(e.what(), "Timed out", 9) != 0) throw;
+      throw Timeout(detail::concat(what, ": ", e.what()));
+    }
+  });
 }
 
 }  // namespace
@@ -228,7 +244,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::allreduce(std::vector<at::Tensor>& te
                                                      const c10d::AllreduceOptions& opts) {
   const auto op = to_reduce_op(opts.reduceOp);
   if (tensors.size() == 1 && op && cpu_fast(tensors) && all_of(tensors, is_reducible_type)) {
-    translate_errors([&] { all_reduce(*comm_, tensors[0], *op, Algorithm::kAuto); });
+    run_fast("allreduce", [&] { all_reduce(*comm_, tensors[0], *op, Algorithm::kAuto); });
     return completed(c10d::OpType::ALLREDUCE, tensors);
   }
   const at::Device device = device_of(tensors, "allreduce");
@@ -256,7 +272,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::route_cuda_all_reduce(std::vector<at:
     c10::cuda::CUDAGuard device_guard(device);
     const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device);
     if (!opts.asyncOp) {
-      translate_errors([&] { torch_layer::all_reduce_cuda(*comm_, t, *op, algo); });
+      run_fast("allreduce", [&] { torch_layer::all_reduce_cuda(*comm_, t, *op, algo); });
       ++num_fast_calls_;
       return c10::make_intrusive<CudaWork>(getRank(), c10d::OpType::ALLREDUCE, tensors, current);
     }
@@ -268,7 +284,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::route_cuda_all_reduce(std::vector<at:
     start.block(internal);
     {
       c10::cuda::CUDAStreamGuard stream_guard(internal);
-      translate_errors([&] { torch_layer::all_reduce_cuda(*comm_, t, *op, algo); });
+      run_fast("allreduce", [&] { torch_layer::all_reduce_cuda(*comm_, t, *op, algo); });
     }
     t.record_stream(internal);
     ++num_fast_calls_;
@@ -287,7 +303,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::allreduce_coalesced(std::vector<at::T
                                                                const c10d::AllreduceCoalescedOptions& opts) {
   const auto op = to_reduce_op(opts.reduceOp);
   if (op && cpu_fast(tensors) && all_of(tensors, is_reducible_type)) {
-    translate_errors([&] {
+    run_fast("allreduce_coalesced", [&] {
       for (auto& t : tensors) all_reduce(*comm_, t, *op, Algorithm::kAuto);
     });
     return completed(c10d::OpType::ALLREDUCE_COALESCED, tensors);
@@ -302,7 +318,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::reduce(std::vector<at::Tensor>& tenso
     TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < getSize(), "reduce: root rank ", opts.rootRank,
                       " out of range; valid: 0..", getSize() - 1);
     // An all-reduce: the root keeps the result; the other ranks' tensors stay unchanged.
-    translate_errors([&] {
+    run_fast("reduce", [&] {
       if (opts.rootRank == getRank()) {
         all_reduce(*comm_, tensors[0], *op, Algorithm::kAuto);
       } else {
@@ -322,7 +338,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::broadcast(std::vector<at::Tensor>& te
   if (tensors.size() == 1 && cpu_fast(tensors) && all_of(tensors, is_movable_type)) {
     TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < getSize(), "broadcast: root rank ", opts.rootRank,
                       " out of range; valid: 0..", getSize() - 1);
-    translate_errors([&] { torch_layer::broadcast(*comm_, tensors[0], static_cast<int>(opts.rootRank)); });
+    run_fast("broadcast", [&] { torch_layer::broadcast(*comm_, tensors[0], static_cast<int>(opts.rootRank)); });
     return completed(c10d::OpType::BROADCAST, tensors);
   }
   return fallback(inner(device_of(tensors, "broadcast"), "broadcast").broadcast(tensors, opts));
@@ -343,7 +359,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::allgather(std::vector<std::vector<at:
       TORCH_CHECK_VALUE(outs[r].numel() == in.numel(), "allgather: output ", r, " has ", outs[r].numel(),
                         " elements but input has ", in.numel(), "; they must match");
     }
-    translate_errors([&] {
+    run_fast("all_gather", [&] {
       at::Tensor flat = at::empty({getSize(), in.numel()}, in.options());
       all_gather(*comm_, flat, in);
       for (int r = 0; r < getSize(); ++r) outs[r].copy_(flat[r].view(outs[r].sizes()));
@@ -357,7 +373,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::_allgather_base(at::Tensor& output, a
                                                            const c10d::AllgatherOptions& opts) {
   std::vector<at::Tensor> both{output, input};
   if (cpu_fast(both) && all_of(both, is_movable_type)) {
-    translate_errors([&] { all_gather(*comm_, output, input); });
+    run_fast("all_gather_into_tensor", [&] { all_gather(*comm_, output, input); });
     return completed(c10d::OpType::_ALLGATHER_BASE, {output});
   }
   return fallback(inner(input.device(), "all_gather_into_tensor")._allgather_base(output, input, opts));
@@ -375,7 +391,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::allgather_into_tensor_coalesced(std::
                                                                            const c10d::AllgatherOptions& opts) {
   if (outputs.size() == inputs.size() && cpu_fast(inputs) && cpu_fast(outputs) && all_of(inputs, is_movable_type) &&
       all_of(outputs, is_movable_type)) {
-    translate_errors([&] {
+    run_fast("allgather_into_tensor_coalesced", [&] {
       for (size_t i = 0; i < inputs.size(); ++i) all_gather(*comm_, outputs[i], inputs[i]);
     });
     return completed(c10d::OpType::COALESCED, outputs);
@@ -416,7 +432,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::reduce_scatter(std::vector<at::Tensor
                         " elements but output has ", out.numel(), "; they must match");
       flat_inputs.push_back(ins[r].reshape({-1}));
     }
-    translate_errors([&] { torch_layer::reduce_scatter(*comm_, out, at::cat(flat_inputs), *op); });
+    run_fast("reduce_scatter", [&] { torch_layer::reduce_scatter(*comm_, out, at::cat(flat_inputs), *op); });
     return completed(c10d::OpType::REDUCE_SCATTER, outputs);
   }
   return fallback(
@@ -428,7 +444,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::_reduce_scatter_base(at::Tensor& outp
   const auto op = to_reduce_op(opts.reduceOp);
   std::vector<at::Tensor> both{output, input};
   if (op && cpu_fast(both) && all_of(both, is_reducible_type)) {
-    translate_errors([&] { torch_layer::reduce_scatter(*comm_, output, input, *op); });
+    run_fast("reduce_scatter_tensor", [&] { torch_layer::reduce_scatter(*comm_, output, input, *op); });
     return completed(c10d::OpType::_REDUCE_SCATTER_BASE, {output});
   }
   return fallback(inner(input.device(), "reduce_scatter_tensor")._reduce_scatter_base(output, input, opts));
@@ -440,7 +456,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::reduce_scatter_tensor_coalesced(std::
   const auto op = to_reduce_op(opts.reduceOp);
   if (op && outputs.size() == inputs.size() && cpu_fast(outputs) && cpu_fast(inputs) &&
       all_of(outputs, is_reducible_type) && all_of(inputs, is_reducible_type)) {
-    translate_errors([&] {
+    run_fast("reduce_scatter_tensor_coalesced", [&] {
       for (size_t i = 0; i < inputs.size(); ++i) torch_layer::reduce_scatter(*comm_, outputs[i], inputs[i], *op);
     });
     return completed(c10d::OpType::COALESCED, outputs);
@@ -457,7 +473,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::alltoall_base(at::Tensor& output, at:
                                                          const c10d::AllToAllOptions& opts) {
   std::vector<at::Tensor> both{output, input};
   if (cpu_fast(both) && all_of(both, is_movable_type)) {
-    translate_errors([&] { all_to_all_v(*comm_, output, input, output_split_sizes, input_split_sizes); });
+    run_fast("all_to_all_single", [&] { all_to_all_v(*comm_, output, input, output_split_sizes, input_split_sizes); });
     return completed(c10d::OpType::ALLTOALL_BASE, {output});
   }
   return fallback(inner(input.device(), "all_to_all_single")
@@ -484,7 +500,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::alltoall(std::vector<at::Tensor>& out
       in_splits[r] = in_bytes.back().numel();
       out_splits[r] = outputs[r].numel() * outputs[r].element_size();
     }
-    translate_errors([&] {
+    run_fast("all_to_all", [&] {
       at::Tensor packed_in = at::cat(in_bytes);
       int64_t total_out = 0;
       for (int64_t s : out_splits) total_out += s;
@@ -523,7 +539,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::barrier(const c10d::BarrierOptions& o
   // Like NCCL's barrier, the GPU work this rank queued before the barrier is finished after it.
   if (cuda_used_) c10::cuda::device_synchronize();
 #endif
-  translate_errors([&] { comm_->barrier_host(); });
+  run_fast("barrier", [&] { comm_->barrier_host(); });
   return completed(c10d::OpType::BARRIER, {});
 }
 

@@ -228,8 +228,9 @@ void HostShm::wait_for(int peer, std::atomic<uint64_t>& arrived, uint64_t seq, c
     if (waited >= timeout_) {
       broken_ = true;
       broken_reason_ = detail::concat("timeout waiting for rank ", peer);
-      throw Timeout(detail::concat(what, ": rank ", rank_, " timed out after ", waited.count(),
-                                   " ms waiting for rank ", peer, " at phase '", phase, "' (", unit, " ", seq, ")"));
+      throw Timeout(detail::concat(what, ": Timed out after ", waited.count(), " ms (timeout ", timeout_.count(),
+                                   " ms): rank ", rank_, " waiting for rank ", peer, " at phase '", phase, "' (",
+                                   unit, " ", seq, ")"));
     }
   }
 }

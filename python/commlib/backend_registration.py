@@ -30,10 +30,20 @@ def _host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _single_host(store, rank: int, world_size: int) -> bool:
-    """True when every rank of the group runs on this host (collective over the store)."""
+def _single_host(store, rank: int, world_size: int, timeout: timedelta) -> bool:
+    """True when every rank of the group runs on this host (collective over the store).
+
+    Waits at most the group's ``timeout`` (not the store's own) for the other ranks."""
+    import torch.distributed as dist
     store.set(f"host/{rank}", _host_id())
     mine = _host_id()
+    for r in range(world_size):
+        try:
+            store.wait([f"host/{r}"], timeout)
+        except (dist.DistStoreError, RuntimeError) as e:
+            raise dist.DistBackendError(
+                f"ddacomm group creation: Timed out after {timeout.total_seconds() * 1000:.0f} ms: rank {rank} "
+                f"waiting for rank {r} at set-up phase 'host' ({e})") from e
     return all(store.get(f"host/{r}").decode() == mine for r in range(world_size))
 
 
@@ -80,7 +90,7 @@ def _create_backend(dist_opts, backend_options=None):
     global_ranks = list(dist_opts.global_ranks_in_group) or list(range(world_size))
 
     comm = None
-    if _single_host(dist.PrefixStore("ddacomm/", store), rank, world_size):
+    if _single_host(dist.PrefixStore("ddacomm/", store), rank, world_size, timeout):
         comm = _C.Communicator(dist.PrefixStore("ddacomm/commlib/", store), rank, world_size,
                                f"ddacomm-{group_name}", timeout.total_seconds())
     gloo = _make_gloo(dist.PrefixStore("ddacomm/gloo/", store), rank, world_size, timeout, group_name, global_ranks)

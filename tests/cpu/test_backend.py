@@ -478,22 +478,72 @@ def test_multi_host_group_uses_gloo(ranks):
 
 
 # ---------------------------------------------------------------------------------------------
-def _timeout(ctx):
-    import time
+def _expect_group_timeout(ctx, call, what, phase, key):
+    """Rank 0 runs `call` alone and must get the group's timeout; rank 1 waits for it to finish."""
+    import re
 
     import torch.distributed as dist
-    with ddacomm_world(ctx, timeout_s=2.0) as (world, gloo):
-        dist.barrier()
-        if ctx.rank == 1:
-            time.sleep(4)
-            return "slept"
-        with pytest.raises(dist.DistBackendError, match="timed out"):
-            dist.all_reduce(torch.ones(10))
-    return "timed out"
+    if ctx.rank != 0:
+        ctx.store.wait([key])
+        return None
+    try:
+        with pytest.raises(dist.DistBackendError, match="Timed out") as info:
+            call()
+    finally:
+        ctx.store.set(key, b"1")
+    text = str(info.value)
+    for part in (what, "rank 0", "rank 1", f"phase '{phase}"):
+        assert part in text, f"timeout message lacks {part!r}: {text}"
+    waited = int(re.search(r"Timed out after (\d+) ms", text).group(1))
+    # The group's 1 s bounded the wait, not the store's default (what it waited is in the message).
+    assert waited < 10_000, text
+    return text
 
 
-def test_init_timeout_is_honoured(ranks):
-    assert ranks(2).run(_timeout) == ["timed out", "slept"]
+def _timeouts(ctx, device):
+    import torch.distributed as dist
+    n = ctx.scratch["timeouts"] = ctx.scratch.get("timeouts", 0) + 1
+    with ddacomm_world(ctx) as (world, gloo):
+        opts = {} if device == "cpu" else {"device": torch.device("cuda", ctx.device)}
+        t = torch.ones(10, device=device)
+        # The first call of a group: the lazy transport set-up waits for rank 1, which never calls.
+        first = dist.new_group(backend="ddacomm", timeout=timedelta(seconds=1))
+        phase = "shm/created" if device == "cpu" else "busid"
+        _expect_group_timeout(ctx, lambda: dist.all_reduce(t, group=first), "allreduce", phase,
+                              f"timeouts/{device}/{n}/first")
+        # A later call: the transport is up; rank 1 skips the second all_reduce.
+        later = dist.new_group(backend="ddacomm", timeout=timedelta(seconds=1))
+        dist.all_reduce(t, group=later)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert t[0].item() == ctx.world_size
+        def later_call():
+            dist.all_reduce(t, group=later)
+            if device == "cuda":  # the GPU wait times out in the kernel; the next call reports it
+                torch.cuda.synchronize()
+                dist.all_reduce(t, group=later)
+        _expect_group_timeout(ctx, later_call, "all_reduce", "", f"timeouts/{device}/{n}/later")
+        # A barrier whose peer never arrives, on a fresh 1 s group (its first call).
+        third = dist.new_group(backend="ddacomm", timeout=timedelta(seconds=1))
+        _expect_group_timeout(ctx, lambda: dist.barrier(group=third, **opts), "barrier", "",
+                              f"timeouts/{device}/{n}/barrier")
+        # Other groups are untouched.
+        x = torch.full((4,), float(ctx.rank + 1), device=device)
+        dist.all_reduce(x)
+        assert x.cpu().tolist() == [ctx.world_size * (ctx.world_size + 1) / 2] * 4
+    return True
+
+
+def test_group_timeout_bounds_every_wait(ranks):
+    """A 1 s group whose rank 1 never calls: the first call (transport set-up), a later call and a
+    barrier raise DistBackendError "Timed out" naming operation, ranks and phase, on rank 0."""
+    ranks(2).run(_timeouts, "cpu")
+
+
+@pytest.mark.gpu
+def test_group_timeout_bounds_every_wait_cuda(ranks):
+    """The same on CUDA tensors: set-up of the GPU transport, a GPU wait, a barrier."""
+    ranks(2).run(_timeouts, "cuda")
 
 
 # ---------------------------------------------------------------------------------------------
