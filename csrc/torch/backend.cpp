@@ -2,14 +2,20 @@
 //
 // Note [ddacomm routing]
 // A call takes commlib's path only when every rank is sure to decide the same way from what all
-// ranks share: the device type, the dtype, the reduce op, the number of tensors and whether the
+// ranks share: the operation, the device type, the reduce op, the number of tensors and whether the
 // group is on one host (decided once at creation, collectively, in backend_registration.py).
-// Nothing rank-local (contiguity, a size threshold on one rank's tensor) may change the route,
-// or the ranks would meet in different libraries and hang. Anything not taken goes, with its
-// original arguments, to the inner backend of the tensors' device:
-//   CPU:  all_reduce / reduce / reduce_scatter (float32, float16, bfloat16; sum, avg, min, max,
-//         product), broadcast / all_gather / all_to_all (any dtype commlib moves as bytes),
-//         barrier -> commlib shm;  gather, scatter, send/recv, sparse, other dtypes/ops -> gloo.
+// Nothing rank-local may change the route, or the ranks would meet in different libraries and hang:
+// not contiguity, not a size threshold, and on CPU not the dtype either.
+//   CPU:  all_reduce / reduce / reduce_scatter (+ coalesced) of every dtype gloo reduces (and
+//         int16) with every reduction gloo has (sum, avg, product, min, max, band, bor, bxor);
+//         broadcast / all_gather / all_to_all (+ coalesced) / gather / scatter / barrier /
+//         send / recv of any dtype commlib moves as bytes -> commlib shm.
+//         Left to gloo: dtypes commlib has no type for (complex, ...), PREMUL_SUM, sparse tensors.
+//         Before such a call leaves, host::agree checks that every rank makes it (one tag round),
+//         so a rank whose dtype differs from its peers' raises "ranks disagree" on every rank
+//         instead of waiting in another library. Every commlib path starts with the same tag
+//         check (Note [host shm protocol]), which is what catches op, dtype, size and reduction
+//         mismatches between ranks on the fast path.
 //   CUDA: all_reduce (sum/avg, float32/float16/bfloat16, contiguous, where the selector picks
 //         flat or tree for the byte count) -> torch_layer::all_reduce_cuda; everything else
 //         (including sizes where the selector picks "nccl") -> NCCL.
@@ -27,6 +33,7 @@
 #include "commlib/env.hpp"
 #include "core/algorithm_selector.hpp"
 #include "commlib/errors.hpp"
+#include "host/host_ops.hpp"
 #include "torch/bindings.hpp"
 #include "torch/torch_common.hpp"
 #include "torch/work.hpp"
@@ -52,11 +59,62 @@ std::optional<ReduceOp> to_reduce_op(const c10d::ReduceOp& op) {
     case c10d::ReduceOp::PRODUCT: return ReduceOp::kProd;
     case c10d::ReduceOp::MIN: return ReduceOp::kMin;
     case c10d::ReduceOp::MAX: return ReduceOp::kMax;
+    case c10d::ReduceOp::BAND: return ReduceOp::kBand;
+    case c10d::ReduceOp::BOR: return ReduceOp::kBor;
+    case c10d::ReduceOp::BXOR: return ReduceOp::kBxor;
     default: return std::nullopt;
   }
 }
 
-bool is_reducible_type(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
+[[maybe_unused]] bool is_reducible_type(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
+
+// The dtypes of commlib's CPU reductions (every one gloo reduces, and int16).
+std::optional<DataType> host_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DataType::kFloat32;
+    case at::kHalf: return DataType::kFloat16;
+    case at::kBFloat16: return DataType::kBFloat16;
+    case at::kDouble: return DataType::kFloat64;
+    case at::kLong: return DataType::kInt64;
+    case at::kInt: return DataType::kInt32;
+    case at::kShort: return DataType::kInt16;
+    case at::kChar: return DataType::kInt8;
+    case at::kByte: return DataType::kUInt8;
+    case at::kBool: return DataType::kBool;
+    default: return std::nullopt;
+  }
+}
+
+// The op/dtype pairs gloo refuses, refused the same way (RuntimeError), before any peer is involved.
+void check_reduction(const char* what, at::ScalarType type, ReduceOp op) {
+  const bool floating = at::isFloatingType(type);
+  TORCH_CHECK(op != ReduceOp::kAvg || floating, what, ": ReduceOp.AVG is not supported on ", dtype_str(type),
+              " tensors (neither is it by gloo); AVG needs float32, float64, float16 or bfloat16");
+  TORCH_CHECK(!(op == ReduceOp::kBand || op == ReduceOp::kBor || op == ReduceOp::kBxor) || !floating, what,
+              ": Cannot use ReduceOp.", op == ReduceOp::kBand ? "BAND" : op == ReduceOp::kBor ? "BOR" : "BXOR",
+              " with non-integral dtype ", dtype_str(type), "; supported: integer and bool tensors");
+}
+
+// An all-reduce of one CPU tensor on commlib's shared memory (any host_type dtype).
+void host_all_reduce(Communicator& comm, at::Tensor& t, DataType dtype, ReduceOp op) {
+  with_contiguous(t, [&](at::Tensor& c) {
+    comm.all_reduce_host(c.data_ptr(), c.data_ptr(), static_cast<size_t>(c.numel()), dtype, op, Algorithm::kAuto);
+  });
+}
+
+void host_reduce_scatter(Communicator& comm, at::Tensor& out, const at::Tensor& in, DataType dtype, ReduceOp op) {
+  const char* what = "reduce_scatter";
+  TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), what, ": dtype mismatch: output is ",
+                   dtype_str(out.scalar_type()), " but input is ", dtype_str(in.scalar_type()),
+                   "; both must have the same dtype");
+  TORCH_CHECK_VALUE(in.numel() == out.numel() * comm.world_size(), what, ": input has ", in.numel(),
+                    " elements but must have world_size (", comm.world_size(), ") x output (", out.numel(), ") = ",
+                    out.numel() * comm.world_size());
+  const at::Tensor src = in.contiguous();
+  with_contiguous(out, [&](at::Tensor& c) {
+    comm.reduce_scatter_host(c.data_ptr(), src.data_ptr(), static_cast<size_t>(c.numel()), dtype, op);
+  });
+}
 
 // dtypes commlib moves (as bytes): the DataType set of torch_common.cpp's to_data_type.
 bool is_movable_type(at::ScalarType t) {
@@ -240,11 +298,33 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::completed(c10d::OpType op, std::vecto
 
 // ---- all-reduce family ----
 
+bool DdaBackend::cpu_reduction(const char* what, c10d::OpType kind, const std::vector<at::Tensor>& tensors,
+                               const c10d::ReduceOp& reduce_op) {
+  const auto op = to_reduce_op(reduce_op);
+  bool handled = op.has_value();
+  for (const auto& t : tensors) {
+    if (!host_type(t.scalar_type())) {
+      handled = false;
+    } else if (op) {
+      check_reduction(what, t.scalar_type(), *op);
+    }
+  }
+  if (handled) return true;
+  // The inner backend takes it; first every rank confirms it makes the same call.
+  const at::Tensor& t = tensors[0];
+  run_fast(what, [&] {
+    host::agree(*comm_, what, static_cast<uint32_t>(kind), static_cast<uint32_t>(t.scalar_type()),
+                static_cast<uint64_t>(t.numel()), static_cast<uint32_t>(reduce_op.op_));
+  });
+  return false;
+}
+
 c10::intrusive_ptr<c10d::Work> DdaBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                      const c10d::AllreduceOptions& opts) {
-  const auto op = to_reduce_op(opts.reduceOp);
-  if (tensors.size() == 1 && op && cpu_fast(tensors) && all_of(tensors, is_reducible_type)) {
-    run_fast("allreduce", [&] { all_reduce(*comm_, tensors[0], *op, Algorithm::kAuto); });
+  if (tensors.size() == 1 && cpu_fast(tensors) &&
+      cpu_reduction("allreduce", c10d::OpType::ALLREDUCE, tensors, opts.reduceOp)) {
+    at::Tensor& t = tensors[0];
+    run_fast("allreduce", [&] { host_all_reduce(*comm_, t, *host_type(t.scalar_type()), *to_reduce_op(opts.reduceOp)); });
     return completed(c10d::OpType::ALLREDUCE, tensors);
   }
   const at::Device device = device_of(tensors, "allreduce");
@@ -301,10 +381,11 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::allreduce_sparse(std::vector<at::Tens
 
 c10::intrusive_ptr<c10d::Work> DdaBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                                const c10d::AllreduceCoalescedOptions& opts) {
-  const auto op = to_reduce_op(opts.reduceOp);
-  if (op && cpu_fast(tensors) && all_of(tensors, is_reducible_type)) {
+  if (cpu_fast(tensors) && cpu_reduction("allreduce_coalesced", c10d::OpType::ALLREDUCE_COALESCED, tensors,
+                                         opts.reduceOp)) {
+    const ReduceOp op = *to_reduce_op(opts.reduceOp);
     run_fast("allreduce_coalesced", [&] {
-      for (auto& t : tensors) all_reduce(*comm_, t, *op, Algorithm::kAuto);
+      for (auto& t : tensors) host_all_reduce(*comm_, t, *host_type(t.scalar_type()), op);
     });
     return completed(c10d::OpType::ALLREDUCE_COALESCED, tensors);
   }
@@ -313,17 +394,20 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::allreduce_coalesced(std::vector<at::T
 }
 
 c10::intrusive_ptr<c10d::Work> DdaBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
-  const auto op = to_reduce_op(opts.reduceOp);
-  if (tensors.size() == 1 && op && cpu_fast(tensors) && all_of(tensors, is_reducible_type)) {
+  if (tensors.size() == 1 && cpu_fast(tensors)) {
     TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < getSize(), "reduce: root rank ", opts.rootRank,
                       " out of range; valid: 0..", getSize() - 1);
+  }
+  if (tensors.size() == 1 && cpu_fast(tensors) && cpu_reduction("reduce", c10d::OpType::REDUCE, tensors, opts.reduceOp)) {
+    const ReduceOp op = *to_reduce_op(opts.reduceOp);
+    const DataType dtype = *host_type(tensors[0].scalar_type());
     // An all-reduce: the root keeps the result; the other ranks' tensors stay unchanged.
     run_fast("reduce", [&] {
       if (opts.rootRank == getRank()) {
-        all_reduce(*comm_, tensors[0], *op, Algorithm::kAuto);
+        host_all_reduce(*comm_, tensors[0], dtype, op);
       } else {
         at::Tensor scratch = tensors[0].clone(at::MemoryFormat::Contiguous);
-        all_reduce(*comm_, scratch, *op, Algorithm::kAuto);
+        host_all_reduce(*comm_, scratch, dtype, op);
       }
     });
     return completed(c10d::OpType::REDUCE, tensors);
@@ -416,9 +500,8 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::scatter(std::vector<at::Tensor>& outp
 c10::intrusive_ptr<c10d::Work> DdaBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                           std::vector<std::vector<at::Tensor>>& inputs,
                                                           const c10d::ReduceScatterOptions& opts) {
-  const auto op = to_reduce_op(opts.reduceOp);
-  if (outputs.size() == 1 && inputs.size() == 1 && op && cpu_fast(outputs) && cpu_fast(inputs[0]) &&
-      all_of(outputs, is_reducible_type)) {
+  if (outputs.size() == 1 && inputs.size() == 1 && cpu_fast(outputs) && cpu_fast(inputs[0]) &&
+      cpu_reduction("reduce_scatter", c10d::OpType::REDUCE_SCATTER, outputs, opts.reduceOp)) {
     at::Tensor& out = outputs[0];
     const std::vector<at::Tensor>& ins = inputs[0];
     TORCH_CHECK_VALUE(static_cast<int>(ins.size()) == getSize(), "reduce_scatter: got ", ins.size(),
@@ -432,7 +515,10 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::reduce_scatter(std::vector<at::Tensor
                         " elements but output has ", out.numel(), "; they must match");
       flat_inputs.push_back(ins[r].reshape({-1}));
     }
-    run_fast("reduce_scatter", [&] { torch_layer::reduce_scatter(*comm_, out, at::cat(flat_inputs), *op); });
+    run_fast("reduce_scatter", [&] {
+      host_reduce_scatter(*comm_, out, at::cat(flat_inputs), *host_type(out.scalar_type()),
+                          *to_reduce_op(opts.reduceOp));
+    });
     return completed(c10d::OpType::REDUCE_SCATTER, outputs);
   }
   return fallback(
@@ -441,10 +527,12 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::reduce_scatter(std::vector<at::Tensor
 
 c10::intrusive_ptr<c10d::Work> DdaBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                 const c10d::ReduceScatterOptions& opts) {
-  const auto op = to_reduce_op(opts.reduceOp);
   std::vector<at::Tensor> both{output, input};
-  if (op && cpu_fast(both) && all_of(both, is_reducible_type)) {
-    run_fast("reduce_scatter_tensor", [&] { torch_layer::reduce_scatter(*comm_, output, input, *op); });
+  if (cpu_fast(both) &&
+      cpu_reduction("reduce_scatter_tensor", c10d::OpType::_REDUCE_SCATTER_BASE, both, opts.reduceOp)) {
+    run_fast("reduce_scatter_tensor", [&] {
+      host_reduce_scatter(*comm_, output, input, *host_type(output.scalar_type()), *to_reduce_op(opts.reduceOp));
+    });
     return completed(c10d::OpType::_REDUCE_SCATTER_BASE, {output});
   }
   return fallback(inner(input.device(), "reduce_scatter_tensor")._reduce_scatter_base(output, input, opts));
@@ -453,11 +541,13 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::_reduce_scatter_base(at::Tensor& outp
 c10::intrusive_ptr<c10d::Work> DdaBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                            std::vector<at::Tensor>& inputs,
                                                                            const c10d::ReduceScatterOptions& opts) {
-  const auto op = to_reduce_op(opts.reduceOp);
-  if (op && outputs.size() == inputs.size() && cpu_fast(outputs) && cpu_fast(inputs) &&
-      all_of(outputs, is_reducible_type) && all_of(inputs, is_reducible_type)) {
+  if (outputs.size() == inputs.size() && cpu_fast(outputs) && cpu_fast(inputs) &&
+      cpu_reduction("reduce_scatter_tensor_coalesced", c10d::OpType::COALESCED, inputs, opts.reduceOp)) {
+    const ReduceOp op = *to_reduce_op(opts.reduceOp);
     run_fast("reduce_scatter_tensor_coalesced", [&] {
-      for (size_t i = 0; i < inputs.size(); ++i) torch_layer::reduce_scatter(*comm_, outputs[i], inputs[i], *op);
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        host_reduce_scatter(*comm_, outputs[i], inputs[i], *host_type(inputs[i].scalar_type()), op);
+      }
     });
     return completed(c10d::OpType::COALESCED, outputs);
   }

@@ -120,6 +120,11 @@ class DdaBackend final : public c10d::Backend {
   c10d::Backend& nccl(const char* what);
   // True when `tensors` are all dense CPU tensors and commlib's shm path is live.
   bool cpu_fast(const std::vector<at::Tensor>& tensors) const;
+  // For a CPU reduction that cpu_fast() admits: true when commlib takes it (every dtype and the op
+  // handled); otherwise the ranks first check they all make the same call (host::agree) and the
+  // caller hands it to gloo. Refuses the op/dtype pairs gloo refuses, as gloo does.
+  bool cpu_reduction(const char* what, c10d::OpType kind, const std::vector<at::Tensor>& tensors,
+                     const c10d::ReduceOp& reduce_op);
   c10::intrusive_ptr<c10d::Work> fallback(c10::intrusive_ptr<c10d::Work> work);
   c10::intrusive_ptr<c10d::Work> completed(c10d::OpType op, std::vector<at::Tensor> outputs);
   // The one route for CUDA all-reduce: commlib's kernels where built in and eligible, else NCCL.
