@@ -12,6 +12,7 @@
 #include "core/multicast_guard.hpp"
 #include "transport/cuda_multicast.hpp"
 #include "transport/host_shm.hpp"
+#include "host/p2p.hpp"
 
 namespace commlib {
 
@@ -92,6 +93,7 @@ void Communicator::close() {
   multicast_.reset();  // unbinds memory that cuda_ owns
   cuda_.reset();
   host_.reset();
+  host_p2p_.reset();
 }
 
 void Communicator::check_open(const char* what) const {
@@ -112,6 +114,12 @@ HostShm& Communicator::host() {
   }
   host_->check_usable("host transport");
   return *host_;
+}
+
+HostP2p& Communicator::host_p2p() {
+  check_open("host p2p");
+  if (!host_p2p_) host_p2p_ = std::make_unique<HostP2p>(*store_, prefix_, rank_, world_size_, options_.timeout, peer_pids_);
+  return *host_p2p_;
 }
 
 CudaComm& Communicator::cuda(int device) {

@@ -35,6 +35,7 @@
 #include "commlib/errors.hpp"
 #include "host/host_ops.hpp"
 #include "torch/bindings.hpp"
+#include "torch/p2p.hpp"
 #include "torch/torch_common.hpp"
 #include "torch/work.hpp"
 
@@ -608,17 +609,35 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::alltoall(std::vector<at::Tensor>& out
   return fallback(inner(device_of(inputs, "all_to_all"), "all_to_all").alltoall(outputs, inputs, opts));
 }
 
-// ---- point-to-point and synchronisation: always the inner backend, except barrier ----
+// ---- point-to-point (Note [host p2p]) and synchronisation ----
+
+c10::intrusive_ptr<c10d::Work> DdaBackend::p2p_work(c10d::OpType op, P2pWork::Item item) {
+  auto work = c10::make_intrusive<P2pWork>(getRank(), op, comm_, std::vector<P2pWork::Item>{std::move(item)});
+  ++num_fast_calls_;
+  if (coalescing_) coalesced_cpu_works_.push_back(work);  // batch_isend_irecv: finished together
+  return work;
+}
 
 c10::intrusive_ptr<c10d::Work> DdaBackend::send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) {
+  if (tensors.size() == 1 && cpu_fast(tensors)) {
+    return p2p_work(c10d::OpType::SEND, post_send(*comm_, tensors[0], dst_rank, tag));
+  }
   return fallback(inner(device_of(tensors, "send"), "send").send(tensors, dst_rank, tag));
 }
 
 c10::intrusive_ptr<c10d::Work> DdaBackend::recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) {
+  if (tensors.size() == 1 && cpu_fast(tensors)) {
+    return p2p_work(c10d::OpType::RECV, post_recv(*comm_, tensors[0], src_rank, tag));
+  }
   return fallback(inner(device_of(tensors, "recv"), "recv").recv(tensors, src_rank, tag));
 }
 
 c10::intrusive_ptr<c10d::Work> DdaBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  // On commlib's path too: a sender cannot know that its receiver takes any source, so both ends
+  // must be on the same path whatever the receiver posts.
+  if (tensors.size() == 1 && cpu_fast(tensors)) {
+    return p2p_work(c10d::OpType::RECVANYSOURCE, post_recv(*comm_, tensors[0], HostP2p::kAnySource, tag));
+  }
   return fallback(inner(device_of(tensors, "recv"), "recv").recvAnysource(tensors, tag));
 }
 

@@ -28,6 +28,7 @@
 
 #include "commlib/communicator.hpp"
 #include "core/algorithm_selector.hpp"
+#include "torch/p2p.hpp"
 
 namespace commlib::torch_layer {
 
@@ -126,6 +127,8 @@ class DdaBackend final : public c10d::Backend {
   bool cpu_reduction(const char* what, c10d::OpType kind, const std::vector<at::Tensor>& tensors,
                      const c10d::ReduceOp& reduce_op);
   c10::intrusive_ptr<c10d::Work> fallback(c10::intrusive_ptr<c10d::Work> work);
+  // A send or receive on commlib's path (collected when inside a coalescing region).
+  c10::intrusive_ptr<c10d::Work> p2p_work(c10d::OpType op, P2pWork::Item item);
   c10::intrusive_ptr<c10d::Work> completed(c10d::OpType op, std::vector<at::Tensor> outputs);
   // The one route for CUDA all-reduce: commlib's kernels where built in and eligible, else NCCL.
   c10::intrusive_ptr<c10d::Work> route_cuda_all_reduce(std::vector<at::Tensor>& tensors,

@@ -23,6 +23,7 @@
 namespace commlib {
 
 class HostShm;
+class HostP2p;  // point-to-point over shared memory (csrc/host/p2p.hpp)
 class CudaComm;  // GPU state (csrc/core/cuda_comm.hpp), created on first GPU use.
 class MulticastWorkspace;  // NVLink multicast workspace (csrc/transport/cuda_multicast.hpp)
 
@@ -67,6 +68,9 @@ class Communicator {
                          const std::vector<size_t>& out_bytes);
   void barrier_host();
   HostShm& host();
+  // Point-to-point messages over shared memory, created on first use. Not collective: only the two
+  // ranks of a pair take part in setting up their channel (Note [host p2p]).
+  HostP2p& host_p2p();
 
   // ---- GPU state: created on first use for `device` (all ranks must call collectively). ----
   CudaComm& cuda(int device);
@@ -88,6 +92,7 @@ class Communicator {
   std::vector<int64_t> peer_pids_;
   bool closed_ = false;
   std::unique_ptr<HostShm> host_;
+  std::unique_ptr<HostP2p> host_p2p_;
   std::unique_ptr<CudaComm, void (*)(CudaComm*)> cuda_;
   std::unique_ptr<MulticastWorkspace, void (*)(MulticastWorkspace*)> multicast_;  // released before cuda_
 };
