@@ -363,3 +363,48 @@ void agree(Communicator& comm, const char* what, uint32_t kind, uint32_t dtype_c
 }
 
 }  // namespace commlib::host
+
+namespace commlib::host {
+
+// Gather and scatter: rounds of one slot each (Note [host shm protocol]). In a gather every rank
+// writes its own slot and the root reads them all; in a scatter the root writes every rank's slot
+// of the round's buffer and each rank reads its own.
+void gather(Communicator& comm, void* out, const void* in, size_t bytes, int root) {
+  const char* what = "gather";
+  const int n = comm.world_size(), rank = comm.rank();
+  COMMLIB_CHECK(root >= 0 && root < n, InvalidArgument, what, ": dst ", root, " out of range; valid: 0..", n - 1);
+  HostShm& shm = comm.host();
+  const OpTag tag{static_cast<uint32_t>(HostOp::kGather), 0, bytes, static_cast<uint64_t>(root)};
+  size_t offset = 0;
+  do {
+    const size_t len = std::min(shm.slot_bytes(), bytes - offset);
+    const int buf = shm.next_buffer();
+    std::memcpy(shm.slot(rank, buf), byte_ptr(in) + offset, len);
+    shm.barrier(what, "gather", tag);
+    if (rank == root) {
+      for (int r = 0; r < n; ++r) std::memcpy(byte_ptr(out) + r * bytes + offset, shm.slot(r, buf), len);
+    }
+    offset += len;
+  } while (offset < bytes);
+}
+
+void scatter(Communicator& comm, void* out, const void* in, size_t bytes, int root) {
+  const char* what = "scatter";
+  const int n = comm.world_size(), rank = comm.rank();
+  COMMLIB_CHECK(root >= 0 && root < n, InvalidArgument, what, ": src ", root, " out of range; valid: 0..", n - 1);
+  HostShm& shm = comm.host();
+  const OpTag tag{static_cast<uint32_t>(HostOp::kScatter), 0, bytes, static_cast<uint64_t>(root)};
+  size_t offset = 0;
+  do {
+    const size_t len = std::min(shm.slot_bytes(), bytes - offset);
+    const int buf = shm.next_buffer();
+    if (rank == root) {
+      for (int r = 0; r < n; ++r) std::memcpy(shm.slot(r, buf), byte_ptr(in) + r * bytes + offset, len);
+    }
+    shm.barrier(what, "scatter", tag);
+    std::memcpy(byte_ptr(out) + offset, shm.slot(rank, buf), len);
+    offset += len;
+  } while (offset < bytes);
+}
+
+}  // namespace commlib::host

@@ -467,8 +467,48 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::_allgather_base(at::Tensor& output, a
 c10::intrusive_ptr<c10d::Work> DdaBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                                                std::vector<at::Tensor>& inputs,
                                                                const c10d::AllgatherOptions& opts) {
+  // outputs[r][i] receives rank r's inputs[i] (gloo's layout).
+  bool fast = cpu_fast(inputs) && all_of(inputs, is_movable_type);
+  for (size_t r = 0; fast && r < outputs.size(); ++r) fast = cpu_fast(outputs[r]);
+  if (fast) {
+    TORCH_CHECK_VALUE(static_cast<int>(outputs.size()) == getSize(), "allgather_coalesced: got ", outputs.size(),
+                      " output lists; expected world_size = ", getSize());
+    for (int r = 0; r < getSize(); ++r) {
+      TORCH_CHECK_VALUE(outputs[r].size() == inputs.size(), "allgather_coalesced: output list ", r, " has ",
+                        outputs[r].size(), " tensors; expected one per input (", inputs.size(), ")");
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        TORCH_CHECK_TYPE(outputs[r][i].scalar_type() == inputs[i].scalar_type(), "allgather_coalesced: output ", r,
+                         "/", i, " is ", dtype_str(outputs[r][i].scalar_type()), " but input ", i, " is ",
+                         dtype_str(inputs[i].scalar_type()));
+        TORCH_CHECK_VALUE(outputs[r][i].numel() == inputs[i].numel(), "allgather_coalesced: output ", r, "/", i,
+                          " has ", outputs[r][i].numel(), " elements but input ", i, " has ", inputs[i].numel());
+      }
+    }
+    run_fast("allgather_coalesced", [&] {
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        const at::Tensor& in = inputs[i];
+        at::Tensor flat = at::empty({getSize(), in.numel()}, in.options());
+        all_gather(*comm_, flat, in);
+        for (int r = 0; r < getSize(); ++r) outputs[r][i].copy_(flat[r].view(outputs[r][i].sizes()));
+      }
+    });
+    std::vector<at::Tensor> all;
+    for (auto& list : outputs) all.insert(all.end(), list.begin(), list.end());
+    return completed(c10d::OpType::ALLGATHER_COALESCED, std::move(all));
+  }
   return fallback(inner(device_of(inputs, "allgather_coalesced"), "allgather_coalesced")
                       .allgather_coalesced(outputs, inputs, opts));
+}
+
+void DdaBackend::check_gather_list(const char* what, const std::vector<at::Tensor>& list, const at::Tensor& one) const {
+  TORCH_CHECK_VALUE(static_cast<int>(list.size()) == getSize(), what, ": got ", list.size(),
+                    " tensors in the list; expected world_size = ", getSize());
+  for (size_t r = 0; r < list.size(); ++r) {
+    TORCH_CHECK_TYPE(list[r].scalar_type() == one.scalar_type(), what, ": list tensor ", r, " is ",
+                     dtype_str(list[r].scalar_type()), " but the tensor is ", dtype_str(one.scalar_type()));
+    TORCH_CHECK_VALUE(list[r].numel() == one.numel(), what, ": list tensor ", r, " has ", list[r].numel(),
+                      " elements but the tensor has ", one.numel(), "; they must match");
+  }
 }
 
 c10::intrusive_ptr<c10d::Work> DdaBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
@@ -487,12 +527,55 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::allgather_into_tensor_coalesced(std::
 
 c10::intrusive_ptr<c10d::Work> DdaBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                   std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
+  // Only the root passes an output list; the route depends on the input alone, which every rank has.
+  if (inputs.size() == 1 && cpu_fast(inputs) && all_of(inputs, is_movable_type)) {
+    const int root = static_cast<int>(opts.rootRank);
+    TORCH_CHECK_VALUE(root >= 0 && root < getSize(), "gather: dst ", root, " out of range; valid: 0..", getSize() - 1);
+    const at::Tensor in = inputs[0].contiguous();
+    const bool is_root = root == getRank();
+    if (is_root) {
+      TORCH_CHECK_VALUE(outputs.size() == 1, "gather: the root needs one output list; got ", outputs.size());
+      TORCH_CHECK_TYPE(cpu_fast(outputs[0]), "gather: the root's output list must hold dense cpu tensors");
+      check_gather_list("gather", outputs[0], in);
+    }
+    const size_t bytes = static_cast<size_t>(in.numel()) * in.element_size();
+    run_fast("gather", [&] {
+      at::Tensor flat = is_root ? at::empty({getSize(), in.numel()}, in.options()) : at::Tensor();
+      host::gather(*comm_, is_root ? flat.data_ptr() : nullptr, in.data_ptr(), bytes, root);
+      if (is_root) {
+        for (int r = 0; r < getSize(); ++r) outputs[0][r].copy_(flat[r].view(outputs[0][r].sizes()));
+      }
+    });
+    return completed(c10d::OpType::GATHER, is_root ? outputs[0] : std::vector<at::Tensor>{});
+  }
   return fallback(inner(device_of(inputs, "gather"), "gather").gather(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> DdaBackend::scatter(std::vector<at::Tensor>& outputs,
                                                    std::vector<std::vector<at::Tensor>>& inputs,
                                                    const c10d::ScatterOptions& opts) {
+  if (outputs.size() == 1 && cpu_fast(outputs) && all_of(outputs, is_movable_type)) {
+    const int root = static_cast<int>(opts.rootRank);
+    TORCH_CHECK_VALUE(root >= 0 && root < getSize(), "scatter: src ", root, " out of range; valid: 0..", getSize() - 1);
+    at::Tensor& out = outputs[0];
+    const bool is_root = root == getRank();
+    at::Tensor packed;
+    if (is_root) {
+      TORCH_CHECK_VALUE(inputs.size() == 1, "scatter: the root needs one input list; got ", inputs.size());
+      TORCH_CHECK_TYPE(cpu_fast(inputs[0]), "scatter: the root's input list must hold dense cpu tensors");
+      check_gather_list("scatter", inputs[0], out);
+      std::vector<at::Tensor> flat;
+      for (const auto& t : inputs[0]) flat.push_back(t.reshape({-1}));
+      packed = at::cat(flat);
+    }
+    const size_t bytes = static_cast<size_t>(out.numel()) * out.element_size();
+    run_fast("scatter", [&] {
+      with_contiguous(out, [&](at::Tensor& c) {
+        host::scatter(*comm_, c.data_ptr(), is_root ? packed.data_ptr() : nullptr, bytes, root);
+      });
+    });
+    return completed(c10d::OpType::SCATTER, outputs);
+  }
   return fallback(inner(device_of(outputs, "scatter"), "scatter").scatter(outputs, inputs, opts));
 }
 

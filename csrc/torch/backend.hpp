@@ -127,6 +127,8 @@ class DdaBackend final : public c10d::Backend {
   bool cpu_reduction(const char* what, c10d::OpType kind, const std::vector<at::Tensor>& tensors,
                      const c10d::ReduceOp& reduce_op);
   c10::intrusive_ptr<c10d::Work> fallback(c10::intrusive_ptr<c10d::Work> work);
+  // `list` has world_size tensors of `one`'s dtype and element count (ValueError / TypeError).
+  void check_gather_list(const char* what, const std::vector<at::Tensor>& list, const at::Tensor& one) const;
   // A send or receive on commlib's path (collected when inside a coalescing region).
   c10::intrusive_ptr<c10d::Work> p2p_work(c10d::OpType op, P2pWork::Item item);
   c10::intrusive_ptr<c10d::Work> completed(c10d::OpType op, std::vector<at::Tensor> outputs);

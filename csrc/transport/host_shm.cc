@@ -113,6 +113,8 @@ std::string describe(const OpTag& tag) {
     case HostOp::kAllGather: return detail::concat("all_gather(", tag.size, " bytes)");
     case HostOp::kBroadcast: return detail::concat("broadcast(", tag.size, " bytes, root ", tag.extra, ")");
     case HostOp::kAllToAllV: return "all_to_all";
+    case HostOp::kGather: return detail::concat("gather(", tag.size, " bytes, root ", tag.extra, ")");
+    case HostOp::kScatter: return detail::concat("scatter(", tag.size, " bytes, root ", tag.extra, ")");
     case HostOp::kBarrier: return "barrier";
     case HostOp::kFused: return "fused all_reduce + rms_norm";
     case HostOp::kAgree: return detail::concat("a collective (kind ", tag.extra >> 8, ", dtype #", tag.dtype, ", ",

@@ -66,6 +66,8 @@ enum class HostOp : uint32_t {
   kAllToAllV,
   kBarrier,
   kFused,
+  kGather,
+  kScatter,
   kAgree,  // only the tag check: a call that then goes to another library (Note [ddacomm routing])
   kPointToPoint,
   kUser,  // extensions (EP, fused) tag their own rounds as kUser + n

@@ -184,7 +184,7 @@ def _gather_scatter_family(ctx):
                 flat = poison(torch.empty(n * count, dtype=dtype))
                 dist.all_gather_into_tensor(flat, x)
                 assert torch.equal(flat, torch.cat(refs)), f"all_gather_into_tensor {dtype} count={count}"
-                # gather / scatter (gloo underneath), object of truth: the all_gather above
+                # gather / scatter, object of truth: the all_gather above
                 for dst in range(n):
                     gl = [poison(x) for _ in range(n)] if ctx.rank == dst else None
                     dist.gather(x, gather_list=gl, dst=dst)
@@ -215,6 +215,85 @@ def _gather_scatter_family(ctx):
         for o, c in zip(outs, (5, 1, 3001)):
             assert torch.equal(o, torch.cat([rand(r, c, torch.float16, salt=9) for r in range(n)]))
     return True
+
+
+def _gather_scatter_coalesced_fast(ctx):
+    """gather, scatter and the coalesced collectives on commlib's path (call counters), against gloo."""
+    import warnings
+
+    import torch.distributed as dist
+    n, r = ctx.world_size, ctx.rank
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    with ddacomm_world(ctx) as (world, gloo):
+        backend = backend_of(world)
+        fast0, fallback0, num_fast = backend.num_fast_calls, backend.num_fallback_calls, 0
+        for dtype in (torch.float64, torch.bfloat16, torch.int8, torch.bool):
+            for count in (0, 13, (1 << 21) // torch.empty(0, dtype=dtype).element_size() + 5):  # > one slot
+                x = any_values(r, count, dtype)
+                for root in range(n):
+                    ours = [poison(x) for _ in range(n)] if r == root else None
+                    ref = [poison(x) for _ in range(n)] if r == root else None
+                    dist.gather(x, gather_list=ours, dst=root)
+                    dist.gather(x, gather_list=ref, dst=root, group=gloo)
+                    if r == root:
+                        for q in range(n):
+                            assert torch.equal(ours[q], ref[q]), f"gather {dtype} count={count} root={root}"
+                            assert torch.equal(ours[q], any_values(q, count, dtype)), f"gather {dtype} from {q}"
+                    chunks = [any_values(q, count, dtype, salt=root + 1) for q in range(n)] if r == root else None
+                    out, out_ref = poison(x), poison(x)
+                    dist.scatter(out, scatter_list=chunks, src=root)
+                    dist.scatter(out_ref, scatter_list=chunks, src=root, group=gloo)
+                    assert torch.equal(out, out_ref), f"scatter {dtype} count={count} root={root}"
+                    assert torch.equal(out, any_values(r, count, dtype, salt=root + 1)), f"scatter {dtype}"
+                    num_fast += 2
+        # all_gather_coalesced (list of lists), all_reduce_coalesced, coalesced reduce_scatter_tensor
+        xs = [any_values(r, c, torch.int32) for c in (5, 0, 4099)]
+        outs = [[poison(x) for x in xs] for _ in range(n)]  # outs[rank][input]
+        refs = [[poison(x) for x in xs] for _ in range(n)]
+        dist.all_gather_coalesced(outs, xs)
+        dist.all_gather_coalesced(refs, xs, group=gloo)
+        num_fast += 1
+        for q in range(n):
+            for i, (a, b) in enumerate(zip(outs[q], refs[q])):
+                assert torch.equal(a, b), "all_gather_coalesced"
+                assert torch.equal(a, any_values(q, xs[i].numel(), torch.int32)), "all_gather_coalesced"
+        ts = [any_values(r, c, torch.int32, salt=3) for c in (7, 0, 3001)]
+        ours, ref = [t.clone() for t in ts], [t.clone() for t in ts]
+        dist.all_reduce_coalesced(ours, op=dist.ReduceOp.MAX)
+        dist.all_reduce_coalesced(ref, op=dist.ReduceOp.MAX, group=gloo)
+        num_fast += 1
+        for a, b in zip(ours, ref):
+            assert torch.equal(a, b), "all_reduce_coalesced"
+        ins = [any_values(r, n * c, torch.float64, salt=4) for c in (3, 1001)]
+        outs = [poison(torch.empty(c, dtype=torch.float64)) for c in (3, 1001)]
+        with dist._coalescing_manager(group=world):
+            for o, i in zip(outs, ins):
+                dist.reduce_scatter_tensor(o, i)
+        num_fast += 1
+        for o, i in zip(outs, ins):
+            ref = torch.empty_like(o)
+            dist.reduce_scatter_tensor(ref, i, group=gloo)
+            if n == 2:
+                assert torch.equal(o, ref), "reduce_scatter_tensor coalesced"
+            else:
+                torch.testing.assert_close(o, ref, rtol=1e-12, atol=1e-12)
+        assert backend.num_fast_calls == fast0 + num_fast, "a call left commlib's path"
+        assert backend.num_fallback_calls == fallback0
+        # Roots that disagree, and gather against scatter: "ranks disagree" everywhere, group usable.
+        for call in (lambda: dist.gather(torch.ones(4), [torch.empty(4) for _ in range(n)] if r < 2 else None, dst=min(r, 1)),
+                     lambda: dist.gather(torch.ones(4), [torch.empty(4) for _ in range(n)], dst=r) if r == 0 else
+                     dist.scatter(torch.empty(4), None, src=0)):
+            with pytest.raises(dist.DistBackendError, match="ranks disagree"):
+                call()
+            t = torch.ones(3)
+            dist.all_reduce(t)
+            assert t.tolist() == [float(n)] * 3
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gather_scatter_coalesced_take_shared_memory(ranks, world_size):
+    ranks(world_size).run(_gather_scatter_coalesced_fast)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
