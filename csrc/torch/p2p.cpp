@@ -10,19 +10,27 @@
 namespace py = pybind11;
 
 namespace commlib::torch_layer {
+// Note [host p2p of cuda tensors]
+// Until CUDA peer-memory P2P exists, the direct API moves CUDA tensors through host memory: a
+// send copies the tensor to the host when posted (after the work already queued on the current
+// stream, which it waits for), a receive lands in host memory and is copied to the tensor, on the
+// current stream, when wait() (or a completed is_completed()) finishes it. Correct, not fast: the
+// ddacomm backend sends CUDA tensors through NCCL instead.
 namespace {
 
 void check_p2p_tensor(const at::Tensor& t, const char* what) {
   TORCH_CHECK_VALUE(t.defined(), what, ": tensor is undefined");
-  TORCH_CHECK_TYPE(t.device().is_cpu() && t.layout() == at::kStrided, what, ": a ", t.device().str(), " ",
-                   t.layout(), " tensor is not supported here; supported: dense cpu tensors");
+  TORCH_CHECK_TYPE((t.device().is_cpu() || t.device().is_cuda()) && t.layout() == at::kStrided, what, ": a ",
+                   t.device().str(), " ", t.layout(), " tensor is not supported here; supported: dense cpu and cuda "
+                   "tensors");
 }
 
 }  // namespace
 
 P2pWork::Item post_send(Communicator& comm, const at::Tensor& tensor, int dst, int64_t tag) {
   check_p2p_tensor(tensor, "send");
-  at::Tensor data = tensor.contiguous();
+  // CUDA tensors travel through host memory (Note [host p2p of cuda tensors]).
+  at::Tensor data = tensor.is_cuda() ? tensor.contiguous().to(at::kCPU) : tensor.contiguous();
   HostP2p::Handle request;
   translate_errors([&] {
     request = comm.host_p2p().isend(data.data_ptr(), static_cast<size_t>(data.numel()) * data.element_size(),
@@ -33,7 +41,12 @@ P2pWork::Item post_send(Communicator& comm, const at::Tensor& tensor, int dst, i
 
 P2pWork::Item post_recv(Communicator& comm, const at::Tensor& tensor, int src, int64_t tag) {
   check_p2p_tensor(tensor, "recv");
-  at::Tensor staging = tensor.is_contiguous() ? at::Tensor() : at::empty_like(tensor, at::MemoryFormat::Contiguous);
+  at::Tensor staging;
+  if (tensor.is_cuda()) {
+    staging = at::empty(tensor.sizes(), tensor.options().device(at::kCPU));
+  } else if (!tensor.is_contiguous()) {
+    staging = at::empty_like(tensor, at::MemoryFormat::Contiguous);
+  }
   at::Tensor& into = staging.defined() ? staging : const_cast<at::Tensor&>(tensor);
   HostP2p::Handle request;
   translate_errors([&] {

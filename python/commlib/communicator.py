@@ -283,6 +283,7 @@ class Communicator:
         """Posts a send of ``tensor`` to rank ``dst``; returns a ``torch.distributed.Work``.
 
         Not collective: only ``dst`` takes part. ``tensor`` must not change until the work is done.
+        CUDA tensors travel through host memory for now (correct, not fast; docs/backend.md).
         A message that fits the channel's ring (2 MiB) is on its way when this returns; a larger one
         moves while any send or receive of this communicator is waited for."""
         from . import _C

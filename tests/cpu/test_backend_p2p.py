@@ -218,3 +218,24 @@ def test_p2p_dead_peer_raises(ranks):
     with pytest.raises(RankFailure) as info:
         pool.run(_dead_peer, timeout=120)
     assert set(info.value.errors) == {1}, info.value.errors  # rank 0 answered: it saw the exit
+
+
+def _direct_cuda(ctx):
+    n, r = ctx.world_size, ctx.rank
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    dev = torch.device("cuda", ctx.device)
+    comm = ctx.comm
+    for dtype in (torch.bfloat16, torch.float32, torch.int64):
+        kv = message(r, nxt, 4099, dtype, salt=13).to(dev)
+        kv_next = poison(kv)
+        work = comm.batch_isend_irecv([("send", kv, nxt), ("recv", kv_next, prv)])
+        work.wait()
+        assert kv_next.device == dev
+        assert torch.equal(kv_next.cpu(), message(prv, r, 4099, dtype, salt=13)), f"cuda ring {dtype}"
+    return True
+
+
+@pytest.mark.gpu
+def test_direct_api_p2p_of_cuda_tensors(ranks):
+    """The direct API's ring step on CUDA tensors (through host memory), against the inputs."""
+    ranks(2).run(_direct_cuda)
