@@ -729,7 +729,8 @@ def _expect_group_timeout(ctx, call, what, phase, key):
     text = str(info.value)
     for part in (what, "rank 0", "rank 1", f"phase '{phase}"):
         assert part in text, f"timeout message lacks {part!r}: {text}"
-    waited = int(re.search(r"Timed out after (\d+) ms", text).group(1))
+    # "Timed out after N ms" (host waits) or "... rank 0 waited N ms" (a GPU wait, reported at the next call)
+    waited = int(re.search(r"(?:Timed out after|waited) (\d+) ms", text).group(1))
     # The group's 1 s bounded the wait, not the store's default (what it waited is in the message).
     assert waited < 10_000, text
     return text
@@ -739,7 +740,7 @@ def _timeouts(ctx, device):
     import torch.distributed as dist
     n = ctx.scratch["timeouts"] = ctx.scratch.get("timeouts", 0) + 1
     with ddacomm_world(ctx) as (world, gloo):
-        opts = {} if device == "cpu" else {"device": torch.device("cuda", ctx.device)}
+        opts = {} if device == "cpu" else {"device_ids": [ctx.device]}
         t = torch.ones(10, device=device)
         # The first call of a group: the lazy transport set-up waits for rank 1, which never calls.
         dist.barrier()  # the 1 s group's creation needs the ranks within 1 s of each other
