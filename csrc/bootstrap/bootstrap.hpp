@@ -1,4 +1,8 @@
 // Collective exchanges over the Store: used only at set-up (never on a hot path).
+//
+// Every wait is bounded by the timeout given here (the group's, not the store's own): a rank that
+// never arrives raises Timeout ("Timed out after N ms: rank R waiting for rank P at set-up phase
+// 'tag'") instead of waiting for the store's default.
 #pragma once
 
 #include <chrono>
@@ -12,8 +16,11 @@ namespace commlib {
 
 class Bootstrap {
  public:
-  Bootstrap(Store& store, std::string prefix, int rank, int world_size)
-      : store_(store), prefix_(std::move(prefix)), rank_(rank), world_size_(world_size) {}
+  static constexpr std::chrono::milliseconds kDefaultTimeout{std::chrono::seconds(300)};
+
+  Bootstrap(Store& store, std::string prefix, int rank, int world_size,
+            std::chrono::milliseconds timeout = kDefaultTimeout)
+      : store_(store), prefix_(std::move(prefix)), rank_(rank), world_size_(world_size), timeout_(timeout) {}
 
   // Every rank contributes `mine`; returns all contributions in rank order. `tag` must be unique
   // per exchange within this prefix (the same on every rank).
@@ -25,13 +32,17 @@ class Bootstrap {
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
   const std::string& prefix() const { return prefix_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
 
  private:
   std::string key(const std::string& tag, int rank) const;
+  // Rank `rank`'s value of `tag`, waiting for it at most timeout_.
+  std::vector<uint8_t> wait_get(const std::string& tag, int rank);
   Store& store_;
   std::string prefix_;
   int rank_;
   int world_size_;
+  std::chrono::milliseconds timeout_;
 };
 
 template <typename T>

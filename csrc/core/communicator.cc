@@ -13,6 +13,7 @@
 #include "transport/multicast_guard.hpp"
 #include "transport/cuda_multicast.hpp"
 #include "transport/host_shm.hpp"
+#include "host/p2p.hpp"
 
 namespace commlib {
 
@@ -96,6 +97,7 @@ void Communicator::close() {
   multicast_.reset();  // unbinds memory that cuda_ owns
   cuda_.reset();
   host_.reset();
+  host_p2p_.reset();
 }
 
 void Communicator::check_open(const char* what) const {
@@ -108,7 +110,7 @@ HostShm& Communicator::host() {
     size_t slot = options_.shm_slot_bytes != 0 ? options_.shm_slot_bytes
                                                : static_cast<size_t>(env::get_int("COMMLIB_SHM_SLOT_BYTES"));
     COMMLIB_CHECK(slot >= 4096, InvalidArgument, "COMMLIB_SHM_SLOT_BYTES=", slot, " too small; minimum 4096");
-    Bootstrap bootstrap(*store_, prefix_, rank_, world_size_);
+    Bootstrap bootstrap(*store_, prefix_, rank_, world_size_, options_.timeout);
     const auto jitter = std::chrono::microseconds(env::get_int("COMMLIB_HOST_TEST_JITTER_US"));
     COMMLIB_CHECK(jitter.count() >= 0, InvalidArgument, "COMMLIB_HOST_TEST_JITTER_US=", jitter.count(),
                   " is negative; valid: 0 (off) or a number of microseconds");
@@ -121,6 +123,12 @@ HostShm& Communicator::host() {
 const CommConfig& Communicator::config() {
   if (!config_) config_ = std::make_shared<const CommConfig>(world_size_);
   return *config_;
+}
+
+HostP2p& Communicator::host_p2p() {
+  check_open("host p2p");
+  if (!host_p2p_) host_p2p_ = std::make_unique<HostP2p>(*store_, prefix_, rank_, world_size_, options_.timeout, peer_pids_);
+  return *host_p2p_;
 }
 
 CudaComm& Communicator::cuda(int device) {

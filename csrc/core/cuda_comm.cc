@@ -151,7 +151,7 @@ void CudaComm::check_error(const char* what) const {
   if (word->failed == 0) return;
   std::atomic_thread_fence(std::memory_order_acquire);
   throw Timeout(detail::concat(
-      what, ": a GPU wait of this communicator timed out earlier: rank ", word->rank, " waited ",
+      what, ": Timed out in an earlier GPU wait of this communicator: rank ", word->rank, " waited ",
       word->elapsed_ns / 1000000, " ms for rank ", word->peer, " at phase '",
       phase_name(word->phase), "' (block ", word->block, ", collective call #", word->call,
       "); the communicator is unusable, create a new one"));

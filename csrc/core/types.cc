@@ -33,6 +33,8 @@ size_t dtype_size(DataType dtype) {
     case DataType::kInt64: return 8;
     case DataType::kUInt8: return 1;
     case DataType::kInt8: return 1;
+    case DataType::kInt16: return 2;
+    case DataType::kBool: return 1;
   }
   return 0;
 }
@@ -47,6 +49,8 @@ const char* dtype_name(DataType dtype) {
     case DataType::kInt64: return "int64";
     case DataType::kUInt8: return "uint8";
     case DataType::kInt8: return "int8";
+    case DataType::kInt16: return "int16";
+    case DataType::kBool: return "bool";
   }
   return "unknown";
 }
@@ -56,7 +60,7 @@ bool is_reducible(DataType dtype) {
 }
 
 namespace {
-constexpr const char* kOpNames[] = {"sum", "avg", "min", "max", "prod"};
+constexpr const char* kOpNames[] = {"sum", "avg", "min", "max", "prod", "band", "bor", "bxor"};
 constexpr const char* kAlgoNames[] = {"auto", "flat", "tree", "nccl"};
 }  // namespace
 

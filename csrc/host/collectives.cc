@@ -7,6 +7,7 @@
 #include "commlib/communicator.hpp"
 #include "commlib/errors.hpp"
 #include "core/algorithm_selector.hpp"
+#include "host/host_ops.hpp"
 #include "host/reduce.hpp"
 #include "transport/host_shm.hpp"
 
@@ -17,9 +18,10 @@ constexpr size_t kSliceAlign = 64;  // bytes; keeps every rank's slice cache-lin
 
 size_t align_down(size_t x, size_t a) { return x / a * a; }
 
-void check_reducible(const char* what, DataType dtype) {
-  COMMLIB_CHECK(is_reducible(dtype), TypeMismatch, what, ": dtype ", dtype_name(dtype),
-                " not supported; supported: float32, float16, bfloat16");
+void check_reducible(const char* what, DataType dtype, ReduceOp op) {
+  COMMLIB_CHECK(host::supports(dtype, op), TypeMismatch, what, ": op ", reduce_op_name(op), " not supported on dtype ",
+                dtype_name(dtype), "; avg needs a floating dtype (float32, float64, float16, bfloat16), band / bor / "
+                "bxor an integer or bool one");
 }
 
 const uint8_t* byte_ptr(const void* p) { return static_cast<const uint8_t*>(p); }
@@ -207,7 +209,7 @@ class PipelinedAllReduce {
 void Communicator::all_reduce_host(const void* input, void* output, size_t count, DataType dtype, ReduceOp op,
                                    Algorithm algo) {
   const char* what = "all_reduce";
-  check_reducible(what, dtype);
+  check_reducible(what, dtype, op);
   const size_t esize = dtype_size(dtype);
   check_same_or_disjoint(what, input, output, count * esize);
   if (algo == Algorithm::kAuto) algo = config().host.select(count * esize);  // Note [communicator configuration]
@@ -224,7 +226,7 @@ void Communicator::all_reduce_host(const void* input, void* output, size_t count
 
 void Communicator::reduce_scatter_host(void* out, const void* in, size_t count, DataType dtype, ReduceOp op) {
   const char* what = "reduce_scatter";
-  check_reducible(what, dtype);
+  check_reducible(what, dtype, op);
   HostShm& shm = host();
   const int n = world_size_;
   const size_t esize = dtype_size(dtype);
@@ -347,3 +349,59 @@ void Communicator::barrier_host() {
 }
 
 }  // namespace commlib
+
+namespace commlib::host {
+
+void agree(Communicator& comm, const char* what, uint32_t kind, uint32_t dtype_code, uint64_t count, uint32_t reduction) {
+  HostShm& shm = comm.host();
+  shm.next_buffer();
+  shm.barrier(what, "agree", OpTag{static_cast<uint32_t>(HostOp::kAgree), dtype_code, count,
+                                   (static_cast<uint64_t>(kind) << 8) | reduction});
+}
+
+}  // namespace commlib::host
+
+namespace commlib::host {
+
+// Gather and scatter: rounds of one slot each (Note [host shm protocol]). In a gather every rank
+// writes its own slot and the root reads them all; in a scatter the root writes every rank's slot
+// of the round's buffer and each rank reads its own.
+void gather(Communicator& comm, void* out, const void* in, size_t bytes, int root) {
+  const char* what = "gather";
+  const int n = comm.world_size(), rank = comm.rank();
+  COMMLIB_CHECK(root >= 0 && root < n, InvalidArgument, what, ": dst ", root, " out of range; valid: 0..", n - 1);
+  HostShm& shm = comm.host();
+  const OpTag tag{static_cast<uint32_t>(HostOp::kGather), 0, bytes, static_cast<uint64_t>(root)};
+  size_t offset = 0;
+  do {
+    const size_t len = std::min(shm.slot_bytes(), bytes - offset);
+    const int buf = shm.next_buffer();
+    std::memcpy(shm.slot(rank, buf), byte_ptr(in) + offset, len);
+    shm.barrier(what, "gather", tag);
+    if (rank == root) {
+      for (int r = 0; r < n; ++r) std::memcpy(byte_ptr(out) + r * bytes + offset, shm.slot(r, buf), len);
+    }
+    offset += len;
+  } while (offset < bytes);
+}
+
+void scatter(Communicator& comm, void* out, const void* in, size_t bytes, int root) {
+  const char* what = "scatter";
+  const int n = comm.world_size(), rank = comm.rank();
+  COMMLIB_CHECK(root >= 0 && root < n, InvalidArgument, what, ": src ", root, " out of range; valid: 0..", n - 1);
+  HostShm& shm = comm.host();
+  const OpTag tag{static_cast<uint32_t>(HostOp::kScatter), 0, bytes, static_cast<uint64_t>(root)};
+  size_t offset = 0;
+  do {
+    const size_t len = std::min(shm.slot_bytes(), bytes - offset);
+    const int buf = shm.next_buffer();
+    if (rank == root) {
+      for (int r = 0; r < n; ++r) std::memcpy(shm.slot(r, buf), byte_ptr(in) + r * bytes + offset, len);
+    }
+    shm.barrier(what, "scatter", tag);
+    std::memcpy(byte_ptr(out) + offset, shm.slot(rank, buf), len);
+    offset += len;
+  } while (offset < bytes);
+}
+
+}  // namespace commlib::host

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "commlib/errors.hpp"
 
@@ -153,7 +154,9 @@ void reduce_op(void* out, void* copy, const void* const* srcs, int num_srcs, siz
     case ReduceOp::kMin: return reduce_typed<E, ReduceOp::kMin, kMode>(out, copy, srcs, num_srcs, count, divisor);
     case ReduceOp::kMax: return reduce_typed<E, ReduceOp::kMax, kMode>(out, copy, srcs, num_srcs, count, divisor);
     case ReduceOp::kProd: return reduce_typed<E, ReduceOp::kProd, kMode>(out, copy, srcs, num_srcs, count, divisor);
+    default: break;
   }
+  throw TypeMismatch(detail::concat("reduce: op ", reduce_op_name(op), " not supported for a floating dtype"));
 }
 
 template <typename E>
@@ -163,6 +166,78 @@ void reduce_mode(void* out, void* copy, const void* const* srcs, int num_srcs, s
     return reduce_op<E, StoreMode::kStreaming>(out, copy, srcs, num_srcs, count, op, divisor);
   }
   reduce_op<E, StoreMode::kCached>(out, copy, srcs, num_srcs, count, op, divisor);
+}
+
+// Note [host exact reduction]
+// Types without an fp32 accumulator (Note [reduction order]) reduce in their own type, like gloo:
+// float64 in float64; integers in two's complement, wrapping on overflow (computed in the unsigned
+// type, at least 32 bits wide, so no step is undefined behaviour); bool as logic (sum, max and bor
+// are or; prod, min and band are and; bxor is xor), on the bytes 0 / 1 torch stores.
+template <typename T, ReduceOp kOp, bool kIsBool>
+COMMLIB_ALWAYS_INLINE T combine_exact(T a, T b) {
+  if constexpr (kIsBool) {
+    if constexpr (kOp == ReduceOp::kProd || kOp == ReduceOp::kMin || kOp == ReduceOp::kBand) return a & b;
+    if constexpr (kOp == ReduceOp::kBxor) return a ^ b;
+    return a | b;
+  } else if constexpr (std::is_floating_point_v<T>) {
+    if constexpr (kOp == ReduceOp::kProd) return a * b;
+    if constexpr (kOp == ReduceOp::kMin) return std::isnan(a) || a <= b ? a : b;
+    if constexpr (kOp == ReduceOp::kMax) return std::isnan(a) || a >= b ? a : b;
+    return a + b;  // sum, avg
+  } else {
+    using W = std::conditional_t<sizeof(T) < 4, uint32_t, std::make_unsigned_t<T>>;
+    if constexpr (kOp == ReduceOp::kSum) return static_cast<T>(static_cast<W>(a) + static_cast<W>(b));
+    if constexpr (kOp == ReduceOp::kProd) return static_cast<T>(static_cast<W>(a) * static_cast<W>(b));
+    if constexpr (kOp == ReduceOp::kMin) return a < b ? a : b;
+    if constexpr (kOp == ReduceOp::kMax) return a > b ? a : b;
+    if constexpr (kOp == ReduceOp::kBand) return a & b;
+    if constexpr (kOp == ReduceOp::kBor) return a | b;
+    return a ^ b;  // bxor
+  }
+}
+
+template <typename T, ReduceOp kOp, bool kIsBool>
+COMMLIB_MULTIVERSION void reduce_exact_typed(void* out_v, void* copy_v, const void* const* srcs, int num_srcs,
+                                             size_t count, double divisor) {
+  T* out = static_cast<T*>(out_v);
+  T* copy = static_cast<T*>(copy_v);
+  for (size_t base = 0; base < count; base += kTile) {  // a tile is read fully before it is written
+    const size_t num = std::min(kTile, count - base);
+    T acc[kTile];
+    const T* s0 = static_cast<const T*>(srcs[0]) + base;
+    for (size_t i = 0; i < num; ++i) acc[i] = s0[i];
+    for (int r = 1; r < num_srcs; ++r) {
+      const T* s = static_cast<const T*>(srcs[r]) + base;
+      for (size_t i = 0; i < num; ++i) acc[i] = combine_exact<T, kOp, kIsBool>(acc[i], s[i]);
+    }
+    if constexpr (kOp == ReduceOp::kAvg && std::is_floating_point_v<T>) {
+      for (size_t i = 0; i < num; ++i) acc[i] = static_cast<T>(acc[i] / divisor);
+    }
+    if (copy != nullptr) {
+      for (size_t i = 0; i < num; ++i) copy[base + i] = acc[i];
+    }
+    for (size_t i = 0; i < num; ++i) out[base + i] = acc[i];
+  }
+}
+
+template <typename T, bool kIsBool = false>
+void reduce_exact(void* out, void* copy, const void* const* srcs, int num_srcs, size_t count, ReduceOp op,
+                  double divisor) {
+  switch (op) {
+    case ReduceOp::kSum: return reduce_exact_typed<T, ReduceOp::kSum, kIsBool>(out, copy, srcs, num_srcs, count, divisor);
+    case ReduceOp::kAvg: return reduce_exact_typed<T, ReduceOp::kAvg, kIsBool>(out, copy, srcs, num_srcs, count, divisor);
+    case ReduceOp::kMin: return reduce_exact_typed<T, ReduceOp::kMin, kIsBool>(out, copy, srcs, num_srcs, count, divisor);
+    case ReduceOp::kMax: return reduce_exact_typed<T, ReduceOp::kMax, kIsBool>(out, copy, srcs, num_srcs, count, divisor);
+    case ReduceOp::kProd: return reduce_exact_typed<T, ReduceOp::kProd, kIsBool>(out, copy, srcs, num_srcs, count, divisor);
+    case ReduceOp::kBand: case ReduceOp::kBor: case ReduceOp::kBxor:
+      if constexpr (!std::is_floating_point_v<T>) {
+        if (op == ReduceOp::kBand) return reduce_exact_typed<T, ReduceOp::kBand, kIsBool>(out, copy, srcs, num_srcs, count, divisor);
+        if (op == ReduceOp::kBor) return reduce_exact_typed<T, ReduceOp::kBor, kIsBool>(out, copy, srcs, num_srcs, count, divisor);
+        return reduce_exact_typed<T, ReduceOp::kBxor, kIsBool>(out, copy, srcs, num_srcs, count, divisor);
+      }
+      break;
+  }
+  throw TypeMismatch(detail::concat("reduce: op ", reduce_op_name(op), " not supported for a floating dtype"));
 }
 
 bool stream_aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kStreamUnit == 0; }
@@ -178,10 +253,23 @@ void reduce(void* out, const void* const* srcs, int num_srcs, size_t count, Data
     case DataType::kFloat32: return reduce_mode<F32>(out, copy, srcs, num_srcs, count, op, d, out_mode);
     case DataType::kFloat16: return reduce_mode<F16>(out, copy, srcs, num_srcs, count, op, d, out_mode);
     case DataType::kBFloat16: return reduce_mode<BF16>(out, copy, srcs, num_srcs, count, op, d, out_mode);
-    default:
-      throw TypeMismatch(detail::concat("reduce: dtype ", dtype_name(dtype),
-                                        " not supported; supported: float32, float16, bfloat16"));
+    case DataType::kFloat64: return reduce_exact<double>(out, copy, srcs, num_srcs, count, op, divisor);
+    case DataType::kInt64: return reduce_exact<int64_t>(out, copy, srcs, num_srcs, count, op, divisor);
+    case DataType::kInt32: return reduce_exact<int32_t>(out, copy, srcs, num_srcs, count, op, divisor);
+    case DataType::kInt16: return reduce_exact<int16_t>(out, copy, srcs, num_srcs, count, op, divisor);
+    case DataType::kInt8: return reduce_exact<int8_t>(out, copy, srcs, num_srcs, count, op, divisor);
+    case DataType::kUInt8: return reduce_exact<uint8_t>(out, copy, srcs, num_srcs, count, op, divisor);
+    case DataType::kBool: return reduce_exact<uint8_t, true>(out, copy, srcs, num_srcs, count, op, divisor);
   }
+  throw TypeMismatch(detail::concat("reduce: dtype ", static_cast<int>(dtype), " unknown"));
+}
+
+bool supports(DataType dtype, ReduceOp op) {
+  const bool floating = dtype == DataType::kFloat32 || dtype == DataType::kFloat16 || dtype == DataType::kBFloat16 ||
+                        dtype == DataType::kFloat64;
+  if (op == ReduceOp::kAvg) return floating;
+  if (op == ReduceOp::kBand || op == ReduceOp::kBor || op == ReduceOp::kBxor) return !floating;
+  return true;
 }
 
 void copy(void* dst, const void* src, size_t bytes, StoreMode mode) {

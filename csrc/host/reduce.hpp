@@ -4,7 +4,8 @@
 // Every algorithm (flat, tree, fused; CPU and GPU) reduces in fp32, adding the ranks' values in
 // rank order 0, 1, ..., n-1 starting from rank 0's value, and rounds once to the element type at
 // the end; avg divides the fp32 sum by n (IEEE division). So every algorithm gives the same bits
-// for the same inputs, on every rank.
+// for the same inputs, on every rank. float64, integer and bool types reduce in their own type in
+// the same rank order (Note [host exact reduction], csrc/host/reduce.cc).
 #pragma once
 
 #include <cstddef>
@@ -25,6 +26,10 @@ enum class StoreMode {
   kCached,     // ordinary stores
   kStreaming,  // non-temporal stores where `out` is 16-byte aligned (ordinary stores otherwise)
 };
+
+// Whether the CPU reduction supports `op` on `dtype` (gloo's set): avg needs a floating dtype,
+// band / bor / bxor an integer or bool one; every other pair is supported.
+bool supports(DataType dtype, ReduceOp op);
 
 // out[i] = reduce(op, srcs[0][i], ..., srcs[num_srcs - 1][i]) for i < count. `out` may alias a
 // source (each block is read fully before it is written). `divisor` is the avg's n. When `copy`

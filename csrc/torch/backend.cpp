@@ -2,14 +2,20 @@
 //
 // Note [ddacomm routing]
 // A call takes commlib's path only when every rank is sure to decide the same way from what all
-// ranks share: the device type, the dtype, the reduce op, the number of tensors and whether the
+// ranks share: the operation, the device type, the reduce op, the number of tensors and whether the
 // group is on one host (decided once at creation, collectively, in backend_registration.py).
-// Nothing rank-local (contiguity, a size threshold on one rank's tensor) may change the route,
-// or the ranks would meet in different libraries and hang. Anything not taken goes, with its
-// original arguments, to the inner backend of the tensors' device:
-//   CPU:  all_reduce / reduce / reduce_scatter (float32, float16, bfloat16; sum, avg, min, max,
-//         product), broadcast / all_gather / all_to_all (any dtype commlib moves as bytes),
-//         barrier -> commlib shm;  gather, scatter, send/recv, sparse, other dtypes/ops -> gloo.
+// Nothing rank-local may change the route, or the ranks would meet in different libraries and hang:
+// not contiguity, not a size threshold, and on CPU not the dtype either.
+//   CPU:  all_reduce / reduce / reduce_scatter (+ coalesced) of every dtype gloo reduces (and
+//         int16) with every reduction gloo has (sum, avg, product, min, max, band, bor, bxor);
+//         broadcast / all_gather / all_to_all (+ coalesced) / gather / scatter / barrier /
+//         send / recv of any dtype commlib moves as bytes -> commlib shm.
+//         Left to gloo: dtypes commlib has no type for (complex, ...), PREMUL_SUM, sparse tensors.
+//         Before such a call leaves, host::agree checks that every rank makes it (one tag round),
+//         so a rank whose dtype differs from its peers' raises "ranks disagree" on every rank
+//         instead of waiting in another library. Every commlib path starts with the same tag
+//         check (Note [host shm protocol]), which is what catches op, dtype, size and reduction
+//         mismatches between ranks on the fast path.
 //   CUDA: all_reduce (sum/avg, float32/float16/bfloat16, contiguous, where the selector picks
 //         flat or tree for the byte count) -> torch_layer::all_reduce_cuda; everything else
 //         (including sizes where the selector picks "nccl") -> NCCL.
@@ -21,13 +27,17 @@
 
 #include <pybind11/chrono.h>
 
+#include <cstring>
 #include <optional>
 
 #include "commlib/env.hpp"
 #include "core/algorithm_selector.hpp"
 #include "commlib/errors.hpp"
+#include "host/host_ops.hpp"
 #include "torch/bindings.hpp"
+#include "torch/p2p.hpp"
 #include "torch/torch_common.hpp"
+#include "torch/work.hpp"
 
 #if defined(COMMLIB_TORCH_CUDA)
 #include <c10/cuda/CUDAException.h>
@@ -35,10 +45,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include <mutex>
 #include <unordered_map>
-#include <vector>
-
 #endif
 
 namespace py = pybind11;
@@ -53,11 +60,62 @@ std::optional<ReduceOp> to_reduce_op(const c10d::ReduceOp& op) {
     case c10d::ReduceOp::PRODUCT: return ReduceOp::kProd;
     case c10d::ReduceOp::MIN: return ReduceOp::kMin;
     case c10d::ReduceOp::MAX: return ReduceOp::kMax;
+    case c10d::ReduceOp::BAND: return ReduceOp::kBand;
+    case c10d::ReduceOp::BOR: return ReduceOp::kBor;
+    case c10d::ReduceOp::BXOR: return ReduceOp::kBxor;
     default: return std::nullopt;
   }
 }
 
-bool is_reducible_type(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
+[[maybe_unused]] bool is_reducible_type(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
+
+// The dtypes of commlib's CPU reductions (every one gloo reduces, and int16).
+std::optional<DataType> host_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DataType::kFloat32;
+    case at::kHalf: return DataType::kFloat16;
+    case at::kBFloat16: return DataType::kBFloat16;
+    case at::kDouble: return DataType::kFloat64;
+    case at::kLong: return DataType::kInt64;
+    case at::kInt: return DataType::kInt32;
+    case at::kShort: return DataType::kInt16;
+    case at::kChar: return DataType::kInt8;
+    case at::kByte: return DataType::kUInt8;
+    case at::kBool: return DataType::kBool;
+    default: return std::nullopt;
+  }
+}
+
+// The op/dtype pairs gloo refuses, refused the same way (RuntimeError), before any peer is involved.
+void check_reduction(const char* what, at::ScalarType type, ReduceOp op) {
+  const bool floating = at::isFloatingType(type);
+  TORCH_CHECK(op != ReduceOp::kAvg || floating, what, ": ReduceOp.AVG is not supported on ", dtype_str(type),
+              " tensors (neither is it by gloo); AVG needs float32, float64, float16 or bfloat16");
+  TORCH_CHECK(!(op == ReduceOp::kBand || op == ReduceOp::kBor || op == ReduceOp::kBxor) || !floating, what,
+              ": Cannot use ReduceOp.", op == ReduceOp::kBand ? "BAND" : op == ReduceOp::kBor ? "BOR" : "BXOR",
+              " with non-integral dtype ", dtype_str(type), "; supported: integer and bool tensors");
+}
+
+// An all-reduce of one CPU tensor on commlib's shared memory (any host_type dtype).
+void host_all_reduce(Communicator& comm, at::Tensor& t, DataType dtype, ReduceOp op) {
+  with_contiguous(t, [&](at::Tensor& c) {
+    comm.all_reduce_host(c.data_ptr(), c.data_ptr(), static_cast<size_t>(c.numel()), dtype, op, Algorithm::kAuto);
+  });
+}
+
+void host_reduce_scatter(Communicator& comm, at::Tensor& out, const at::Tensor& in, DataType dtype, ReduceOp op) {
+  const char* what = "reduce_scatter";
+  TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), what, ": dtype mismatch: output is ",
+                   dtype_str(out.scalar_type()), " but input is ", dtype_str(in.scalar_type()),
+                   "; both must have the same dtype");
+  TORCH_CHECK_VALUE(in.numel() == out.numel() * comm.world_size(), what, ": input has ", in.numel(),
+                    " elements but must have world_size (", comm.world_size(), ") x output (", out.numel(), ") = ",
+                    out.numel() * comm.world_size());
+  const at::Tensor src = in.contiguous();
+  with_contiguous(out, [&](at::Tensor& c) {
+    comm.reduce_scatter_host(c.data_ptr(), src.data_ptr(), static_cast<size_t>(c.numel()), dtype, op);
+  });
+}
 
 // dtypes commlib moves (as bytes): the DataType set of torch_common.cpp's to_data_type.
 bool is_movable_type(at::ScalarType t) {
@@ -82,162 +140,20 @@ at::Device device_of(const std::vector<at::Tensor>& ts, const char* what) {
   return ts[0].device();
 }
 
-// A Work that finished before it was returned (CPU calls run synchronously).
-class CompletedWork final : public c10d::Work {
- public:
-  CompletedWork(int rank, c10d::OpType op, std::vector<at::Tensor> outputs)
-      : Work(rank, op), outputs_(std::move(outputs)) {}
-  bool isCompleted() override { return true; }
-  bool isSuccess() const override { return true; }
-  bool wait(std::chrono::milliseconds /*timeout*/) override { return true; }
-  void synchronize() override {}
-  std::vector<at::Tensor> result() override { return outputs_; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {  // built on first use
-    if (!future_) {
-      future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
-      future_->markCompleted(c10::IValue(outputs_));
+// Runs a fast-path call, translating commlib's errors (translate_errors). A wait of the lazy
+// transport set-up reports only its phase ("Timed out after ... at set-up phase 'shm/created'"):
+// the operation that triggered it is named in front.
+template <typename F>
+void run_fast(const char* what, F&& body) {
+  translate_errors([&] {
+    try {
+      body();
+    } catch (const Timeout& e) {
+      if (std::strncmp(e.what(), "Timed out", 9) != 0) throw;
+      throw Timeout(detail::concat(what, ": ", e.what()));
     }
-    return future_;
-  }
-
- private:
-  std::vector<at::Tensor> outputs_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-};
-
-// The works an inner backend returned inside one coalescing region (batch_isend_irecv on CPU
-// tensors: gloo's sends and receives), finished together.
-class JoinedWork final : public c10d::Work {
- public:
-  JoinedWork(int rank, std::vector<c10::intrusive_ptr<c10d::Work>> works)
-      : Work(rank, c10d::OpType::COALESCED), works_(std::move(works)) {}
-  bool isCompleted() override {
-    for (auto& w : works_) {
-      if (!w->isCompleted()) return false;
-    }
-    return true;
-  }
-  bool isSuccess() const override {
-    for (const auto& w : works_) {
-      if (!w->isSuccess()) return false;
-    }
-    return true;
-  }
-  bool wait(std::chrono::milliseconds timeout) override {
-    for (auto& w : works_) w->wait(timeout);
-    return true;
-  }
-  void synchronize() override {
-    for (auto& w : works_) w->synchronize();
-  }
-
- private:
-  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
-};
-
-#if defined(COMMLIB_TORCH_CUDA)
-// Timing-free CUDA events, reused: creating one per call costs more than the all-reduce kernel's
-// launch. Events belong to the device that was current at creation, so the pool is per device.
-class EventPool {
- public:
-  static cudaEvent_t acquire(int device) {
-    EventPool& pool = instance();
-    {
-      std::lock_guard<std::mutex> lock(pool.mutex_);
-      auto& free = pool.free_[device];
-      if (!free.empty()) {
-        cudaEvent_t event = free.back();
-        free.pop_back();
-        return event;
-      }
-    }
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-    cudaEvent_t event = nullptr;
-    C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-    return event;
-  }
-  static void release(int device, cudaEvent_t event) {
-    EventPool& pool = instance();
-    std::lock_guard<std::mutex> lock(pool.mutex_);
-    pool.free_[device].push_back(event);
-  }
-
- private:
-  // Never destroyed: events may be released during interpreter exit, after static destructors.
-  static EventPool& instance() {
-    static auto* pool = new EventPool();
-    return *pool;
-  }
-  std::mutex mutex_;
-  std::unordered_map<int, std::vector<cudaEvent_t>> free_;
-};
-
-// A timing-free CUDA event from the pool (ATen's CUDAEvent pulls in the cuBLAS/cuSPARSE headers).
-class StreamEvent {
- public:
-  explicit StreamEvent(int device) : device_(device), event_(EventPool::acquire(device)) {}
-  ~StreamEvent() { EventPool::release(device_, event_); }
-  StreamEvent(const StreamEvent&) = delete;
-  StreamEvent& operator=(const StreamEvent&) = delete;
-  void record(const c10::cuda::CUDAStream& stream) { C10_CUDA_CHECK(cudaEventRecord(event_, stream.stream())); }
-  // Makes `stream` wait for the work recorded so far (no host wait).
-  void block(const c10::cuda::CUDAStream& stream) const {
-    C10_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), event_, 0));
-  }
-  bool query() const {
-    const cudaError_t err = cudaEventQuery(event_);
-    if (err == cudaErrorNotReady) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    C10_CUDA_CHECK(err);
-    return true;
-  }
-
- private:
-  int device_;
-  cudaEvent_t event_;
-};
-
-// A CUDA call enqueued on a stream; `end_` is recorded after its last kernel. wait() makes the
-// caller's current stream wait for it (it does not block the host), as NCCL's Work does.
-class CudaWork final : public c10d::Work {
- public:
-  CudaWork(int rank, c10d::OpType op, std::vector<at::Tensor> outputs, c10::cuda::CUDAStream stream)
-      : Work(rank, op), outputs_(std::move(outputs)), device_(stream.device()), stream_(stream), end_(device_.index()) {
-    end_.record(stream);
-  }
-  bool isCompleted() override { return end_.query(); }
-  bool isSuccess() const override { return true; }
-  bool wait(std::chrono::milliseconds /*timeout*/) override {
-    // On the stream the work ran on (every synchronous call), the stream is already in order.
-    const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device_.index());
-    if (current != stream_) end_.block(current);
-    return true;
-  }
-  void synchronize() override { wait(kNoTimeout); }
-  std::vector<at::Tensor> result() override { return outputs_; }
-  // Built on first use: most callers never ask, and building it costs as much as the launch.
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
-    if (!future_) {
-      // Marked complete on the work's stream: users of the value wait for that stream to reach this
-      // point, which is after the collective (later work on it only makes them wait longer).
-      c10::cuda::CUDAStreamGuard guard(stream_);
-      future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
-                                                         std::vector<c10::Device>{device_});
-      future_->markCompleted(c10::IValue(outputs_));
-    }
-    return future_;
-  }
-
- private:
-  std::vector<at::Tensor> outputs_;
-  c10::Device device_;
-  c10::cuda::CUDAStream stream_;
-  StreamEvent end_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-};
-#endif
+  });
+}
 
 }  // namespace
 
@@ -383,11 +299,33 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::completed(c10d::OpType op, std::vecto
 
 // ---- all-reduce family ----
 
+bool DdaBackend::cpu_reduction(const char* what, c10d::OpType kind, const std::vector<at::Tensor>& tensors,
+                               const c10d::ReduceOp& reduce_op) {
+  const auto op = to_reduce_op(reduce_op);
+  bool handled = op.has_value();
+  for (const auto& t : tensors) {
+    if (!host_type(t.scalar_type())) {
+      handled = false;
+    } else if (op) {
+      check_reduction(what, t.scalar_type(), *op);
+    }
+  }
+  if (handled) return true;
+  // The inner backend takes it; first every rank confirms it makes the same call.
+  const at::Tensor& t = tensors[0];
+  run_fast(what, [&] {
+    host::agree(*comm_, what, static_cast<uint32_t>(kind), static_cast<uint32_t>(t.scalar_type()),
+                static_cast<uint64_t>(t.numel()), static_cast<uint32_t>(reduce_op.op_));
+  });
+  return false;
+}
+
 c10::intrusive_ptr<c10d::Work> DdaBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                      const c10d::AllreduceOptions& opts) {
-  const auto op = to_reduce_op(opts.reduceOp);
-  if (tensors.size() == 1 && op && cpu_fast(tensors) && all_of(tensors, is_reducible_type)) {
-    translate_errors([&] { all_reduce(*comm_, tensors[0], *op, Algorithm::kAuto); });
+  if (tensors.size() == 1 && cpu_fast(tensors) &&
+      cpu_reduction("allreduce", c10d::OpType::ALLREDUCE, tensors, opts.reduceOp)) {
+    at::Tensor& t = tensors[0];
+    run_fast("allreduce", [&] { host_all_reduce(*comm_, t, *host_type(t.scalar_type()), *to_reduce_op(opts.reduceOp)); });
     return completed(c10d::OpType::ALLREDUCE, tensors);
   }
   const at::Device device = device_of(tensors, "allreduce");
@@ -416,7 +354,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::route_cuda_all_reduce(std::vector<at:
     c10::cuda::CUDAGuard device_guard(device);
     const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device);
     if (!opts.asyncOp) {
-      translate_errors([&] { torch_layer::all_reduce_cuda(*comm_, t, *op, algo); });
+      run_fast("allreduce", [&] { torch_layer::all_reduce_cuda(*comm_, t, *op, algo); });
       ++num_fast_calls_;
       return c10::make_intrusive<CudaWork>(getRank(), c10d::OpType::ALLREDUCE, tensors, current);
     }
@@ -428,7 +366,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::route_cuda_all_reduce(std::vector<at:
     start.block(internal);
     {
       c10::cuda::CUDAStreamGuard stream_guard(internal);
-      translate_errors([&] { torch_layer::all_reduce_cuda(*comm_, t, *op, algo); });
+      run_fast("allreduce", [&] { torch_layer::all_reduce_cuda(*comm_, t, *op, algo); });
     }
     t.record_stream(internal);
     ++num_fast_calls_;
@@ -445,10 +383,11 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::allreduce_sparse(std::vector<at::Tens
 
 c10::intrusive_ptr<c10d::Work> DdaBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                                const c10d::AllreduceCoalescedOptions& opts) {
-  const auto op = to_reduce_op(opts.reduceOp);
-  if (op && cpu_fast(tensors) && all_of(tensors, is_reducible_type)) {
-    translate_errors([&] {
-      for (auto& t : tensors) all_reduce(*comm_, t, *op, Algorithm::kAuto);
+  if (cpu_fast(tensors) && cpu_reduction("allreduce_coalesced", c10d::OpType::ALLREDUCE_COALESCED, tensors,
+                                         opts.reduceOp)) {
+    const ReduceOp op = *to_reduce_op(opts.reduceOp);
+    run_fast("allreduce_coalesced", [&] {
+      for (auto& t : tensors) host_all_reduce(*comm_, t, *host_type(t.scalar_type()), op);
     });
     return completed(c10d::OpType::ALLREDUCE_COALESCED, tensors);
   }
@@ -457,17 +396,20 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::allreduce_coalesced(std::vector<at::T
 }
 
 c10::intrusive_ptr<c10d::Work> DdaBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
-  const auto op = to_reduce_op(opts.reduceOp);
-  if (tensors.size() == 1 && op && cpu_fast(tensors) && all_of(tensors, is_reducible_type)) {
+  if (tensors.size() == 1 && cpu_fast(tensors)) {
     TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < getSize(), "reduce: root rank ", opts.rootRank,
                       " out of range; valid: 0..", getSize() - 1);
+  }
+  if (tensors.size() == 1 && cpu_fast(tensors) && cpu_reduction("reduce", c10d::OpType::REDUCE, tensors, opts.reduceOp)) {
+    const ReduceOp op = *to_reduce_op(opts.reduceOp);
+    const DataType dtype = *host_type(tensors[0].scalar_type());
     // An all-reduce: the root keeps the result; the other ranks' tensors stay unchanged.
-    translate_errors([&] {
+    run_fast("reduce", [&] {
       if (opts.rootRank == getRank()) {
-        all_reduce(*comm_, tensors[0], *op, Algorithm::kAuto);
+        host_all_reduce(*comm_, tensors[0], dtype, op);
       } else {
         at::Tensor scratch = tensors[0].clone(at::MemoryFormat::Contiguous);
-        all_reduce(*comm_, scratch, *op, Algorithm::kAuto);
+        host_all_reduce(*comm_, scratch, dtype, op);
       }
     });
     return completed(c10d::OpType::REDUCE, tensors);
@@ -482,7 +424,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::broadcast(std::vector<at::Tensor>& te
   if (tensors.size() == 1 && cpu_fast(tensors) && all_of(tensors, is_movable_type)) {
     TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < getSize(), "broadcast: root rank ", opts.rootRank,
                       " out of range; valid: 0..", getSize() - 1);
-    translate_errors([&] { torch_layer::broadcast(*comm_, tensors[0], static_cast<int>(opts.rootRank)); });
+    run_fast("broadcast", [&] { torch_layer::broadcast(*comm_, tensors[0], static_cast<int>(opts.rootRank)); });
     return completed(c10d::OpType::BROADCAST, tensors);
   }
   return fallback(inner(device_of(tensors, "broadcast"), "broadcast").broadcast(tensors, opts));
@@ -503,7 +445,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::allgather(std::vector<std::vector<at:
       TORCH_CHECK_VALUE(outs[r].numel() == in.numel(), "allgather: output ", r, " has ", outs[r].numel(),
                         " elements but input has ", in.numel(), "; they must match");
     }
-    translate_errors([&] {
+    run_fast("all_gather", [&] {
       at::Tensor flat = at::empty({getSize(), in.numel()}, in.options());
       all_gather(*comm_, flat, in);
       for (int r = 0; r < getSize(); ++r) outs[r].copy_(flat[r].view(outs[r].sizes()));
@@ -517,7 +459,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::_allgather_base(at::Tensor& output, a
                                                            const c10d::AllgatherOptions& opts) {
   std::vector<at::Tensor> both{output, input};
   if (cpu_fast(both) && all_of(both, is_movable_type)) {
-    translate_errors([&] { all_gather(*comm_, output, input); });
+    run_fast("all_gather_into_tensor", [&] { all_gather(*comm_, output, input); });
     return completed(c10d::OpType::_ALLGATHER_BASE, {output});
   }
   return fallback(inner(input.device(), "all_gather_into_tensor")._allgather_base(output, input, opts));
@@ -526,8 +468,48 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::_allgather_base(at::Tensor& output, a
 c10::intrusive_ptr<c10d::Work> DdaBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                                                std::vector<at::Tensor>& inputs,
                                                                const c10d::AllgatherOptions& opts) {
+  // outputs[r][i] receives rank r's inputs[i] (gloo's layout).
+  bool fast = cpu_fast(inputs) && all_of(inputs, is_movable_type);
+  for (size_t r = 0; fast && r < outputs.size(); ++r) fast = cpu_fast(outputs[r]);
+  if (fast) {
+    TORCH_CHECK_VALUE(static_cast<int>(outputs.size()) == getSize(), "allgather_coalesced: got ", outputs.size(),
+                      " output lists; expected world_size = ", getSize());
+    for (int r = 0; r < getSize(); ++r) {
+      TORCH_CHECK_VALUE(outputs[r].size() == inputs.size(), "allgather_coalesced: output list ", r, " has ",
+                        outputs[r].size(), " tensors; expected one per input (", inputs.size(), ")");
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        TORCH_CHECK_TYPE(outputs[r][i].scalar_type() == inputs[i].scalar_type(), "allgather_coalesced: output ", r,
+                         "/", i, " is ", dtype_str(outputs[r][i].scalar_type()), " but input ", i, " is ",
+                         dtype_str(inputs[i].scalar_type()));
+        TORCH_CHECK_VALUE(outputs[r][i].numel() == inputs[i].numel(), "allgather_coalesced: output ", r, "/", i,
+                          " has ", outputs[r][i].numel(), " elements but input ", i, " has ", inputs[i].numel());
+      }
+    }
+    run_fast("allgather_coalesced", [&] {
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        const at::Tensor& in = inputs[i];
+        at::Tensor flat = at::empty({getSize(), in.numel()}, in.options());
+        all_gather(*comm_, flat, in);
+        for (int r = 0; r < getSize(); ++r) outputs[r][i].copy_(flat[r].view(outputs[r][i].sizes()));
+      }
+    });
+    std::vector<at::Tensor> all;
+    for (auto& list : outputs) all.insert(all.end(), list.begin(), list.end());
+    return completed(c10d::OpType::ALLGATHER_COALESCED, std::move(all));
+  }
   return fallback(inner(device_of(inputs, "allgather_coalesced"), "allgather_coalesced")
                       .allgather_coalesced(outputs, inputs, opts));
+}
+
+void DdaBackend::check_gather_list(const char* what, const std::vector<at::Tensor>& list, const at::Tensor& one) const {
+  TORCH_CHECK_VALUE(static_cast<int>(list.size()) == getSize(), what, ": got ", list.size(),
+                    " tensors in the list; expected world_size = ", getSize());
+  for (size_t r = 0; r < list.size(); ++r) {
+    TORCH_CHECK_TYPE(list[r].scalar_type() == one.scalar_type(), what, ": list tensor ", r, " is ",
+                     dtype_str(list[r].scalar_type()), " but the tensor is ", dtype_str(one.scalar_type()));
+    TORCH_CHECK_VALUE(list[r].numel() == one.numel(), what, ": list tensor ", r, " has ", list[r].numel(),
+                      " elements but the tensor has ", one.numel(), "; they must match");
+  }
 }
 
 c10::intrusive_ptr<c10d::Work> DdaBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
@@ -535,7 +517,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::allgather_into_tensor_coalesced(std::
                                                                            const c10d::AllgatherOptions& opts) {
   if (outputs.size() == inputs.size() && cpu_fast(inputs) && cpu_fast(outputs) && all_of(inputs, is_movable_type) &&
       all_of(outputs, is_movable_type)) {
-    translate_errors([&] {
+    run_fast("allgather_into_tensor_coalesced", [&] {
       for (size_t i = 0; i < inputs.size(); ++i) all_gather(*comm_, outputs[i], inputs[i]);
     });
     return completed(c10d::OpType::COALESCED, outputs);
@@ -546,12 +528,55 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::allgather_into_tensor_coalesced(std::
 
 c10::intrusive_ptr<c10d::Work> DdaBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                   std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
+  // Only the root passes an output list; the route depends on the input alone, which every rank has.
+  if (inputs.size() == 1 && cpu_fast(inputs) && all_of(inputs, is_movable_type)) {
+    const int root = static_cast<int>(opts.rootRank);
+    TORCH_CHECK_VALUE(root >= 0 && root < getSize(), "gather: dst ", root, " out of range; valid: 0..", getSize() - 1);
+    const at::Tensor in = inputs[0].contiguous();
+    const bool is_root = root == getRank();
+    if (is_root) {
+      TORCH_CHECK_VALUE(outputs.size() == 1, "gather: the root needs one output list; got ", outputs.size());
+      TORCH_CHECK_TYPE(cpu_fast(outputs[0]), "gather: the root's output list must hold dense cpu tensors");
+      check_gather_list("gather", outputs[0], in);
+    }
+    const size_t bytes = static_cast<size_t>(in.numel()) * in.element_size();
+    run_fast("gather", [&] {
+      at::Tensor flat = is_root ? at::empty({getSize(), in.numel()}, in.options()) : at::Tensor();
+      host::gather(*comm_, is_root ? flat.data_ptr() : nullptr, in.data_ptr(), bytes, root);
+      if (is_root) {
+        for (int r = 0; r < getSize(); ++r) outputs[0][r].copy_(flat[r].view(outputs[0][r].sizes()));
+      }
+    });
+    return completed(c10d::OpType::GATHER, is_root ? outputs[0] : std::vector<at::Tensor>{});
+  }
   return fallback(inner(device_of(inputs, "gather"), "gather").gather(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> DdaBackend::scatter(std::vector<at::Tensor>& outputs,
                                                    std::vector<std::vector<at::Tensor>>& inputs,
                                                    const c10d::ScatterOptions& opts) {
+  if (outputs.size() == 1 && cpu_fast(outputs) && all_of(outputs, is_movable_type)) {
+    const int root = static_cast<int>(opts.rootRank);
+    TORCH_CHECK_VALUE(root >= 0 && root < getSize(), "scatter: src ", root, " out of range; valid: 0..", getSize() - 1);
+    at::Tensor& out = outputs[0];
+    const bool is_root = root == getRank();
+    at::Tensor packed;
+    if (is_root) {
+      TORCH_CHECK_VALUE(inputs.size() == 1, "scatter: the root needs one input list; got ", inputs.size());
+      TORCH_CHECK_TYPE(cpu_fast(inputs[0]), "scatter: the root's input list must hold dense cpu tensors");
+      check_gather_list("scatter", inputs[0], out);
+      std::vector<at::Tensor> flat;
+      for (const auto& t : inputs[0]) flat.push_back(t.reshape({-1}));
+      packed = at::cat(flat);
+    }
+    const size_t bytes = static_cast<size_t>(out.numel()) * out.element_size();
+    run_fast("scatter", [&] {
+      with_contiguous(out, [&](at::Tensor& c) {
+        host::scatter(*comm_, c.data_ptr(), is_root ? packed.data_ptr() : nullptr, bytes, root);
+      });
+    });
+    return completed(c10d::OpType::SCATTER, outputs);
+  }
   return fallback(inner(device_of(outputs, "scatter"), "scatter").scatter(outputs, inputs, opts));
 }
 
@@ -560,9 +585,8 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::scatter(std::vector<at::Tensor>& outp
 c10::intrusive_ptr<c10d::Work> DdaBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                           std::vector<std::vector<at::Tensor>>& inputs,
                                                           const c10d::ReduceScatterOptions& opts) {
-  const auto op = to_reduce_op(opts.reduceOp);
-  if (outputs.size() == 1 && inputs.size() == 1 && op && cpu_fast(outputs) && cpu_fast(inputs[0]) &&
-      all_of(outputs, is_reducible_type)) {
+  if (outputs.size() == 1 && inputs.size() == 1 && cpu_fast(outputs) && cpu_fast(inputs[0]) &&
+      cpu_reduction("reduce_scatter", c10d::OpType::REDUCE_SCATTER, outputs, opts.reduceOp)) {
     at::Tensor& out = outputs[0];
     const std::vector<at::Tensor>& ins = inputs[0];
     TORCH_CHECK_VALUE(static_cast<int>(ins.size()) == getSize(), "reduce_scatter: got ", ins.size(),
@@ -576,7 +600,10 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::reduce_scatter(std::vector<at::Tensor
                         " elements but output has ", out.numel(), "; they must match");
       flat_inputs.push_back(ins[r].reshape({-1}));
     }
-    translate_errors([&] { torch_layer::reduce_scatter(*comm_, out, at::cat(flat_inputs), *op); });
+    run_fast("reduce_scatter", [&] {
+      host_reduce_scatter(*comm_, out, at::cat(flat_inputs), *host_type(out.scalar_type()),
+                          *to_reduce_op(opts.reduceOp));
+    });
     return completed(c10d::OpType::REDUCE_SCATTER, outputs);
   }
   return fallback(
@@ -585,10 +612,12 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::reduce_scatter(std::vector<at::Tensor
 
 c10::intrusive_ptr<c10d::Work> DdaBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                 const c10d::ReduceScatterOptions& opts) {
-  const auto op = to_reduce_op(opts.reduceOp);
   std::vector<at::Tensor> both{output, input};
-  if (op && cpu_fast(both) && all_of(both, is_reducible_type)) {
-    translate_errors([&] { torch_layer::reduce_scatter(*comm_, output, input, *op); });
+  if (cpu_fast(both) &&
+      cpu_reduction("reduce_scatter_tensor", c10d::OpType::_REDUCE_SCATTER_BASE, both, opts.reduceOp)) {
+    run_fast("reduce_scatter_tensor", [&] {
+      host_reduce_scatter(*comm_, output, input, *host_type(output.scalar_type()), *to_reduce_op(opts.reduceOp));
+    });
     return completed(c10d::OpType::_REDUCE_SCATTER_BASE, {output});
   }
   return fallback(inner(input.device(), "reduce_scatter_tensor")._reduce_scatter_base(output, input, opts));
@@ -597,11 +626,13 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::_reduce_scatter_base(at::Tensor& outp
 c10::intrusive_ptr<c10d::Work> DdaBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                            std::vector<at::Tensor>& inputs,
                                                                            const c10d::ReduceScatterOptions& opts) {
-  const auto op = to_reduce_op(opts.reduceOp);
-  if (op && outputs.size() == inputs.size() && cpu_fast(outputs) && cpu_fast(inputs) &&
-      all_of(outputs, is_reducible_type) && all_of(inputs, is_reducible_type)) {
-    translate_errors([&] {
-      for (size_t i = 0; i < inputs.size(); ++i) torch_layer::reduce_scatter(*comm_, outputs[i], inputs[i], *op);
+  if (outputs.size() == inputs.size() && cpu_fast(outputs) && cpu_fast(inputs) &&
+      cpu_reduction("reduce_scatter_tensor_coalesced", c10d::OpType::COALESCED, inputs, opts.reduceOp)) {
+    const ReduceOp op = *to_reduce_op(opts.reduceOp);
+    run_fast("reduce_scatter_tensor_coalesced", [&] {
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        host_reduce_scatter(*comm_, outputs[i], inputs[i], *host_type(inputs[i].scalar_type()), op);
+      }
     });
     return completed(c10d::OpType::COALESCED, outputs);
   }
@@ -617,7 +648,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::alltoall_base(at::Tensor& output, at:
                                                          const c10d::AllToAllOptions& opts) {
   std::vector<at::Tensor> both{output, input};
   if (cpu_fast(both) && all_of(both, is_movable_type)) {
-    translate_errors([&] { all_to_all_v(*comm_, output, input, output_split_sizes, input_split_sizes); });
+    run_fast("all_to_all_single", [&] { all_to_all_v(*comm_, output, input, output_split_sizes, input_split_sizes); });
     return completed(c10d::OpType::ALLTOALL_BASE, {output});
   }
   return fallback(inner(input.device(), "all_to_all_single")
@@ -644,7 +675,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::alltoall(std::vector<at::Tensor>& out
       in_splits[r] = in_bytes.back().numel();
       out_splits[r] = outputs[r].numel() * outputs[r].element_size();
     }
-    translate_errors([&] {
+    run_fast("all_to_all", [&] {
       at::Tensor packed_in = at::cat(in_bytes);
       int64_t total_out = 0;
       for (int64_t s : out_splits) total_out += s;
@@ -662,17 +693,35 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::alltoall(std::vector<at::Tensor>& out
   return fallback(inner(device_of(inputs, "all_to_all"), "all_to_all").alltoall(outputs, inputs, opts));
 }
 
-// ---- point-to-point and synchronisation: always the inner backend, except barrier ----
+// ---- point-to-point (Note [host p2p]) and synchronisation ----
+
+c10::intrusive_ptr<c10d::Work> DdaBackend::p2p_work(c10d::OpType op, P2pWork::Item item) {
+  auto work = c10::make_intrusive<P2pWork>(getRank(), op, comm_, std::vector<P2pWork::Item>{std::move(item)});
+  ++num_fast_calls_;
+  if (coalescing_) coalesced_cpu_works_.push_back(work);  // batch_isend_irecv: finished together
+  return work;
+}
 
 c10::intrusive_ptr<c10d::Work> DdaBackend::send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) {
+  if (tensors.size() == 1 && cpu_fast(tensors)) {
+    return p2p_work(c10d::OpType::SEND, post_send(*comm_, tensors[0], dst_rank, tag));
+  }
   return fallback(inner(device_of(tensors, "send"), "send").send(tensors, dst_rank, tag));
 }
 
 c10::intrusive_ptr<c10d::Work> DdaBackend::recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) {
+  if (tensors.size() == 1 && cpu_fast(tensors)) {
+    return p2p_work(c10d::OpType::RECV, post_recv(*comm_, tensors[0], src_rank, tag));
+  }
   return fallback(inner(device_of(tensors, "recv"), "recv").recv(tensors, src_rank, tag));
 }
 
 c10::intrusive_ptr<c10d::Work> DdaBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  // On commlib's path too: a sender cannot know that its receiver takes any source, so both ends
+  // must be on the same path whatever the receiver posts.
+  if (tensors.size() == 1 && cpu_fast(tensors)) {
+    return p2p_work(c10d::OpType::RECVANYSOURCE, post_recv(*comm_, tensors[0], HostP2p::kAnySource, tag));
+  }
   return fallback(inner(device_of(tensors, "recv"), "recv").recvAnysource(tensors, tag));
 }
 
@@ -683,7 +732,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::barrier(const c10d::BarrierOptions& o
   // Like NCCL's barrier, the GPU work this rank queued before the barrier is finished after it.
   if (cuda_used_) c10::cuda::device_synchronize();
 #endif
-  translate_errors([&] { comm_->barrier_host(); });
+  run_fast("barrier", [&] { comm_->barrier_host(); });
   return completed(c10d::OpType::BARRIER, {});
 }
 

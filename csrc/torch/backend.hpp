@@ -28,6 +28,7 @@
 
 #include "commlib/communicator.hpp"
 #include "core/algorithm_selector.hpp"
+#include "torch/p2p.hpp"
 
 namespace commlib::torch_layer {
 
@@ -120,7 +121,16 @@ class DdaBackend final : public c10d::Backend {
   c10d::Backend& nccl(const char* what);
   // True when `tensors` are all dense CPU tensors and commlib's shm path is live.
   bool cpu_fast(const std::vector<at::Tensor>& tensors) const;
+  // For a CPU reduction that cpu_fast() admits: true when commlib takes it (every dtype and the op
+  // handled); otherwise the ranks first check they all make the same call (host::agree) and the
+  // caller hands it to gloo. Refuses the op/dtype pairs gloo refuses, as gloo does.
+  bool cpu_reduction(const char* what, c10d::OpType kind, const std::vector<at::Tensor>& tensors,
+                     const c10d::ReduceOp& reduce_op);
   c10::intrusive_ptr<c10d::Work> fallback(c10::intrusive_ptr<c10d::Work> work);
+  // `list` has world_size tensors of `one`'s dtype and element count (ValueError / TypeError).
+  void check_gather_list(const char* what, const std::vector<at::Tensor>& list, const at::Tensor& one) const;
+  // A send or receive on commlib's path (collected when inside a coalescing region).
+  c10::intrusive_ptr<c10d::Work> p2p_work(c10d::OpType op, P2pWork::Item item);
   c10::intrusive_ptr<c10d::Work> completed(c10d::OpType op, std::vector<at::Tensor> outputs);
   // The one route for CUDA all-reduce: commlib's kernels where built in and eligible, else NCCL.
   c10::intrusive_ptr<c10d::Work> route_cuda_all_reduce(std::vector<at::Tensor>& tensors,

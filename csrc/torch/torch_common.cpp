@@ -30,12 +30,13 @@ DataType to_data_type(at::ScalarType type, const char* what) {
     case at::kLong: return DataType::kInt64;
     case at::kByte: return DataType::kUInt8;
     case at::kChar: return DataType::kInt8;
-    case at::kBool: return DataType::kUInt8;
+    case at::kShort: return DataType::kInt16;
+    case at::kBool: return DataType::kBool;
     default: break;
   }
   throw TypeMismatch(detail::concat(what, ": dtype ", dtype_str(type),
                                     " not supported; supported: float32, float16, bfloat16, float64, int32, int64, "
-                                    "uint8, int8, bool"));
+                                    "uint8, int8, int16, bool"));
 }
 
 DataType reducible_type(const at::Tensor& t, const char* what) {

@@ -83,7 +83,7 @@ CudaIpc::CudaIpc(Store& store, std::string prefix, int rank, int world_size, int
   const char* what = "cuda ipc";
   COMMLIB_CHECK(world_size_ <= kMaxDeviceRanks, InvalidArgument, what, ": world_size ", world_size_,
                 " too large for GPU peer memory; supported: 1..", kMaxDeviceRanks);
-  Bootstrap bootstrap(store_, prefix_ + "/cuda", rank_, world_size_);
+  Bootstrap bootstrap(store_, prefix_ + "/cuda", rank_, world_size_, timeout_);
 
   // P2P reachability of every pair, agreed by all ranks.
   DeviceInfo mine{};
@@ -163,8 +163,8 @@ void CudaIpc::receive_fds(uint64_t sequence, size_t bytes, std::vector<int>& pee
     pollfd pfd{listen_fd_, POLLIN, 0};
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     const int ready = ::poll(&pfd, 1, static_cast<int>(std::max<int64_t>(0, left.count())));
-    COMMLIB_CHECK(ready > 0, Timeout, what, ": rank ", rank_, " timed out after ", timeout_.count(),
-                  " ms waiting for peers' memory handles (allocation #", sequence, ", received ", received, " of ",
+    COMMLIB_CHECK(ready > 0, Timeout, what, ": Timed out after ", timeout_.count(), " ms: rank ", rank_,
+                  " waiting for peers' memory handles (allocation #", sequence, ", received ", received, " of ",
                   expected, ")");
     const int s = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
     COMMLIB_CHECK(s >= 0, Error, what, ": accept() failed: ", std::strerror(errno));
@@ -214,7 +214,8 @@ std::shared_ptr<SymmetricBuffer> CudaIpc::allocate(size_t bytes, ZeroFill zero, 
   const auto& drv = cuda::driver();
   cuda_check(cudaSetDevice(device_), what, "cudaSetDevice");
   const uint64_t sequence = sequence_++;
-  Bootstrap bootstrap(store_, prefix_ + "/cuda/alloc/" + std::to_string(sequence), rank_, world_size_);
+  Bootstrap bootstrap(store_, prefix_ + "/cuda/alloc/" + std::to_string(sequence), rank_, world_size_,
+                      timeout_);
 
   CUmemAllocationProp prop{};
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;

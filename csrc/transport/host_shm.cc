@@ -21,6 +21,7 @@
 
 #include "bootstrap/bootstrap.hpp"
 #include "commlib/errors.hpp"
+#include "commlib/types.hpp"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -93,6 +94,35 @@ constexpr auto kYieldAfter = std::chrono::microseconds(20);
 constexpr auto kSleepSlice = std::chrono::microseconds(20000);  // liveness and timeout checks between sleeps
 
 }  // namespace
+
+std::string describe(const OpTag& tag) {
+  auto dtype = [&] {
+    return tag.dtype <= static_cast<uint32_t>(DataType::kBool) ? std::string(dtype_name(static_cast<DataType>(tag.dtype)))
+                                                                 : detail::concat("dtype #", tag.dtype);
+  };
+  auto reduction = [&] {
+    return tag.extra <= static_cast<uint64_t>(ReduceOp::kBxor) ? std::string(reduce_op_name(static_cast<ReduceOp>(tag.extra)))
+                                                                 : detail::concat("op #", tag.extra);
+  };
+  switch (static_cast<HostOp>(tag.op)) {
+    case HostOp::kAllReduceFlat:
+    case HostOp::kAllReduceTree:
+    case HostOp::kReduceScatter:
+      return detail::concat(tag.op == static_cast<uint32_t>(HostOp::kReduceScatter) ? "reduce_scatter(" : "all_reduce(",
+                            dtype(), ", ", tag.size, " elements, ", reduction(), ")");
+    case HostOp::kAllGather: return detail::concat("all_gather(", tag.size, " bytes)");
+    case HostOp::kBroadcast: return detail::concat("broadcast(", tag.size, " bytes, root ", tag.extra, ")");
+    case HostOp::kAllToAllV: return "all_to_all";
+    case HostOp::kGather: return detail::concat("gather(", tag.size, " bytes, root ", tag.extra, ")");
+    case HostOp::kScatter: return detail::concat("scatter(", tag.size, " bytes, root ", tag.extra, ")");
+    case HostOp::kBarrier: return "barrier";
+    case HostOp::kFused: return "fused all_reduce + rms_norm";
+    case HostOp::kAgree: return detail::concat("a collective (kind ", tag.extra >> 8, ", dtype #", tag.dtype, ", ",
+                                               tag.size, " elements, reduction #", tag.extra & 0xff, ")");
+    default: break;
+  }
+  return detail::concat("operation #", tag.op, " (dtype #", tag.dtype, ", size ", tag.size, ", extra ", tag.extra, ")");
+}
 
 HostShm::HostShm(Bootstrap& bootstrap, size_t slot_bytes, std::chrono::milliseconds timeout,
                  std::vector<int64_t> peer_pids, std::chrono::microseconds test_jitter)
@@ -228,8 +258,9 @@ void HostShm::wait_for(int peer, std::atomic<uint64_t>& arrived, uint64_t seq, c
     if (waited >= timeout_) {
       broken_ = true;
       broken_reason_ = detail::concat("timeout waiting for rank ", peer);
-      throw Timeout(detail::concat(what, ": rank ", rank_, " timed out after ", waited.count(),
-                                   " ms waiting for rank ", peer, " at phase '", phase, "' (", unit, " ", seq, ")"));
+      throw Timeout(detail::concat(what, ": Timed out after ", waited.count(), " ms (timeout ", timeout_.count(),
+                                   " ms): rank ", rank_, " waiting for rank ", peer, " at phase '", phase, "' (",
+                                   unit, " ", seq, ")"));
     }
   }
 }
@@ -256,11 +287,10 @@ void HostShm::barrier(const char* what, const char* phase, const OpTag& tag) {
   for (int peer = 0; peer < world_size_; ++peer) {
     const OpTag& theirs = control(peer).tags[seq & 1];
     if (!(theirs == tag)) {
-      throw PeerError(detail::concat(what, ": ranks disagree at phase '", phase, "': rank ", rank_,
-                                     " called (op ", tag.op, ", dtype ", tag.dtype, ", size ", tag.size,
-                                     ", extra ", tag.extra, ") but rank ", peer, " called (op ", theirs.op,
-                                     ", dtype ", theirs.dtype, ", size ", theirs.size, ", extra ", theirs.extra,
-                                     "); every rank must call the same collective with matching sizes"));
+      throw PeerError(detail::concat(what, ": ranks disagree at phase '", phase, "': rank ", rank_, " called ",
+                                     describe(tag), " but rank ", peer, " called ", describe(theirs),
+                                     "; every rank must call the same collective with the same dtype, size and "
+                                     "reduction (the group stays usable)"));
     }
   }
   jitter();

@@ -66,8 +66,15 @@ enum class HostOp : uint32_t {
   kAllToAllV,
   kBarrier,
   kFused,
+  kGather,
+  kScatter,
+  kAgree,  // only the tag check: a call that then goes to another library (Note [ddacomm routing])
+  kPointToPoint,
   kUser,  // extensions (EP, fused) tag their own rounds as kUser + n
 };
+
+// "all_reduce(float32, 10 elements, sum)": a tag in words, for mismatch errors.
+std::string describe(const OpTag& tag);
 
 // Per-rank progress counters of pipelined collectives (Note [host shm pipeline]).
 enum class Progress : int {

@@ -24,6 +24,7 @@ namespace commlib {
 
 class HostShm;
 struct CommConfig;  // csrc/core/algorithm_selector.hpp: every operation's configuration
+class HostP2p;  // point-to-point over shared memory (csrc/host/p2p.hpp)
 class CudaComm;  // GPU state (csrc/core/cuda_comm.hpp), created on first GPU use.
 class MulticastWorkspace;  // NVLink multicast workspace (csrc/transport/cuda_multicast.hpp)
 
@@ -68,6 +69,9 @@ class Communicator {
                          const std::vector<size_t>& out_bytes);
   void barrier_host();
   HostShm& host();
+  // Point-to-point messages over shared memory, created on first use. Not collective: only the two
+  // ranks of a pair take part in setting up their channel (Note [host p2p]).
+  HostP2p& host_p2p();
 
   // The configuration of every operation (algorithm, grid, LL, PDL; Note [communicator
   // configuration]), resolved from the built-in table, the tune file and the environment on first
@@ -100,6 +104,7 @@ class Communicator {
   int multicast_attempts_ = 0;  // store keys of each multicast workspace attempt
   std::unique_ptr<HostShm> host_;
   std::shared_ptr<const CommConfig> config_;
+  std::unique_ptr<HostP2p> host_p2p_;
   std::unique_ptr<CudaComm, void (*)(CudaComm*)> cuda_;
   std::unique_ptr<MulticastWorkspace, void (*)(MulticastWorkspace*)> multicast_;  // released before cuda_
 };

@@ -16,9 +16,12 @@ enum class DataType : int {
   kInt64 = 5,
   kUInt8 = 6,
   kInt8 = 7,
+  kInt16 = 8,
+  kBool = 9,
 };
 
-enum class ReduceOp : int { kSum = 0, kAvg = 1, kMin = 2, kMax = 3, kProd = 4 };
+// kBand / kBor / kBxor: integer and bool types only (the CPU path; gloo's set).
+enum class ReduceOp : int { kSum = 0, kAvg = 1, kMin = 2, kMax = 3, kProd = 4, kBand = 5, kBor = 6, kBxor = 7 };
 
 // kAuto chooses per call (csrc/core/algorithm_selector.cc); kNccl is honoured only where an NCCL
 // engine is attached (the torch backend), otherwise it is an error.

@@ -30,11 +30,37 @@ def _host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _single_host(store, rank: int, world_size: int) -> bool:
-    """True when every rank of the group runs on this host (collective over the store)."""
+def _single_host(store, rank: int, world_size: int, timeout: timedelta) -> bool:
+    """True when every rank of the group runs on this host (collective over the store).
+
+    Waits at most the group's ``timeout`` (not the store's own) for the other ranks."""
+    import torch.distributed as dist
     store.set(f"host/{rank}", _host_id())
     mine = _host_id()
+    for r in range(world_size):
+        try:
+            store.wait([f"host/{r}"], timeout)
+        except (dist.DistStoreError, RuntimeError) as e:
+            raise dist.DistBackendError(
+                f"ddacomm group creation: Timed out after {timeout.total_seconds() * 1000:.0f} ms: rank {rank} "
+                f"waiting for rank {r} at set-up phase 'host' ({e})") from e
     return all(store.get(f"host/{r}").decode() == mine for r in range(world_size))
+
+
+def _group_token(store, rank: int, timeout: timedelta) -> str:
+    """A random token chosen by rank 0, the same on every rank of the group."""
+    import uuid
+
+    import torch.distributed as dist
+    key = "ddacomm/token"
+    if rank == 0:
+        store.set(key, uuid.uuid4().hex)
+    try:
+        store.wait([key], timeout)
+    except (dist.DistStoreError, RuntimeError) as e:
+        raise dist.DistBackendError(f"ddacomm group creation: Timed out after {timeout.total_seconds() * 1000:.0f} ms: "
+                                    f"rank {rank} waiting for rank 0 at set-up phase 'token' ({e})") from e
+    return store.get(key).decode()
 
 
 def _make_gloo(store, rank: int, world_size: int, timeout: timedelta, group_name: str, global_ranks):
@@ -80,9 +106,12 @@ def _create_backend(dist_opts, backend_options=None):
     global_ranks = list(dist_opts.global_ranks_in_group) or list(range(world_size))
 
     comm = None
-    if _single_host(dist.PrefixStore("ddacomm/", store), rank, world_size):
+    if _single_host(dist.PrefixStore("ddacomm/", store), rank, world_size, timeout):
+        # A name no other communicator of this process has: the core numbers communicators of one
+        # name in creation order, and a rank creates only the subgroups it belongs to, so a name
+        # reused per group id ("2") would number differently on different ranks.
         comm = _C.Communicator(dist.PrefixStore("ddacomm/commlib/", store), rank, world_size,
-                               f"ddacomm-{group_name}", timeout.total_seconds())
+                               f"ddacomm-{group_name}-{_group_token(store, rank, timeout)}", timeout.total_seconds())
     gloo = _make_gloo(dist.PrefixStore("ddacomm/gloo/", store), rank, world_size, timeout, group_name, global_ranks)
     nccl = _nccl_factory(dist.PrefixStore("ddacomm/nccl/", store), rank, world_size, timeout, group_name,
                          global_ranks, backend_options)

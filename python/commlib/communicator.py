@@ -269,6 +269,52 @@ class Communicator:
         """Returns once every rank has entered the barrier."""
         self._comm.barrier()
 
+    # ---- point-to-point (CPU tensors, shared memory; docs/backend.md, "Point-to-point") ----
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0):
+        """Posts a send of ``tensor`` to rank ``dst``; returns a ``torch.distributed.Work``.
+
+        Not collective: only ``dst`` takes part. ``tensor`` must not change until the work is done.
+        CUDA tensors travel through host memory for now (correct, not fast; docs/backend.md).
+        A message that fits the channel's ring (2 MiB) is on its way when this returns; a larger one
+        moves while any send or receive of this communicator is waited for."""
+        from . import _C
+        return _C.p2p_isend(self._comm, tensor, int(dst), int(tag))
+
+    def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0):
+        """Posts a receive into ``tensor`` from rank ``src`` (``None``: any rank; the work's
+        ``_source_rank()`` tells which) of a message with ``tag``; returns a ``torch.distributed.Work``.
+        The message must have ``tensor``'s dtype and number of elements (else ``DistBackendError``
+        "ranks disagree" at ``wait()``, and the message is dropped)."""
+        from . import _C
+        return _C.p2p_irecv(self._comm, tensor, -1 if src is None else int(src), int(tag))
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        """Sends ``tensor`` to rank ``dst`` and returns once it has left this rank."""
+        self.isend(tensor, dst, tag).wait()
+
+    def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> int:
+        """Receives into ``tensor``; returns the source rank."""
+        work = self.irecv(tensor, src, tag)
+        work.wait()
+        return work._source_rank() if src is None else int(src)
+
+    def batch_isend_irecv(self, ops):
+        """Posts sends and receives together and returns one ``torch.distributed.Work`` for all.
+
+        ``ops``: ``(kind, tensor, peer, tag)`` tuples, kind ``"send"`` or ``"recv"`` (tag optional,
+        default 0). The pattern of a ring step, overlapped with compute::
+
+            work = comm.batch_isend_irecv([("send", kv, (rank + 1) % n), ("recv", kv_next, (rank - 1) % n)])
+            out = attend(q, kv)          # computes while the messages move
+            work.wait()                  # kv_next holds the previous rank's kv
+        """
+        from . import _C
+        normalised = []
+        for op in ops:
+            kind, tensor, peer, *rest = op
+            normalised.append((str(kind), tensor, int(peer), int(rest[0]) if rest else 0))
+        return _C.p2p_batch(self._comm, normalised)
+
     # ---- fused operations (python/commlib/fused.py) ----
     def fused_allreduce_rmsnorm(self, x, residual, weight, eps=1e-6, *, residual_mode="replicated", out=None,
                                 num_sms=None, algo="auto"):

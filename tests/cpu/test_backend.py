@@ -93,8 +93,8 @@ def _all_reduce_family(ctx):
                 mean = sum(rand(r, count, dtype).double() for r in range(n)) / n
                 assert_close(ours, mean, dtype, f"all_reduce avg {dtype} count={count}")
         assert backend.num_fast_calls > fast0, "float all_reduce did not take commlib's path"
-        # Integer dtypes and bitwise ops go to gloo.
-        fallback0 = backend.num_fallback_calls
+        # Integer dtypes and bitwise ops take commlib's path too (test_every_dtype_and_reduction has all).
+        fallback0, fast0 = backend.num_fallback_calls, backend.num_fast_calls
         for dtype in (torch.int64, torch.int32):
             x = rand(ctx.rank, 1001, dtype, salt=2)
             ours, ref = x.clone(), x.clone()
@@ -106,7 +106,7 @@ def _all_reduce_family(ctx):
         ref = torch.tensor([0b1010 | ctx.rank], dtype=torch.int64)
         dist.all_reduce(ref, op=dist.ReduceOp.BOR, group=gloo)
         assert torch.equal(ours, ref)
-        assert backend.num_fallback_calls == fallback0 + 3
+        assert backend.num_fallback_calls == fallback0 and backend.num_fast_calls == fast0 + 3
         # Non-contiguous input on the fast path.
         # (reference: the fp64 sum; gloo rejects or mishandles strided views)
         base = rand(ctx.rank, 64 * 33, torch.float32, salt=3).reshape(64, 33)
@@ -184,7 +184,7 @@ def _gather_scatter_family(ctx):
                 flat = poison(torch.empty(n * count, dtype=dtype))
                 dist.all_gather_into_tensor(flat, x)
                 assert torch.equal(flat, torch.cat(refs)), f"all_gather_into_tensor {dtype} count={count}"
-                # gather / scatter (gloo underneath), object of truth: the all_gather above
+                # gather / scatter, object of truth: the all_gather above
                 for dst in range(n):
                     gl = [poison(x) for _ in range(n)] if ctx.rank == dst else None
                     dist.gather(x, gather_list=gl, dst=dst)
@@ -215,6 +215,85 @@ def _gather_scatter_family(ctx):
         for o, c in zip(outs, (5, 1, 3001)):
             assert torch.equal(o, torch.cat([rand(r, c, torch.float16, salt=9) for r in range(n)]))
     return True
+
+
+def _gather_scatter_coalesced_fast(ctx):
+    """gather, scatter and the coalesced collectives on commlib's path (call counters), against gloo."""
+    import warnings
+
+    import torch.distributed as dist
+    n, r = ctx.world_size, ctx.rank
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    with ddacomm_world(ctx) as (world, gloo):
+        backend = backend_of(world)
+        fast0, fallback0, num_fast = backend.num_fast_calls, backend.num_fallback_calls, 0
+        for dtype in (torch.float64, torch.bfloat16, torch.int8, torch.bool):
+            for count in (0, 13, (1 << 21) // torch.empty(0, dtype=dtype).element_size() + 5):  # > one slot
+                x = any_values(r, count, dtype)
+                for root in range(n):
+                    ours = [poison(x) for _ in range(n)] if r == root else None
+                    ref = [poison(x) for _ in range(n)] if r == root else None
+                    dist.gather(x, gather_list=ours, dst=root)
+                    dist.gather(x, gather_list=ref, dst=root, group=gloo)
+                    if r == root:
+                        for q in range(n):
+                            assert torch.equal(ours[q], ref[q]), f"gather {dtype} count={count} root={root}"
+                            assert torch.equal(ours[q], any_values(q, count, dtype)), f"gather {dtype} from {q}"
+                    chunks = [any_values(q, count, dtype, salt=root + 1) for q in range(n)] if r == root else None
+                    out, out_ref = poison(x), poison(x)
+                    dist.scatter(out, scatter_list=chunks, src=root)
+                    dist.scatter(out_ref, scatter_list=chunks, src=root, group=gloo)
+                    assert torch.equal(out, out_ref), f"scatter {dtype} count={count} root={root}"
+                    assert torch.equal(out, any_values(r, count, dtype, salt=root + 1)), f"scatter {dtype}"
+                    num_fast += 2
+        # all_gather_coalesced (list of lists), all_reduce_coalesced, coalesced reduce_scatter_tensor
+        xs = [any_values(r, c, torch.int32) for c in (5, 0, 4099)]
+        outs = [[poison(x) for x in xs] for _ in range(n)]  # outs[rank][input]
+        refs = [[poison(x) for x in xs] for _ in range(n)]
+        dist.all_gather_coalesced(outs, xs)
+        dist.all_gather_coalesced(refs, xs, group=gloo)
+        num_fast += 1
+        for q in range(n):
+            for i, (a, b) in enumerate(zip(outs[q], refs[q])):
+                assert torch.equal(a, b), "all_gather_coalesced"
+                assert torch.equal(a, any_values(q, xs[i].numel(), torch.int32)), "all_gather_coalesced"
+        ts = [any_values(r, c, torch.int32, salt=3) for c in (7, 0, 3001)]
+        ours, ref = [t.clone() for t in ts], [t.clone() for t in ts]
+        dist.all_reduce_coalesced(ours, op=dist.ReduceOp.MAX)
+        dist.all_reduce_coalesced(ref, op=dist.ReduceOp.MAX, group=gloo)
+        num_fast += 1
+        for a, b in zip(ours, ref):
+            assert torch.equal(a, b), "all_reduce_coalesced"
+        ins = [any_values(r, n * c, torch.float64, salt=4) for c in (3, 1001)]
+        outs = [poison(torch.empty(c, dtype=torch.float64)) for c in (3, 1001)]
+        with dist._coalescing_manager(group=world):
+            for o, i in zip(outs, ins):
+                dist.reduce_scatter_tensor(o, i)
+        num_fast += 1
+        for o, i in zip(outs, ins):
+            ref = torch.empty_like(o)
+            dist.reduce_scatter_tensor(ref, i, group=gloo)
+            if n == 2:
+                assert torch.equal(o, ref), "reduce_scatter_tensor coalesced"
+            else:
+                torch.testing.assert_close(o, ref, rtol=1e-12, atol=1e-12)
+        assert backend.num_fast_calls == fast0 + num_fast, "a call left commlib's path"
+        assert backend.num_fallback_calls == fallback0
+        # Roots that disagree, and gather against scatter: "ranks disagree" everywhere, group usable.
+        for call in (lambda: dist.gather(torch.ones(4), [torch.empty(4) for _ in range(n)] if r < 2 else None, dst=min(r, 1)),
+                     lambda: dist.gather(torch.ones(4), [torch.empty(4) for _ in range(n)], dst=r) if r == 0 else
+                     dist.scatter(torch.empty(4), None, src=0)):
+            with pytest.raises(dist.DistBackendError, match="ranks disagree"):
+                call()
+            t = torch.ones(3)
+            dist.all_reduce(t)
+            assert t.tolist() == [float(n)] * 3
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gather_scatter_coalesced_take_shared_memory(ranks, world_size):
+    ranks(world_size).run(_gather_scatter_coalesced_fast)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -314,6 +393,162 @@ def _all_to_all_family(ctx):
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_all_to_all_matches_gloo(ranks, world_size):
     ranks(world_size).run(_all_to_all_family)
+
+
+# ---------------------------------------------------------------------------------------------
+ALL_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+              torch.int8, torch.uint8, torch.bool]
+ALL_OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"]
+
+
+def any_values(rank, count, dtype, salt=0):
+    """Fresh values over the dtype's whole range for integers (so sums and products wrap)."""
+    g = torch.Generator().manual_seed(1000003 * rank + 7919 * count + 31 * salt + 17)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (count,), generator=g).bool()
+    if dtype.is_floating_point:
+        return (torch.rand(count, generator=g, dtype=torch.float64) * 2 + 0.5).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(info.min, info.max, (count,), generator=g, dtype=torch.int64).to(dtype)
+
+
+def exact_reference(op, xs):
+    """The reduction of integer / bool tensors in rank order, wrapping like gloo (no gloo for int16)."""
+    dtype = xs[0].dtype
+    acc = xs[0].clone()
+    for x in xs[1:]:
+        if dtype == torch.bool:
+            acc = {"SUM": acc | x, "MAX": acc | x, "BOR": acc | x, "PRODUCT": acc & x, "MIN": acc & x,
+                   "BAND": acc & x, "BXOR": acc ^ x}[op]
+        else:
+            a, b = acc.long(), x.long()
+            acc = {"SUM": a + b, "PRODUCT": a * b, "MIN": torch.minimum(a, b), "MAX": torch.maximum(a, b),
+                   "BAND": a & b, "BOR": a | b, "BXOR": a ^ b}[op].to(dtype)
+    return acc
+
+
+def refused_by_gloo(op, dtype):
+    floating = dtype.is_floating_point
+    return (op == "AVG" and not floating) or (op in ("BAND", "BOR", "BXOR") and floating)
+
+
+def _every_dtype_and_reduction(ctx, counts):
+    import torch.distributed as dist
+    n = ctx.world_size
+    with ddacomm_world(ctx) as (world, gloo):
+        backend = backend_of(world)
+        fast0, fallback0, num_fast = backend.num_fast_calls, backend.num_fallback_calls, 0
+        for dtype in ALL_DTYPES:
+            for count in counts:
+                xs = [any_values(q, count, dtype) for q in range(n)]
+                for name in ALL_OPS:
+                    op = getattr(dist.ReduceOp, name)
+                    what = f"all_reduce {name} {dtype} count={count}"
+                    ours = xs[ctx.rank].clone()
+                    if refused_by_gloo(name, dtype):
+                        # The same refusal as gloo (RuntimeError, not a communication error), group usable.
+                        with pytest.raises(RuntimeError) as info:
+                            dist.all_reduce(ours, op=op)
+                        assert not isinstance(info.value, dist.DistBackendError), what
+                        if dtype != torch.int16:
+                            with pytest.raises(RuntimeError):
+                                dist.all_reduce(xs[ctx.rank].clone(), op=op, group=gloo)
+                        continue
+                    dist.all_reduce(ours, op=op)
+                    num_fast += 1
+                    if dtype == torch.int16:
+                        ref = exact_reference(name, xs)  # gloo has no int16
+                    else:
+                        ref = xs[ctx.rank].clone()
+                        dist.all_reduce(ref, op=op, group=gloo)
+                        if not dtype.is_floating_point:
+                            assert torch.equal(ref, exact_reference(name, xs)), f"{what}: gloo disagrees"
+                    if dtype.is_floating_point and n > 2:  # gloo adds in another order past 2 ranks
+                        assert_close(ours, ref, dtype, what)
+                    elif dtype == torch.bool:
+                        # gloo (and NCCL) add bool bytes, leaving 2 in a bool tensor; commlib writes the
+                        # logical or (0 / 1 bytes, Note [host exact reduction]): equal as truth values.
+                        assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8).ne(0).view(torch.uint8)), what
+                    else:  # bitwise, like gloo
+                        assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8)), what
+            # reduce_scatter_tensor and reduce of each dtype
+            count = counts[-1]
+            for name in ("SUM", "MAX", "BXOR" if not dtype.is_floating_point else "PRODUCT"):
+                op = getattr(dist.ReduceOp, name)
+                full = [any_values(q, count * n, dtype, salt=1) for q in range(n)]
+                out = poison(torch.empty(count, dtype=dtype))
+                dist.reduce_scatter_tensor(out, full[ctx.rank], op=op)
+                num_fast += 1
+                if dtype.is_floating_point:
+                    ref = torch.empty_like(out)
+                    dist.reduce_scatter_tensor(ref, full[ctx.rank], op=op, group=gloo)
+                    if n > 2:
+                        assert_close(out, ref, dtype, f"reduce_scatter {name} {dtype}")
+                    else:
+                        assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8)), f"reduce_scatter {dtype}"
+                else:
+                    ref = exact_reference(name, full)[ctx.rank * count:(ctx.rank + 1) * count]
+                    assert torch.equal(out, ref), f"reduce_scatter {name} {dtype}"
+        assert backend.num_fast_calls == fast0 + num_fast, "a reduction left commlib's path"
+        assert backend.num_fallback_calls == fallback0
+        # complex: torch hands the backend the real view, which commlib reduces.
+        z = torch.complex(any_values(ctx.rank, 33, torch.float32), any_values(ctx.rank, 33, torch.float32, salt=5))
+        ours, ref = z.clone(), z.clone()
+        dist.all_reduce(ours)
+        dist.all_reduce(ref, group=gloo)
+        torch.testing.assert_close(ours, ref, rtol=0 if n == 2 else 1e-6, atol=0 if n == 2 else 1e-6)
+        assert backend.num_fast_calls == fast0 + num_fast + 1
+        # A dtype commlib has no type for goes to gloo after the ranks agree; gloo refuses uint16.
+        with pytest.raises(RuntimeError) as ours_error:
+            dist.all_reduce(torch.ones(3, dtype=torch.uint16))
+        with pytest.raises(RuntimeError) as gloo_error:
+            dist.all_reduce(torch.ones(3, dtype=torch.uint16), group=gloo)
+        assert str(ours_error.value).splitlines()[0] == str(gloo_error.value).splitlines()[0]
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_dtype_and_reduction_matches_gloo(ranks, world_size):
+    """Every dtype x reduction torch accepts on CPU, against gloo (bitwise at 2 ranks; integers and
+    bool bitwise at any size; int16, which gloo lacks, against the exact wrapping reduction); the
+    pairs gloo refuses are refused the same way. Sizes: empty, small (one round), and large enough
+    for the tree pipeline at 2 ranks."""
+    counts = [0, 5, 4099, (1 << 16) + 3] if world_size == 2 else [7, 4099]
+    ranks(world_size).run(_every_dtype_and_reduction, counts)
+
+
+def _mismatches(ctx):
+    import torch.distributed as dist
+    n, r = ctx.world_size, ctx.rank
+    with ddacomm_world(ctx) as (world, gloo):
+        cases = {
+            "dtype": lambda: dist.all_reduce(torch.ones(10, dtype=torch.float32 if r == 0 else torch.float64)),
+            "large dtype": lambda: dist.all_reduce(torch.ones(1 << 18, dtype=torch.float32 if r == 0 else torch.int64)),
+            "reduction": lambda: dist.all_reduce(torch.ones(10), op=dist.ReduceOp.SUM if r == 0 else dist.ReduceOp.MAX),
+            "size": lambda: dist.all_reduce(torch.ones(10 + r)),
+            "op": lambda: dist.all_reduce(torch.ones(8)) if r == 0 else dist.broadcast(torch.ones(8), src=0),
+            "gloo dtype": lambda: dist.all_reduce(torch.ones(10, dtype=torch.uint16 if r == 0 else torch.int16)),
+            "reduce_scatter": lambda: dist.reduce_scatter_tensor(
+                torch.empty(4, dtype=torch.int32 if r == 0 else torch.int64),
+                torch.ones(4 * n, dtype=torch.int32 if r == 0 else torch.int64)),
+        }
+        for name, call in cases.items():
+            with pytest.raises(dist.DistBackendError, match="ranks disagree") as info:
+                call()
+            if name in ("dtype", "size", "reduction"):
+                assert "rank 0 called all_reduce(float32, 10 elements, sum)" in str(info.value) or r != 0, str(info.value)
+            # The group is still usable.
+            t = torch.full((5,), float(r + 1))
+            dist.all_reduce(t)
+            assert torch.equal(t, torch.full((5,), float(n * (n + 1) // 2))), f"group unusable after {name}"
+    return True
+
+
+def test_cross_rank_mismatch_raises_on_every_rank(ranks):
+    """Rank 0 float32 vs rank 1 float64 (small and tree-sized), different reductions, sizes, operations,
+    a dtype bound for gloo vs one for commlib: DistBackendError "ranks disagree" on every rank, group
+    usable afterwards."""
+    ranks(2).run(_mismatches)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -478,22 +713,76 @@ def test_multi_host_group_uses_gloo(ranks):
 
 
 # ---------------------------------------------------------------------------------------------
-def _timeout(ctx):
-    import time
+def _expect_group_timeout(ctx, call, what, phase, key):
+    """Rank 0 runs `call` alone and must get the group's timeout; rank 1 waits for it to finish."""
+    import re
 
     import torch.distributed as dist
-    with ddacomm_world(ctx, timeout_s=2.0) as (world, gloo):
-        dist.barrier()
-        if ctx.rank == 1:
-            time.sleep(4)
-            return "slept"
-        with pytest.raises(dist.DistBackendError, match="timed out"):
-            dist.all_reduce(torch.ones(10))
-    return "timed out"
+    if ctx.rank != 0:
+        ctx.store.wait([key])
+        return None
+    try:
+        with pytest.raises(dist.DistBackendError, match="Timed out") as info:
+            call()
+    finally:
+        ctx.store.set(key, b"1")
+    text = str(info.value)
+    for part in (what, "rank 0", "rank 1", f"phase '{phase}"):
+        assert part in text, f"timeout message lacks {part!r}: {text}"
+    # "Timed out after N ms" (host waits) or "... rank 0 waited N ms" (a GPU wait, reported at the next call)
+    waited = int(re.search(r"(?:Timed out after|waited) (\d+) ms", text).group(1))
+    # The group's 1 s bounded the wait, not the store's default (what it waited is in the message).
+    assert waited < 10_000, text
+    return text
 
 
-def test_init_timeout_is_honoured(ranks):
-    assert ranks(2).run(_timeout) == ["timed out", "slept"]
+def _timeouts(ctx, device):
+    import torch.distributed as dist
+    n = ctx.scratch["timeouts"] = ctx.scratch.get("timeouts", 0) + 1
+    with ddacomm_world(ctx) as (world, gloo):
+        opts = {} if device == "cpu" else {"device_ids": [ctx.device]}
+        t = torch.ones(10, device=device)
+        # The first call of a group: the lazy transport set-up waits for rank 1, which never calls.
+        dist.barrier()  # the 1 s group's creation needs the ranks within 1 s of each other
+        first = dist.new_group(backend="ddacomm", timeout=timedelta(seconds=1))
+        phase = "shm/created" if device == "cpu" else "busid"
+        _expect_group_timeout(ctx, lambda: dist.all_reduce(t, group=first), "allreduce", phase,
+                              f"timeouts/{device}/{n}/first")
+        # A later call: the transport is up; rank 1 skips the second all_reduce.
+        dist.barrier()  # the 1 s group's creation needs the ranks within 1 s of each other
+        later = dist.new_group(backend="ddacomm", timeout=timedelta(seconds=1))
+        dist.all_reduce(t, group=later)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert t[0].item() == ctx.world_size
+        def later_call():
+            dist.all_reduce(t, group=later)
+            if device == "cuda":  # the GPU wait times out in the kernel; the next call reports it
+                torch.cuda.synchronize()
+                dist.all_reduce(t, group=later)
+        _expect_group_timeout(ctx, later_call, "all_reduce", "", f"timeouts/{device}/{n}/later")
+        # A barrier whose peer never arrives, on a fresh 1 s group (its first call).
+        dist.barrier()  # the 1 s group's creation needs the ranks within 1 s of each other
+        third = dist.new_group(backend="ddacomm", timeout=timedelta(seconds=1))
+        _expect_group_timeout(ctx, lambda: dist.barrier(group=third, **opts), "barrier", "",
+                              f"timeouts/{device}/{n}/barrier")
+        # Other groups are untouched.
+        x = torch.full((4,), float(ctx.rank + 1), device=device)
+        dist.all_reduce(x)
+        assert x.cpu().tolist() == [ctx.world_size * (ctx.world_size + 1) / 2] * 4
+    return True
+
+
+def test_group_timeout_bounds_every_wait(ranks):
+    """A 1 s group whose rank 1 never calls: the first call (transport set-up), a later call and a
+    barrier raise DistBackendError "Timed out" naming operation, ranks and phase, on rank 0."""
+    ranks(2).run(_timeouts, "cpu")
+
+
+@pytest.mark.gpu
+def test_group_timeout_bounds_every_wait_cuda(ranks):
+    """The same on CUDA tensors: set-up of the GPU transport, a GPU wait, a barrier."""
+    ranks(2).run(_timeouts, "cuda")
 
 
 # ---------------------------------------------------------------------------------------------
