@@ -52,7 +52,7 @@ def _fused_case(ctx, dtype_name, shapes, eps=1e-6):
         xs, residual0, weight = make_inputs(rank, n, tokens, hidden, dtype)
         # Unfused commlib: all_reduce, then the documented arithmetic.
         summed = xs[rank].clone()
-        ctx.comm.all_reduce(summed)
+        ctx.comm.all_reduce_(summed)
         ref_out, ref_res = reference_rmsnorm(summed, residual0, weight, eps)
         begin, end = token_slice(tokens, n, rank)
         assert (begin, end) == ctx.comm.token_slice(tokens)
@@ -231,7 +231,7 @@ def _compiled(ctx):
     residual = residual0.clone()
     out = compiled(xs[rank], residual, weight)
     summed = xs[rank].clone()
-    comm.all_reduce(summed)
+    comm.all_reduce_(summed)
     ref_out, ref_res = reference_rmsnorm(summed, residual0, weight, 1e-5)
     assert torch.equal(out, ref_out) and torch.equal(residual, ref_res)
     # Meta kernel: shapes propagate without running the collective.

@@ -45,7 +45,7 @@ def _gpu_case(ctx, dtype_name, tokens_list, hidden_list, num_sms_list=(None,), e
             xs, residual0, weight = make_inputs(n, tokens, hidden, dtype)
             x = xs[rank].to(dev)
             summed = x.clone()
-            comm.all_reduce(summed)
+            comm.all_reduce_(summed)
             ref_out, ref_res = reference_rmsnorm(summed.cpu(), residual0, weight, eps)
             r64 = residual0.double() + sum(t.double() for t in xs)
             out64 = r64 / torch.sqrt((r64 * r64).mean(dim=1, keepdim=True) + eps) * weight.double()
@@ -214,7 +214,7 @@ def _graph_chunks(ctx, tokens):
             graph.replay()
             torch.cuda.synchronize()
             summed = x.clone()
-            comm.all_reduce(summed)
+            comm.all_reduce_(summed)
             ref_out, ref_res = reference_rmsnorm(summed.cpu(), residual0, weight, eps)
             where = f"{mode} graph replay {step}"
             assert torch.equal(bits(out.cpu()), bits(ref_out)), f"{where}: out"
@@ -284,7 +284,7 @@ def _mixed_sequence(ctx):
         xs, residual0, weight = make_inputs(n, tokens, hidden, dtype, salt=100 + step)
         x = xs[rank].to(dev)
         summed = x.clone()
-        comm.all_reduce(summed)  # an all-reduce between fused calls
+        comm.all_reduce_(summed)  # an all-reduce between fused calls
         ref_out, ref_res = reference_rmsnorm(summed.cpu(), residual0, weight, eps)
         residual = residual0.to(dev)
         out = torch.full((tokens, hidden), float("nan"), dtype=dtype, device=dev)
@@ -323,7 +323,7 @@ def _back_to_back(ctx):
         summed = sum(t.double() for t in xs)  # a second all-reduce input, checked against the ordered sum
         x = xs[rank].to(dev)
         ref_sum = x.clone()
-        comm.all_reduce(ref_sum)
+        comm.all_reduce_(ref_sum)
         refs.append((reference_rmsnorm(ref_sum.cpu(), residual0, weight, eps), ref_sum.cpu(), summed))
         out = torch.full((tokens, hidden), float("nan"), dtype=dtype, device=dev)
         staged.append((x, x.clone(), residual0.to(dev), weight.to(dev), out, mode))
@@ -331,7 +331,7 @@ def _back_to_back(ctx):
     comm.barrier()
     for x, x_ar, residual, w, out, mode in staged:
         comm.fused_allreduce_rmsnorm(x, residual, w, eps, residual_mode=mode, out=out)
-        comm.all_reduce(x_ar)  # a flat / LL all-reduce right after the fused kernel
+        comm.all_reduce_(x_ar)  # a flat / LL all-reduce right after the fused kernel
     torch.cuda.synchronize()
     for step, ((tokens, mode), (x, x_ar, residual, w, out, _), ((ref_out, ref_res), ref_sum, summed)) in enumerate(
             zip(steps, staged, refs)):
@@ -363,7 +363,7 @@ def _bad_pdl_knob(ctx):
     with pytest.raises(ValueError, match=re.escape("COMMLIB_PDL=2 invalid; valid: 0, 1")):
         ctx.comm.fused_allreduce_rmsnorm(x, x.clone(), torch.ones(1024, dtype=torch.bfloat16, device=dev))
     with pytest.raises(ValueError, match=re.escape("COMMLIB_PDL=2 invalid; valid: 0, 1")):
-        ctx.comm.all_reduce(x, algo="flat")
+        ctx.comm.all_reduce_(x, algo="flat")
     return True
 
 
@@ -388,7 +388,7 @@ def _graph_and_compile(ctx, tokens):
 
     def expected(x_now, residual_now):
         summed = x_now.clone()
-        comm.all_reduce(summed)
+        comm.all_reduce_(summed)
         return reference_rmsnorm(summed.cpu(), residual_now.cpu(), weight, eps)
 
     # CUDA graph capture: warm up eagerly (first-use set-up), capture, replay on fresh inputs.
