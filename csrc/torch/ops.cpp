@@ -2,9 +2,12 @@
 // traces it into a graph and CUDA graph capture records it like any other op.
 //
 // Note [commlib op conventions]
-// - ATen naming: `all_reduce` returns a new tensor, `all_reduce_` mutates its input and returns
-//   it (tag `inplace`), `all_reduce_out` writes a keyword-only `out` and returns it (tag `out`).
-//   With those tags torch.compile functionalises the mutating forms (auto_functionalize).
+// - ATen naming: `all_reduce` returns a new tensor, `all_reduce_` mutates its input, and
+//   `all_reduce_out` writes a keyword-only `out`; the schemas mark the written argument
+//   (`Tensor(a!)`), so torch.compile functionalises them (auto_functionalize) and inductor
+//   re-inplaces them. The mutating forms return nothing, unlike ATen's: inductor does not know
+//   that a custom op's returned tensor aliases its mutated argument, and would reuse that buffer
+//   while the alias is still read (seen in torch 2.14). The Python methods return the tensor.
 // - The group is a string naming a live communicator of this process (ops.hpp), as in torch's
 //   symmetric-memory ops; EP ops name an EPBuffer the same way.
 // - Each op has a Meta kernel (shapes and dtypes only; the EP ones read the named buffer's
@@ -155,42 +158,37 @@ at::Tensor all_reduce_op(const at::Tensor& input, c10::string_view reduce_op, c1
   });
 }
 
-at::Tensor& all_reduce_inplace_op(at::Tensor& input, c10::string_view reduce_op, c10::string_view group_name,
-                                  c10::string_view algo) {
+void all_reduce_inplace_op(at::Tensor& input, c10::string_view reduce_op, c10::string_view group_name,
+                           c10::string_view algo) {
   translate_errors([&] {
     const ReduceOp op = parse_reduce_op("all_reduce_", str(reduce_op));
     const Algorithm alg = parse_algorithm("all_reduce_", str(algo));
     std::shared_ptr<Communicator> comm = communicator_from_group(str(group_name), "all_reduce_");
     all_reduce(*comm, input, op, alg);
   });
-  return input;
 }
 
-at::Tensor& all_reduce_out_op(const at::Tensor& input, c10::string_view reduce_op, c10::string_view group_name,
-                              c10::string_view algo, at::Tensor& out) {
+void all_reduce_out_op(const at::Tensor& input, c10::string_view reduce_op, c10::string_view group_name,
+                       c10::string_view algo, at::Tensor& out) {
   translate_errors([&] {
     const ReduceOp op = parse_reduce_op("all_reduce_out", str(reduce_op));
     const Algorithm alg = parse_algorithm("all_reduce_out", str(algo));
     std::shared_ptr<Communicator> comm = communicator_from_group(str(group_name), "all_reduce_out");
     all_reduce_out(*comm, out, input, op, alg);
   });
-  return out;
 }
 
 at::Tensor all_reduce_meta(const at::Tensor& input, c10::string_view, c10::string_view, c10::string_view) {
   return at::empty_like(input, at::MemoryFormat::Contiguous);
 }
 
-at::Tensor& all_reduce_inplace_meta(at::Tensor& input, c10::string_view, c10::string_view, c10::string_view) {
-  return input;
-}
+void all_reduce_inplace_meta(at::Tensor&, c10::string_view, c10::string_view, c10::string_view) {}
 
-at::Tensor& all_reduce_out_meta(const at::Tensor& input, c10::string_view, c10::string_view, c10::string_view,
-                                at::Tensor& out) {
+void all_reduce_out_meta(const at::Tensor& input, c10::string_view, c10::string_view, c10::string_view,
+                         at::Tensor& out) {
   TORCH_CHECK_VALUE(out.sym_sizes() == input.sym_sizes() && out.scalar_type() == input.scalar_type(),
                     "all_reduce_out: out must have input's shape and dtype; got ", out.sym_sizes(), " ",
                     out.scalar_type(), " for input ", input.sym_sizes(), " ", input.scalar_type());
-  return out;
 }
 
 // ---- all_to_all_v ----
@@ -214,13 +212,12 @@ at::Tensor all_to_all_v_op(const at::Tensor& input, at::IntArrayRef output_split
   });
 }
 
-at::Tensor& all_to_all_v_out_op(const at::Tensor& input, at::IntArrayRef output_split_sizes,
-                                at::IntArrayRef input_split_sizes, c10::string_view group_name, at::Tensor& out) {
+void all_to_all_v_out_op(const at::Tensor& input, at::IntArrayRef output_split_sizes, at::IntArrayRef input_split_sizes,
+                         c10::string_view group_name, at::Tensor& out) {
   translate_errors([&] {
     std::shared_ptr<Communicator> comm = communicator_from_group(str(group_name), "all_to_all_v_out");
     all_to_all_v(*comm, out, input, to_vector(output_split_sizes), to_vector(input_split_sizes));
   });
-  return out;
 }
 
 at::Tensor all_to_all_v_meta(const at::Tensor& input, c10::SymIntArrayRef output_split_sizes, c10::SymIntArrayRef,
@@ -235,10 +232,8 @@ at::Tensor all_to_all_v_meta(const at::Tensor& input, c10::SymIntArrayRef output
   return at::empty_symint(shape, input.options());
 }
 
-at::Tensor& all_to_all_v_out_meta(const at::Tensor&, c10::SymIntArrayRef, c10::SymIntArrayRef, c10::string_view,
-                                  at::Tensor& out) {
-  return out;
-}
+void all_to_all_v_out_meta(const at::Tensor&, c10::SymIntArrayRef, c10::SymIntArrayRef, c10::string_view,
+                           at::Tensor&) {}
 
 // ---- expert-parallel dispatch / combine ----
 
@@ -324,17 +319,15 @@ void fused_out_meta(const at::Tensor& x, at::Tensor&, const at::Tensor&, double,
 TORCH_LIBRARY(commlib, m) {
   const at::Tag pt2 = at::Tag::pt2_compliant_tag;
   m.def("all_reduce(Tensor input, str reduce_op, str group_name, str algo=\"auto\") -> Tensor", {pt2});
-  m.def("all_reduce_(Tensor(a!) input, str reduce_op, str group_name, str algo=\"auto\") -> Tensor(a!)",
-        {pt2, at::Tag::inplace});
-  m.def("all_reduce_out(Tensor input, str reduce_op, str group_name, str algo=\"auto\", *, Tensor(a!) out) -> "
-        "Tensor(a!)",
-        {pt2, at::Tag::out});
+  m.def("all_reduce_(Tensor(a!) input, str reduce_op, str group_name, str algo=\"auto\") -> ()", {pt2});
+  m.def("all_reduce_out(Tensor input, str reduce_op, str group_name, str algo=\"auto\", *, Tensor(a!) out) -> ()",
+        {pt2});
   m.def("all_to_all_v(Tensor input, SymInt[] output_split_sizes, SymInt[] input_split_sizes, str group_name) -> "
         "Tensor",
         {pt2});
   m.def("all_to_all_v_out(Tensor input, SymInt[] output_split_sizes, SymInt[] input_split_sizes, str group_name, "
-        "*, Tensor(a!) out) -> Tensor(a!)",
-        {pt2, at::Tag::out});
+        "*, Tensor(a!) out) -> ()",
+        {pt2});
   m.def("ep_dispatch(Tensor x, Tensor topk_idx, Tensor topk_weights, str buffer_name) -> (Tensor expert_x, "
         "Tensor expert_counts)",
         {pt2});

@@ -174,7 +174,8 @@ class Communicator:
         if torch.compiler.is_compiling():
             if out is None:
                 return torch.ops.commlib.all_reduce(tensor, op, self._group_name, algo)
-            return torch.ops.commlib.all_reduce_out(tensor, op, self._group_name, algo, out=out)
+            torch.ops.commlib.all_reduce_out(tensor, op, self._group_name, algo, out=out)
+            return out
         if algo == "auto" and not tensor.is_cuda:
             algo = self._host_auto_algo(tensor.numel() * tensor.element_size())
         if out is tensor:
@@ -196,7 +197,8 @@ class Communicator:
             raise ValueError(f"all_reduce: algo '{algo}' not supported; supported: {', '.join(_ALGOS)}")
         op = _op_name("all_reduce", op)
         if torch.compiler.is_compiling():
-            return torch.ops.commlib.all_reduce_(tensor, op, self._group_name, algo)
+            torch.ops.commlib.all_reduce_(tensor, op, self._group_name, algo)
+            return tensor
         if algo == "auto" and not tensor.is_cuda:
             algo = self._host_auto_algo(tensor.numel() * tensor.element_size())
         self._comm.all_reduce(tensor, op, algo)
@@ -303,7 +305,8 @@ class Communicator:
         ins = [int(x) for x in input_splits] if input_splits is not None else []
         outs = [int(x) for x in output_splits] if output_splits is not None else []
         if torch.compiler.is_compiling():
-            return torch.ops.commlib.all_to_all_v_out(input, outs, ins, self._group_name, out=output)
+            torch.ops.commlib.all_to_all_v_out(input, outs, ins, self._group_name, out=output)
+            return output
         self._comm.all_to_all_v(output, input, outs, ins)
         return output
 
