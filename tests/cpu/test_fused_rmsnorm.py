@@ -195,7 +195,7 @@ def _slow_peer(ctx):
     import time
 
     import commlib
-    # The op goes through torch.ops.ddacomm, whose errors the dispatcher carries as
+    # The op goes through torch.ops.commlib, whose errors the dispatcher carries as
     # DistBackendError; commlib.fused re-raises them as commlib's classes, like every other call.
     comm = ctx.new_comm("fused-slow", timeout=datetime.timedelta(seconds=4))  # 4 s: see test_host_collectives
     comm.barrier()
@@ -203,7 +203,7 @@ def _slow_peer(ctx):
         time.sleep(8)
         return "slept"
     xs, residual, weight = make_inputs(0, 2, 5, 64, torch.float32)
-    with pytest.raises(commlib.TimeoutError, match="rank 0 timed out .* waiting for rank 1"):
+    with pytest.raises(commlib.CommTimeoutError, match="rank 0 timed out .* waiting for rank 1"):
         comm.fused_allreduce_rmsnorm(xs[0], residual, weight)
     with pytest.raises(commlib.PeerError, match="unusable"):
         comm.fused_allreduce_rmsnorm(xs[0], residual, weight)
@@ -223,8 +223,8 @@ def _compiled(ctx):
 
     def step(x, residual, weight):
         out = torch.empty_like(x)
-        torch.ops.ddacomm.fused_allreduce_rmsnorm(x * 1, residual, weight, 1e-5, out, comm.op_handle,
-                                                  "replicated", 0, "auto")
+        torch.ops.commlib.fused_allreduce_rmsnorm_out(x * 1, residual, weight, 1e-5, comm.group_name,
+                                                      "replicated", 0, "auto", out=out)
         return out + 0
 
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
@@ -238,9 +238,10 @@ def _compiled(ctx):
     with torch.device("meta"):
         xm = torch.empty(11, 1024, dtype=torch.bfloat16)
         outm = torch.empty_like(xm)
-    torch.ops.ddacomm.fused_allreduce_rmsnorm(xm, xm.clone(), torch.empty(1024, dtype=torch.bfloat16,
-                                                                          device="meta"),
-                                              1e-5, outm, comm.op_handle)
+    torch.ops.commlib.fused_allreduce_rmsnorm_out(xm, xm.clone(), torch.empty(1024, dtype=torch.bfloat16,
+                                                                              device="meta"),
+                                                  1e-5, comm.group_name, out=outm)
+    assert torch.ops.commlib.fused_allreduce_rmsnorm(xm, xm.clone(), outm[0], 1e-5, comm.group_name).shape == xm.shape
     return True
 
 
@@ -296,7 +297,7 @@ def _workspace_refused(ctx):
     # The communicator's entry to the multicast workspace refuses first: with no GPU here, any CUDA
     # call before the guard would raise commlib.CommError instead of this ValueError.
     with pytest.raises(ValueError, match=f"multicast transport: NVLink multicast refused: {variable}="):
-        commlib._C.multicast_workspace_bytes(ctx.comm.op_handle, 0)
+        commlib._C.multicast_workspace_bytes(ctx.comm.group_name, 0)
     assert commlib._C.multicast_objects_created() == 0
     return _fused_case(ctx, "bfloat16", [(4, 1024)])
 

@@ -345,7 +345,7 @@ def _slow_peer(ctx):
     if ctx.rank == 1:
         time.sleep(8)
         return "slept"
-    with pytest.raises(commlib.TimeoutError, match="rank 0 timed out .* waiting for rank 1"):
+    with pytest.raises(commlib.CommTimeoutError, match="rank 0 timed out .* waiting for rank 1"):
         comm.all_reduce_(torch.ones(10))
     with pytest.raises(commlib.PeerError, match="unusable"):
         comm.all_reduce_(torch.ones(10))

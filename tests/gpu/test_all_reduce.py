@@ -390,7 +390,7 @@ def _bad_inputs(ctx):
         ctx.comm.all_reduce_(torch.ones(8, dtype=torch.int32, device=dev))
     ctx.comm.all_reduce_(x)  # still usable
     assert torch.equal(x, torch.full_like(x, float(ctx.world_size)))
-    assert isinstance(commlib.TimeoutError("x"), RuntimeError)
+    assert isinstance(commlib.CommTimeoutError("x"), RuntimeError)
     return True
 
 
@@ -407,9 +407,9 @@ def _timeout(ctx):
     if ctx.rank == 0:  # rank 1 never joins: rank 0's wait must expire, not hang
         comm.all_reduce_(torch.ones(4, device=dev), algo="flat")
         torch.cuda.synchronize()
-        with pytest.raises(commlib.TimeoutError, match=r"rank 0 waited \d+ ms for rank 1 at phase '"):
+        with pytest.raises(commlib.CommTimeoutError, match=r"rank 0 waited \d+ ms for rank 1 at phase '"):
             comm.check_gpu_error()
-        with pytest.raises(commlib.TimeoutError, match=r"all_reduce: a GPU wait of this communicator timed out"):
+        with pytest.raises(commlib.CommTimeoutError, match=r"all_reduce: a GPU wait of this communicator timed out"):
             comm.all_reduce_(torch.ones(4, device=dev))
     comm.close()
     return True
@@ -447,7 +447,7 @@ def _ll_timeout(ctx):
     if ctx.rank == 0:
         comm.all_reduce_(torch.ones(4, device=dev), algo="flat")
         torch.cuda.synchronize()
-        with pytest.raises(commlib.TimeoutError, match=r"rank 0 waited \d+ ms for rank 1 at phase 'LL data"):
+        with pytest.raises(commlib.CommTimeoutError, match=r"rank 0 waited \d+ ms for rank 1 at phase 'LL data"):
             comm.check_gpu_error()
     comm.close()
     return True

@@ -293,7 +293,7 @@ def _ll_dead_peer(ctx):
     if ctx.rank == 0:
         buf.dispatch(x, idx, w)
         torch.cuda.synchronize()
-        with pytest.raises(commlib.TimeoutError, match=r"rank 0 waited \d+ ms for rank 1"):
+        with pytest.raises(commlib.CommTimeoutError, match=r"rank 0 waited \d+ ms for rank 1"):
             comm.check_gpu_error()
     comm.close()
     return True

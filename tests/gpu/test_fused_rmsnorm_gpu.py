@@ -167,9 +167,9 @@ def _dead_peer(ctx):
     if ctx.rank == 0:
         comm.fused_allreduce_rmsnorm(x, x.clone(), w)
         torch.cuda.synchronize()
-        with pytest.raises(commlib.TimeoutError, match=r"rank 0 waited \d+ ms for rank 1 at phase 'inputs ready"):
+        with pytest.raises(commlib.CommTimeoutError, match=r"rank 0 waited \d+ ms for rank 1 at phase 'inputs ready"):
             comm.check_gpu_error()
-        with pytest.raises(commlib.TimeoutError, match=r"a GPU wait of this communicator timed out"):
+        with pytest.raises(commlib.CommTimeoutError, match=r"a GPU wait of this communicator timed out"):
             comm.fused_allreduce_rmsnorm(x, x.clone(), w)
     comm.close()
     return True
@@ -411,8 +411,8 @@ def _graph_and_compile(ctx, tokens):
     # torch.compile (inductor, fullgraph) around the op with ops before and after it.
     def layer(x, residual, w):
         out = torch.empty_like(x)
-        torch.ops.ddacomm.fused_allreduce_rmsnorm(x * 1, residual, w, eps, out, comm.op_handle,
-                                                  "replicated", 0, "auto")
+        torch.ops.commlib.fused_allreduce_rmsnorm_out(x * 1, residual, w, eps, comm.group_name,
+                                                      "replicated", 0, "auto", out=out)
         return out + 0
 
     compiled = torch.compile(layer, fullgraph=True)
@@ -468,7 +468,7 @@ def _multimem_refused_gpu(ctx):
         comm.fused_allreduce_rmsnorm(x, residual, weight, out=out, algo="multimem")
     # The communicator's own entry refuses too, before its GPU state (or anything CUDA) is made.
     with pytest.raises(ValueError, match="multicast transport: NVLink multicast refused"):
-        commlib._C.multicast_workspace_bytes(comm.op_handle, ctx.device)
+        commlib._C.multicast_workspace_bytes(comm.group_name, ctx.device)
     assert commlib._C.multicast_objects_created() == 0
     # Nothing was touched, and the communicator still works.
     assert torch.isnan(out.float()).all() and torch.equal(residual, x)
