@@ -212,6 +212,28 @@ def test_group_names(ranks):
     ranks(2).run(_names)
 
 
+def _ddacomm_group_name(ctx):
+    """A "ddacomm" process group's communicator is named "ddacomm-<group name>" in the ops."""
+    import torch.distributed as dist
+    from test_backend import ddacomm_world
+    with ddacomm_world(ctx) as (world, gloo):
+        name = "ddacomm-" + world.group_name
+        x = rand(ctx.rank, 4097, torch.float32, salt=8)
+        ref = x.clone()
+        dist.all_reduce(ref, group=gloo)
+        got = torch.ops.commlib.all_reduce(x, "sum", name)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        out = torch.ops.commlib.fused_allreduce_rmsnorm(x.reshape(-1, 1)[:4096].reshape(64, 64), torch.zeros(64, 64),
+                                                        torch.ones(64), 1e-5, name)
+        assert out.shape == (64, 64) and not torch.isnan(out).any()
+    return name
+
+
+def test_ddacomm_group_communicator_by_name(ranks):
+    names = ranks(2).run(_ddacomm_group_name)
+    assert names[0] == names[1] and names[0].startswith("ddacomm-")
+
+
 # ---- torch.compile(fullgraph=True): no graph break, the same results as eager ----
 
 def _compiled_tp(ctx, backend):
