@@ -62,10 +62,10 @@ class EPBuffer:
                  name: Optional[str] = None):
         if dtype not in _DTYPES:
             raise TypeError(f"EPBuffer: dtype {dtype} not supported; supported: float32, float16, bfloat16")
-        for name, value in (("max_tokens_per_rank", max_tokens_per_rank), ("hidden", hidden),
-                            ("num_experts", num_experts), ("topk", topk)):
+        for arg, value in (("max_tokens_per_rank", max_tokens_per_rank), ("hidden", hidden),
+                           ("num_experts", num_experts), ("topk", topk)):
             if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"EPBuffer: {name} must be an int, got {type(value).__name__}")
+                raise TypeError(f"EPBuffer: {arg} must be an int, got {type(value).__name__}")
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())

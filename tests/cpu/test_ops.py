@@ -202,6 +202,14 @@ def _names(ctx):
     again = ctx.new_comm("ops-names")
     assert torch.equal(again.all_reduce(x), x * ctx.world_size)
     again.close()
+    # EP buffers: distinct default names; a chosen name is the caller's to keep unique.
+    bufs = [commlib.EPBuffer(ctx.comm, 4, 8, 2 * ctx.world_size, 1, torch.float32) for _ in range(2)]
+    assert bufs[0].name != bufs[1].name and bufs[0].name.startswith("test-default/ep")
+    mine = commlib.EPBuffer(ctx.comm, 4, 8, 2 * ctx.world_size, 1, torch.float32, name="ops-ep")
+    with pytest.raises(ValueError, match=r"EPBuffer: name 'ops-ep' already names a live EP buffer"):
+        commlib.EPBuffer(ctx.comm, 4, 8, 2 * ctx.world_size, 1, torch.float32, name="ops-ep")
+    del mine
+    commlib.EPBuffer(ctx.comm, 4, 8, 2 * ctx.world_size, 1, torch.float32, name="ops-ep")  # free again
     # The communicator still works after the refused calls.
     assert torch.equal(torch.ops.commlib.all_reduce(x, "sum", ctx.comm.group_name), x * ctx.world_size)
     assert commlib.Communicator is not None
