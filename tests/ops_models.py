@@ -7,6 +7,8 @@ every expert's weights, so the MoE reference is each token's weighted sum over i
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -94,6 +96,18 @@ def moe_reference(x, idx, w, full):
     return out
 
 
+def fresh_compile() -> contextlib.ExitStack:
+    """No compiled code from the caches: inductor's and AOTAutograd's caches do not key on a custom
+    op's schema, so a build with another schema would replay stale calls (torch 2.14)."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    torch._dynamo.reset()
+    stack = contextlib.ExitStack()
+    stack.enter_context(inductor_config.patch(fx_graph_cache=False, fx_graph_remote_cache=False))
+    stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
+    return stack
+
+
 class GraphRecorder:
     """A torch.compile backend that keeps the Dynamo graphs it is given and hands them to `inner`."""
 
@@ -121,14 +135,13 @@ class GraphRecorder:
 def compiled_tp_mlp(ctx, device, dtype, backend):
     """Eager and torch.compile(fullgraph=True) TP MLP against the fp64 reference; returns the
     commlib ops Dynamo put into the one graph."""
-    torch._dynamo.reset()
     comm = ctx.comm
     full, shard = tp_weights(ctx.rank, ctx.world_size)
     w = {k: v.to(dtype).to(device) for k, v in shard.items()}
     recorder = GraphRecorder(backend)
     compiled = torch.compile(lambda x, r: tp_block(comm, x, r, w), backend=recorder, fullgraph=True)
     tol = TOL[dtype]
-    with torch.no_grad():
+    with torch.no_grad(), fresh_compile():
         for salt in range(2):  # a second call with new data reuses the graph
             x, residual = tp_inputs(ctx.rank, dtype, device, salt)
             ref_out, ref_res = tp_reference(x, residual, full)
@@ -150,7 +163,6 @@ def compiled_tp_mlp(ctx, device, dtype, backend):
 def compiled_ep_moe(ctx, device, dtype, backend):
     """Eager and torch.compile(fullgraph=True) MoE block against the fp64 reference."""
     import commlib
-    torch._dynamo.reset()
     n = ctx.world_size
     full, local = moe_weights(ctx.rank, n)
     expert_w = local.to(dtype).to(device)
@@ -158,7 +170,7 @@ def compiled_ep_moe(ctx, device, dtype, backend):
     recorder = GraphRecorder(backend)
     compiled = torch.compile(lambda x, i, w: moe_block(buf, x, i, w, expert_w), backend=recorder, fullgraph=True)
     tol = TOL[dtype]
-    with torch.no_grad():
+    with torch.no_grad(), fresh_compile():
         for salt in range(2):
             x, idx, w = moe_inputs(ctx.rank, n, dtype, device, salt)
             ref = moe_reference(x, idx, w, full)
