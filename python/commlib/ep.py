@@ -87,9 +87,9 @@ class EPBuffer:
         _C.register_ep_buffer(self.name, self._buf)
 
     def __del__(self):
-        buf = getattr(self, "_buf", None)
-        if buf is not None and getattr(self, "name", None) is not None:
-            _C.unregister_ep_buffer(self.name, buf)
+        buf, name = getattr(self, "_buf", None), getattr(self, "name", None)
+        if buf is not None and name is not None and _C is not None:  # _C is None late in shutdown
+            _C.unregister_ep_buffer(name, buf)
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> EPDispatchResult:
         """Sends each token to its top-k experts. ``x`` [num_tokens, hidden] (num_tokens may be 0),
