@@ -174,7 +174,10 @@ class Communicator:
         if torch.compiler.is_compiling():
             if out is None:
                 return torch.ops.commlib.all_reduce(tensor, op, self._group_name, algo)
-            torch.ops.commlib.all_reduce_out(tensor, op, self._group_name, algo, out=out)
+            if out is tensor:
+                torch.ops.commlib.all_reduce_(tensor, op, self._group_name, algo)
+            else:
+                torch.ops.commlib.all_reduce_out(tensor, op, self._group_name, algo, out=out)
             return out
         if algo == "auto" and not tensor.is_cuda:
             algo = self._host_auto_algo(tensor.numel() * tensor.element_size())
