@@ -265,6 +265,40 @@ def test_compile_ep_moe(ranks):
     assert ranks(2).run(_compiled_moe, "inductor") == [["ep_combine", "ep_dispatch"]] * 2
 
 
+def _compiled_out_forms(ctx):
+    """The out= and all_to_all_v forms of the Python API compile into one graph too."""
+    import torch.distributed as dist
+    comm, n, me = ctx.comm, ctx.world_size, ctx.rank
+    ins = [((me + r) % 3) + 1 for r in range(n)]
+    outs = [((q + me) % 3) + 1 for q in range(n)]
+
+    def fn(x, out, inp, recv):
+        comm.all_reduce(x * 2, out=out)
+        comm.all_to_all_v(recv, inp + 1, outs, ins)
+        return out + 1, recv * 3
+
+    recorder = ops_models.GraphRecorder("aot_eager")
+    compiled = torch.compile(fn, backend=recorder, fullgraph=True)
+    x = rand(me, 100, torch.float32, salt=9)
+    inp = torch.randn(sum(ins), 3, dtype=torch.float32)
+    with torch.no_grad(), ops_models.fresh_compile():
+        out, recv = torch.full_like(x, float("nan")), torch.full((sum(outs), 3), float("nan"))
+        got_out, got_recv = compiled(x, out, inp, recv)
+    ref = torch.empty(sum(outs), 3)
+    dist.all_to_all_single(ref, inp + 1, outs, ins, group=ctx.gloo())
+    assert torch.equal(recv, ref) and torch.equal(got_recv, ref * 3)
+    expect = sum(rand(r, 100, torch.float32, salt=9).double() * 2 for r in range(n))
+    torch.testing.assert_close(out.double(), expect, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got_out, out + 1)
+    assert len(recorder.graphs) == 1
+    return sorted(recorder.graphs[0])
+
+
+def test_compile_out_forms(ranks):
+    """aot_eager (no code generation needed to show the graph and its functionalisation)."""
+    assert ranks(2).run(_compiled_out_forms) == [["all_reduce_out", "all_to_all_v_out"]] * 2
+
+
 # ---- Python API details ----
 
 def test_timeout_error_renamed():
