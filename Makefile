@@ -14,7 +14,9 @@ build:
 bench: build
 	$(PY) -m commlib.perf
 
+# Source rules first (tools/lint.py: seconds, no build needed), then the tests.
 test: build
+	$(PY) tools/lint.py
 	$(PY) -m pytest tests -q -rs $(PYTEST_ARGS)
 
 # Only the GPU tests (on the GPU machine).

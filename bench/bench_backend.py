@@ -83,16 +83,16 @@ def main() -> int:
     try:
         comm = commlib.Communicator.from_group(dist.group.WORLD, name="bench-direct")
         probe = src.clone()
-        comm.all_reduce(probe)
+        comm.all_reduce_(probe)
         ref = src.clone()
         dist.all_reduce(ref, group=nccl)
         torch.testing.assert_close(probe.float(), ref.float(), rtol=3e-2, atol=3e-2)
         buf_direct = src.clone()
-        direct = graph_us(lambda: comm.all_reduce(buf_direct), 20, 50, args.repeats)
+        direct = graph_us(lambda: comm.all_reduce_(buf_direct), 20, 50, args.repeats)
         rows.append(("graph: dist.all_reduce vs direct API", g_dda, direct, "ddacomm / direct", g_dda / direct))
         # Where the eager time goes: the direct API, the backend object without torch.distributed's
         # Python layer, and the cost of launching one trivial kernel from Python on this machine.
-        e_direct = eager_us(lambda: comm.all_reduce(buf_direct), args.iters, args.repeats)
+        e_direct = eager_us(lambda: comm.all_reduce_(buf_direct), args.iters, args.repeats)
         rows.append(("eager: dist.all_reduce vs direct API", t_dda, e_direct, "ddacomm / direct", t_dda / e_direct))
         backend = dist.group.WORLD._get_backend(torch.device("cuda"))
         e_backend = eager_us(lambda: backend.allreduce([buf_dda]).wait(), args.iters, args.repeats)

@@ -10,7 +10,7 @@ runs on the same random inputs and is checked first:
                             and within bf16 tolerance of NCCL + torch rms_norm)
   nccl-seq                  dist.all_reduce(x); residual += x; out = torch rms_norm(residual) * w
   symm-2shot-seq            torch.ops.symm_mem.two_shot_all_reduce_ + add + rms_norm (when available)
-  commlib-seq               comm.all_reduce(x) (auto) + add + torch rms_norm: the unfused commlib path
+  commlib-seq               comm.all_reduce_(x) (auto) + add + torch rms_norm: the unfused commlib path
 then timed as CUDA-graph replays of `ops` back-to-back calls (median over replays of replay/ops,
 µs). Inputs are restored from pristine copies between replays (not timed) so values stay finite.
 An SM sweep (num_sms 2, 4, 8, 16, 32; --sweep-sms) of fused-rep (--sweep-modes) follows at --sweep-tokens. Token
@@ -84,7 +84,7 @@ def ab_sweep(comm, dev, rank: int, hidden: int, weight, args) -> list[dict]:
         x0, res0, x, res, out, restore = make_inputs(dev, tokens, hidden, dtype,
                                                      4321 + rank * 7 + tokens, 199 + tokens)
         summed = x0.clone()
-        comm.all_reduce(summed)
+        comm.all_reduce_(summed)
         exact_out, exact_res = reference_rmsnorm(summed.cpu(), res0.cpu(), weight.cpu(), EPS)
         begin, end = comm.token_slice(tokens)
         for name, values in parse_ab(args.ab_env):
@@ -132,7 +132,7 @@ def worker(rank: int, world: int, port: int, args, queue):
         ref_res = (res0.float() + summed.float()).to(dtype)
         ref_out = rms_norm(ref_res, weight)
         summed_c = x0.clone()
-        comm.all_reduce(summed_c)
+        comm.all_reduce_(summed_c)
         exact_out, exact_res = reference_rmsnorm(summed_c.cpu(), res0.cpu(), weight.cpu(), EPS)
 
         fns = {}
@@ -147,7 +147,7 @@ def worker(rank: int, world: int, port: int, args, queue):
         fns["nccl-seq"] = nccl_seq
 
         def commlib_seq():
-            comm.all_reduce(x)
+            comm.all_reduce_(x)
             res.add_(x)
             out.copy_(rms_norm(res, weight))
         fns["commlib-seq"] = commlib_seq

@@ -35,12 +35,12 @@ def _worker(rank: int, port: int, pkg: str, sizes: List[int], iters: int, algo: 
         t = torch.rand(nbytes // 4) + rank
         n = iters if nbytes < (1 << 20) else max(5, iters // 20)
         for _ in range(5):
-            comm.all_reduce(t, algo=algo)
+            comm.all_reduce_(t, algo=algo)
         times = []
         for _ in range(n):
             comm.barrier()
             t0 = time.perf_counter()
-            comm.all_reduce(t, algo=algo)
+            comm.all_reduce_(t, algo=algo)
             times.append(time.perf_counter() - t0)
         times.sort()
         res[nbytes] = (statistics.median(times) * 1e6, times[len(times) // 10] * 1e6)

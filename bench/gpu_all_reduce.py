@@ -67,7 +67,7 @@ def worker(rank: int, world: int, port: int, args, queue):
     # flat-ll: a communicator whose flat calls all take the LL kernel (the knob is read at its first call).
     with knobs({"COMMLIB_FLAT_LL_MAX_BYTES": str(1 << 40)}):
         comm_ll = commlib.Communicator.from_group(name="bench-ll")
-        comm_ll.all_reduce(torch.ones(8, device=dev), algo="flat")
+        comm_ll.all_reduce_(torch.ones(8, device=dev), algo="flat")
 
     rows = []
     sizes = [s for s in SIZES if s <= args.max_bytes]
@@ -87,12 +87,12 @@ def worker(rank: int, world: int, port: int, args, queue):
         fns["nccl"] = lambda b=bufs["nccl"]: dist.all_reduce(b)
         for algo in ("flat", "tree", "auto"):
             bufs[algo] = plain()
-            fns[algo] = lambda b=bufs[algo], a=algo: comm.all_reduce(b, algo=a)
+            fns[algo] = lambda b=bufs[algo], a=algo: comm.all_reduce_(b, algo=a)
         if nbytes <= LL_MAX_BENCH_BYTES:
             bufs["flat-ll"] = plain()
-            fns["flat-ll"] = lambda b=bufs["flat-ll"]: comm_ll.all_reduce(b, algo="flat")
+            fns["flat-ll"] = lambda b=bufs["flat-ll"]: comm_ll.all_reduce_(b, algo="flat")
         bufs["tree-sym"] = comm.symmetric_empty((count,), torch.bfloat16, dev)
-        fns["tree-sym"] = lambda b=bufs["tree-sym"]: comm.all_reduce(b, algo="tree")
+        fns["tree-sym"] = lambda b=bufs["tree-sym"]: comm.all_reduce_(b, algo="tree")
         if symm is not None:
             try:
                 t1 = symm.empty(count, dtype=torch.bfloat16, device=dev)
@@ -175,7 +175,7 @@ def sweep_worker(rank: int, world: int, port: int, args, queue):
         pristine = (torch.rand(count, generator=g, device=dev) * 2 - 1).to(torch.bfloat16)
         inputs[nbytes] = pristine
         ref = pristine.clone()
-        base.all_reduce(ref, algo="flat")
+        base.all_reduce_(ref, algo="flat")
         flat_ref[nbytes] = ref
         buf = pristine.clone()
         baseline[f"nccl {nbytes}"] = time_graph(lambda b=buf: dist.all_reduce(b), lambda b=buf: b.copy_(pristine),
@@ -201,7 +201,7 @@ def sweep_worker(rank: int, world: int, port: int, args, queue):
                 bufs = {"tree": torch.empty(count, dtype=torch.bfloat16, device=dev),
                         "tree-sym": comm.symmetric_empty((count,), torch.bfloat16, dev)}
                 for name, buf in bufs.items():
-                    fn = lambda b=buf: comm.all_reduce(b, algo="tree")  # noqa: E731
+                    fn = lambda b=buf: comm.all_reduce_(b, algo="tree")  # noqa: E731
                     buf.copy_(pristine)
                     fn()
                     torch.cuda.synchronize()

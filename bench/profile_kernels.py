@@ -96,7 +96,7 @@ def worker(rank: int, world: int, port: int, args, queue):
                 cases.append((f"fused {mode}, {T} tokens, num_sms {sms or 'default'}", fused))
     for nbytes in args.allreduce_bytes:
         t = torch.randn(nbytes // 2, device=dev).bfloat16()
-        cases.append((f"all_reduce tree bf16 {nbytes >> 10} KiB", lambda t=t: comm.all_reduce(t, algo="tree")))
+        cases.append((f"all_reduce tree bf16 {nbytes >> 10} KiB", lambda t=t: comm.all_reduce_(t, algo="tree")))
         nccl_t = t.clone()
         cases.append((f"all_reduce NCCL bf16 {nbytes >> 10} KiB", lambda t=nccl_t: dist.all_reduce(t)))
     results = []

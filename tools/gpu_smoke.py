@@ -19,7 +19,7 @@ def worker(rank, world, port):
     print(f"[{rank}] comm ok", flush=True)
     for algo in ("flat", "tree"):
         t = torch.full((1000,), float(rank + 1), device="cuda", dtype=torch.bfloat16)
-        comm.all_reduce(t, algo=algo)
+        comm.all_reduce_(t, algo=algo)
         torch.cuda.synchronize()
         print(f"[{rank}] {algo}: {t[:3].tolist()} (expect {sum(range(1, world + 1))})", flush=True)
     comm.close()

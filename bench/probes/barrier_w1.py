@@ -16,10 +16,10 @@ dev = torch.device("cuda", 0)
 def all_reduce_case(algo, nbytes):
     x = torch.randn(nbytes // 2, device=dev).bfloat16()
     ref = x.clone()
-    comm.all_reduce(x, "sum", algo)
+    comm.all_reduce_(x, "sum", algo)
     torch.cuda.synchronize()
     ok = torch.equal(x, ref)
-    us = graph_step_us(lambda: comm.all_reduce(x, "sum", algo))
+    us = graph_step_us(lambda: comm.all_reduce_(x, "sum", algo))
     print(f"all_reduce {algo} {nbytes >> 10} KiB: {us:.2f} µs per call, result {'ok' if ok else 'WRONG'}")
 
 

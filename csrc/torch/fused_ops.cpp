@@ -1,17 +1,13 @@
 // torch layer of the fused all-reduce + residual add + RMSNorm (include/commlib/fused_rmsnorm.hpp):
-// argument checks, the op `torch.ops.ddacomm.fused_allreduce_rmsnorm` (CPU, CUDA and Meta kernels,
-// so torch.compile and CUDA graph capture see a plain mutating op), the registry of live
-// communicators that ops name by an integer handle, and the multicast guard's Python face.
-#include <torch/library.h>
-
-#include <mutex>
-#include <unordered_map>
+// argument checks and the CPU / GPU call behind torch.ops.commlib.fused_allreduce_rmsnorm
+// (csrc/torch/ops.cpp), and the multicast guard's Python face.
 
 #include "commlib/fused_rmsnorm.hpp"
 #include "transport/multicast_guard.hpp"
 #include "transport/cuda_multicast.hpp"
 #include "torch/bindings.hpp"
 #include "torch/fused_ops.hpp"
+#include "torch/ops.hpp"
 #include "torch/torch_common.hpp"
 
 namespace py = pybind11;
@@ -21,39 +17,7 @@ namespace {
 
 constexpr const char* kWhat = "fused_allreduce_rmsnorm";
 
-struct HandleRegistry {
-  std::mutex mutex;
-  int64_t next = 1;
-  std::unordered_map<int64_t, std::weak_ptr<Communicator>> comms;
-};
-
-HandleRegistry& handles() {
-  static HandleRegistry* registry = new HandleRegistry;  // never destroyed: ops may run at exit
-  return *registry;
-}
-
 }  // namespace
-
-int64_t register_op_handle(const std::shared_ptr<Communicator>& comm) {
-  HandleRegistry& reg = handles();
-  std::lock_guard<std::mutex> lock(reg.mutex);
-  for (auto it = reg.comms.begin(); it != reg.comms.end();) {
-    it = it->second.expired() ? reg.comms.erase(it) : std::next(it);
-  }
-  const int64_t id = reg.next++;
-  reg.comms[id] = comm;
-  return id;
-}
-
-std::shared_ptr<Communicator> communicator_from_handle(int64_t handle, const char* what) {
-  HandleRegistry& reg = handles();
-  std::lock_guard<std::mutex> lock(reg.mutex);
-  auto it = reg.comms.find(handle);
-  std::shared_ptr<Communicator> comm = it == reg.comms.end() ? nullptr : it->second.lock();
-  COMMLIB_CHECK(comm != nullptr, InvalidArgument, what, ": communicator handle ", handle,
-                " does not name a live communicator (use Communicator.op_handle)");
-  return comm;
-}
 
 FusedAlgo parse_fused_algo(const std::string& name) {
   if (name == "auto") return FusedAlgo::kAuto;
@@ -150,44 +114,12 @@ void fused_allreduce_rmsnorm(Communicator& comm, const at::Tensor& x_in, at::Ten
   fused_allreduce_rmsnorm_host(comm, args);
 }
 
-namespace {
-
-
-void fused_op(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight, double eps, at::Tensor out,
-              int64_t comm_handle, c10::string_view residual_mode, int64_t num_sms, c10::string_view algo) {
-  translate_errors([&] {
-    const FusedAlgo parsed_algo = parse_fused_algo(std::string(algo));
-    std::shared_ptr<Communicator> comm = communicator_from_handle(comm_handle, kWhat);
-    fused_allreduce_rmsnorm(*comm, x, residual, weight, eps, out, parse_residual_mode(std::string(residual_mode)),
-                            num_sms, parsed_algo);
-  });
-}
-
-// Shapes and dtypes only: the op mutates residual and out and returns nothing.
-void fused_op_meta(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight, double eps, at::Tensor out,
-                   int64_t comm_handle, c10::string_view residual_mode, int64_t num_sms, c10::string_view algo) {
-  TORCH_CHECK_VALUE(x.dim() == 2 && out.sizes() == x.sizes(), kWhat, ": out must have x's shape");
-}
-
-}  // namespace
 }  // namespace commlib::torch_layer
-
-TORCH_LIBRARY_FRAGMENT(ddacomm, m) {
-  m.def(
-      "fused_allreduce_rmsnorm(Tensor x, Tensor(a!) residual, Tensor weight, float eps, Tensor(b!) out, int comm, "
-      "str residual_mode=\"replicated\", int num_sms=0, str algo=\"auto\") -> ()");
-}
-TORCH_LIBRARY_IMPL(ddacomm, CPU, m) { m.impl("fused_allreduce_rmsnorm", &commlib::torch_layer::fused_op); }
-TORCH_LIBRARY_IMPL(ddacomm, CUDA, m) { m.impl("fused_allreduce_rmsnorm", &commlib::torch_layer::fused_op); }
-TORCH_LIBRARY_IMPL(ddacomm, Meta, m) { m.impl("fused_allreduce_rmsnorm", &commlib::torch_layer::fused_op_meta); }
 
 namespace commlib::torch_layer {
 namespace {
 
 const BindingRegistrar kRegistrar("fused", [](py::module_& m) {
-  m.def(
-      "register_op_handle", [](const py::handle& comm) { return register_op_handle(communicator_from_python(comm)); },
-      py::arg("comm"), "An integer naming `comm` in torch.ops.ddacomm ops (held weakly).");
   m.def(
       "token_slice",
       [](int64_t num_tokens, int world_size, int rank) {
@@ -219,11 +151,11 @@ const BindingRegistrar kRegistrar("fused", [](py::module_& m) {
         "NVLink multicast objects this process has created (0 wherever the guard refuses).");
   m.def(
       "multicast_workspace_bytes",
-      [](int64_t comm_handle, int device) {
-        std::shared_ptr<Communicator> comm = communicator_from_handle(comm_handle, "multicast workspace");
+      [](const std::string& group_name, int device) {
+        std::shared_ptr<Communicator> comm = communicator_from_group(group_name, "multicast workspace");
         return comm->multicast(device).bytes();
       },
-      py::arg("comm_handle"), py::arg("device"),
+      py::arg("group_name"), py::arg("device"),
       "Collective: the communicator's multicast workspace (created on first use) and its bytes per rank; "
       "raises ValueError, before any CUDA call, where the multicast guard refuses.");
 });

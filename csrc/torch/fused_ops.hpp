@@ -21,10 +21,6 @@ using ::commlib::FusedAlgo;  // include/commlib/fused_rmsnorm.hpp
 FusedAlgo parse_fused_algo(const std::string& name);
 ResidualMode parse_residual_mode(const std::string& name);
 
-// Integer handles naming live communicators in torch.ops (held weakly).
-int64_t register_op_handle(const std::shared_ptr<Communicator>& comm);
-std::shared_ptr<Communicator> communicator_from_handle(int64_t handle, const char* what);
-
 // Checks shapes, dtypes, devices and sizes (raising the typed errors) and returns the argument
 // struct without data pointers.
 FusedRmsNormArgs check_fused_tensors(Communicator& comm, const at::Tensor& x, const at::Tensor& residual,

@@ -100,7 +100,7 @@ PYBIND11_MODULE(_C, m) {
   });
   bind_communicator(m);
   m.def("last_error_class", [] { return std::string(last_error_class); },
-        "commlib.errors class name of this thread's last DistBackendError from a torch.ops.ddacomm op");
+        "commlib.errors class name of this thread's last DistBackendError from a torch.ops.commlib op");
   m.def("knobs", [] {
     std::vector<std::tuple<std::string, std::string, std::string>> out;
     for (const auto& k : commlib::env::knobs()) out.emplace_back(k.name, k.default_value, k.meaning);

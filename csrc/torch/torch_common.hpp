@@ -38,15 +38,15 @@ void with_contiguous(at::Tensor& t, F&& body) {
   t.copy_(work);
 }
 
-// The commlib.errors class of a communication error: TimeoutError, PeerError or CommError.
+// The commlib.errors class of a communication error: CommTimeoutError, PeerError or CommError.
 inline const char* error_class_name(const Error& e) {
-  if (dynamic_cast<const Timeout*>(&e) != nullptr) return "TimeoutError";
+  if (dynamic_cast<const Timeout*>(&e) != nullptr) return "CommTimeoutError";
   if (dynamic_cast<const PeerError*>(&e) != nullptr) return "PeerError";
   return "CommError";
 }
 
 // error_class_name of the last error that translate_errors turned into DistBackendError on this
-// thread (the dispatcher knows only torch's classes): commlib's Python wrappers of torch.ops.ddacomm
+// thread (the dispatcher knows only torch's classes): commlib's Python wrappers of torch.ops.commlib
 // ops re-raise it as that commlib.errors class (`_C.last_error_class`).
 inline thread_local const char* last_error_class = "CommError";
 

@@ -1,14 +1,17 @@
 """commlib: direct-data-access collectives for LLM inference.
 
-``import commlib`` does no CUDA work; GPU state is created on first use.
+``import commlib`` does no CUDA work; GPU state is created on first use. It also loads the
+``torch.ops.commlib`` operators (docs/ops.md).
 """
+import warnings
+
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C
 from . import fused
 from .communicator import Communicator
 from .ep import EPBuffer, EPDispatchResult, EPHandle
-from .errors import CommError, PeerError, TimeoutError
+from .errors import CommError, CommTimeoutError, PeerError
 from .backend_registration import register_backend
 
 __version__ = "0.1.0"
@@ -19,10 +22,16 @@ def knobs():
     return list(_C.knobs())
 
 
+def __getattr__(name: str):
+    from .errors import deprecated_alias
+    return deprecated_alias("commlib", name)
+
+
 try:  # "ddacomm" for torch.distributed; registration must never make `import commlib` fail
     register_backend()
-except Exception:  # noqa: BLE001
-    pass
+except Exception as e:  # noqa: BLE001
+    warnings.warn(f"commlib: registering the torch.distributed backend \"ddacomm\" failed "
+                  f"({type(e).__name__}: {e}); the direct API still works", RuntimeWarning, stacklevel=2)
 
-__all__ = ["register_backend", "Communicator", "EPBuffer", "EPDispatchResult", "EPHandle", "CommError", "PeerError",
-           "TimeoutError", "knobs", "__version__"]
+__all__ = ["register_backend", "Communicator", "EPBuffer", "EPDispatchResult", "EPHandle", "CommError",
+           "CommTimeoutError", "PeerError", "knobs", "__version__"]

@@ -5,7 +5,8 @@
 
 For each process group the creator builds, from the group's store:
   * a commlib communicator (CPU shared-memory collectives, GPU fast paths) when every rank of the
-    group is on this host (decided collectively through the store), else none;
+    group is on this host (decided collectively through the store), else none; torch.ops.commlib
+    ops name it ``"ddacomm-" + group_name`` (docs/ops.md);
   * an inner gloo backend for the CPU calls commlib does not take;
   * an inner NCCL backend for the CUDA calls it does not take, created on first CUDA use only
     (a CPU-only process never touches NCCL).
@@ -112,6 +113,8 @@ def _create_backend(dist_opts, backend_options=None):
         # reused per group id ("2") would number differently on different ranks.
         comm = _C.Communicator(dist.PrefixStore("ddacomm/commlib/", store), rank, world_size,
                                f"ddacomm-{group_name}-{_group_token(store, rank, timeout)}", timeout.total_seconds())
+        # torch.ops.commlib ops name it 'ddacomm-<group name>' (docs/ops.md).
+        _C.register_group(f"ddacomm-{group_name}", comm, replace=True)
     gloo = _make_gloo(dist.PrefixStore("ddacomm/gloo/", store), rank, world_size, timeout, group_name, global_ranks)
     nccl = _nccl_factory(dist.PrefixStore("ddacomm/nccl/", store), rank, world_size, timeout, group_name,
                          global_ranks, backend_options)

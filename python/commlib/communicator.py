@@ -64,7 +64,10 @@ class Communicator:
     same store, name and world size (keys are prefixed by ``name``). Collective methods must be
     called by every rank in the same order with matching arguments; a mismatch raises
     ``commlib.PeerError`` on every rank. A wait for a peer longer than ``timeout`` raises
-    ``commlib.TimeoutError``; a peer that exits raises ``commlib.PeerError``.
+    ``commlib.CommTimeoutError``; a peer that exits raises ``commlib.PeerError``.
+
+    ``name`` also names the communicator in ``torch.ops.commlib`` ops (``group_name``; docs/ops.md):
+    it must be unique among this process's open communicators.
 
     CPU tensors go through POSIX shared memory; CUDA tensors through peer GPU memory, on the
     caller's current stream. ``close()`` releases everything; it also runs at interpreter exit and
@@ -79,6 +82,12 @@ class Communicator:
             raise ValueError(f"Communicator: timeout must be a positive timedelta, got {timeout!r}")
         self._comm = _C.Communicator(store, int(rank), int(world_size), str(name), timeout.total_seconds())
         self._store = store
+        self._group_name = str(name)
+        try:
+            _C.register_group(self._group_name, self._comm)
+        except ValueError:
+            self._comm.close()
+            raise
         _live.add(self)
 
     @classmethod
@@ -109,6 +118,11 @@ class Communicator:
         return self._comm.name
 
     @property
+    def group_name(self) -> str:
+        """The name ``torch.ops.commlib`` ops take for this communicator (its ``name``)."""
+        return self._group_name
+
+    @property
     def closed(self) -> bool:
         return self._comm.closed
 
@@ -119,6 +133,7 @@ class Communicator:
 
     def close(self) -> None:
         """Releases shared and GPU memory. Not collective; idempotent."""
+        _C.unregister_group(self._group_name, self._comm)
         self._comm.close()
 
     def __enter__(self) -> "Communicator":
@@ -138,39 +153,61 @@ class Communicator:
     # ---- collectives ----
     def all_reduce(self, tensor: torch.Tensor, op="sum", algo: str = "auto", *,
                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Reduces ``tensor`` across ranks and returns the result: in place, or into ``out``.
+        """Out of place: returns the reduction of ``tensor`` across ranks; ``tensor`` is unchanged.
 
         ``op``: sum, avg, min, max, prod (CUDA: sum and avg). ``algo``: ``auto`` (by size),
         ``flat`` (one-shot), ``tree`` (reduce-scatter + all-gather), ``nccl`` (CUDA only, where an
         NCCL engine is attached). Every algorithm reduces in fp32 in rank order, so all give the same
         bits on every rank. dtypes: float32, float16, bfloat16.
 
-        ``out``: a contiguous tensor of the same shape, dtype and device as ``tensor``; the result
-        is written there, ``tensor`` is left unchanged, and ``out`` is returned (the same bits as in
-        place). CPU tensors read ``tensor`` and write ``out`` directly (no extra copy); CUDA tensors
-        copy ``tensor`` into ``out`` and reduce ``out`` in place. ``out`` must be ``tensor`` itself
-        or share no memory with it.
+        ``out``: a contiguous tensor of the same shape, dtype and device as ``tensor`` that receives
+        the result and is returned (else a new tensor is). CPU tensors read ``tensor`` and write the
+        result directly (no extra copy); CUDA tensors copy ``tensor`` into the result and reduce that
+        in place. ``out`` must be ``tensor`` itself (then this is ``all_reduce_``) or share no memory
+        with it. Under ``torch.compile`` this is ``torch.ops.commlib.all_reduce`` (``all_reduce_out``).
         """
         _check_tensor("all_reduce", "tensor", tensor)
         if algo not in _ALGOS:
             raise ValueError(f"all_reduce: algo '{algo}' not supported; supported: {', '.join(_ALGOS)}")
-        if out is None or out is tensor:
-            self._comm.all_reduce(tensor, _op_name("all_reduce", op), algo)
+        op = _op_name("all_reduce", op)
+        if torch.compiler.is_compiling():
+            if out is None:
+                return torch.ops.commlib.all_reduce(tensor, op, self._group_name, algo)
+            if out is tensor:
+                torch.ops.commlib.all_reduce_(tensor, op, self._group_name, algo)
+            else:
+                torch.ops.commlib.all_reduce_out(tensor, op, self._group_name, algo, out=out)
+            return out
+        if out is tensor:
+            self._comm.all_reduce(tensor, op, algo)
             return tensor
-        _check_out("all_reduce", tensor, out)
-        self._comm.all_reduce_out(out, tensor, _op_name("all_reduce", op), algo)
+        if out is None:
+            out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        else:
+            _check_out("all_reduce", tensor, out)
+        self._comm.all_reduce_out(out, tensor, op, algo)
         return out
 
     def all_reduce_(self, tensor: torch.Tensor, op="sum", algo: str = "auto") -> torch.Tensor:
-        """In place: ``all_reduce(tensor, op, algo)``."""
-        return self.all_reduce(tensor, op, algo)
+        """In place: reduces ``tensor`` across ranks into itself and returns it (arguments as
+        ``all_reduce``). On the whole of a ``symmetric_empty`` tensor the CUDA path reads the peers'
+        tensors directly (zero-copy). Under ``torch.compile`` this is ``torch.ops.commlib.all_reduce_``."""
+        _check_tensor("all_reduce_", "tensor", tensor)
+        if algo not in _ALGOS:
+            raise ValueError(f"all_reduce: algo '{algo}' not supported; supported: {', '.join(_ALGOS)}")
+        op = _op_name("all_reduce", op)
+        if torch.compiler.is_compiling():
+            torch.ops.commlib.all_reduce_(tensor, op, self._group_name, algo)
+            return tensor
+        self._comm.all_reduce(tensor, op, algo)
+        return tensor
 
     def symmetric_empty(self, shape, dtype: torch.dtype = torch.bfloat16, device=None) -> torch.Tensor:
         """An uninitialised CUDA tensor in symmetric memory (mapped into every rank's GPU).
 
         Collective: every rank must call it with the same shape and dtype, in the same order as
         its other symmetric allocations (a mismatch raises ``commlib.PeerError``). ``device``:
-        a CUDA device (default: the current one). ``all_reduce`` on the whole tensor (on every
+        a CUDA device (default: the current one). ``all_reduce_`` on the whole tensor (on every
         rank) reads the peers' tensors directly instead of copying into the workspace first
         (zero-copy; tree algorithm). Freeing it is local.
         """
@@ -190,7 +227,7 @@ class Communicator:
         return self._comm.symmetric_empty(shape, dtype, device)
 
     def check_gpu_error(self) -> None:
-        """Raises ``commlib.TimeoutError`` if an earlier GPU wait of this communicator expired.
+        """Raises ``commlib.CommTimeoutError`` if an earlier GPU wait of this communicator expired.
 
         Reads a host-mapped word (no synchronisation); call it after ``torch.cuda.synchronize()``
         to learn whether all queued collectives completed. Every GPU collective also checks first.
@@ -228,26 +265,29 @@ class Communicator:
         return self.all_to_all_v(output, input, None, None)
 
     def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor,
-                     input_splits: Optional[Sequence[int]] = None,
-                     output_splits: Optional[Sequence[int]] = None) -> torch.Tensor:
-        """All-to-all with per-rank row counts along dim 0 (``None``: equal splits).
+                     output_split_sizes: Optional[Sequence[int]] = None,
+                     input_split_sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """All-to-all with per-rank row counts along dim 0 (``None``: equal splits); the arguments
+        in ``torch.distributed.all_to_all_single``'s order.
 
-        ``input_splits[r]`` rows go to rank r; ``output_splits[q]`` rows arrive from rank q. Host
-        sequences (or CPU tensors) for CPU tensors. On CUDA also int64 device tensors of shape
+        ``input_split_sizes[r]`` rows go to rank r; ``output_split_sizes[q]`` rows arrive from rank
+        q. Host sequences (or CPU tensors) for CPU tensors. On CUDA also int64 device tensors of shape
         [world_size]: they are never read on the host (the call can be graph-captured); each rank
         writes its rows straight into the receivers' buffers (the output itself when it comes from
         ``symmetric_empty``, else a workspace) at offsets computed on the GPU. Splits may sum to
         less than the tensors' rows (the rest of ``output`` is left as it was). Bad or mismatched
         device splits are detected on the GPU: nothing is sent between the ranks concerned and
         ``check_all_to_all()`` raises. The first CUDA call is collective set-up: make it outside capture.
+        Under ``torch.compile`` (host splits) this is ``torch.ops.commlib.all_to_all_v_out``.
         """
+        input_splits, output_splits = input_split_sizes, output_split_sizes
         _check_tensor("all_to_all", "output", output)
         _check_tensor("all_to_all", "input", input)
         if (input_splits is None) != (output_splits is None):
-            raise ValueError("all_to_all: pass both input_splits and output_splits, or neither")
+            raise ValueError("all_to_all: pass both output_split_sizes and input_split_sizes, or neither")
         if isinstance(input_splits, torch.Tensor) or isinstance(output_splits, torch.Tensor):
             if not (isinstance(input_splits, torch.Tensor) and isinstance(output_splits, torch.Tensor)):
-                raise TypeError("all_to_all: input_splits and output_splits must both be tensors or both sequences")
+                raise TypeError("all_to_all: output_split_sizes and input_split_sizes must both be tensors or both sequences")
             if input.is_cuda:
                 # Device splits: never read on the host (capturable). Mismatches are found on the
                 # device and raised by check_all_to_all().
@@ -256,6 +296,9 @@ class Communicator:
             input_splits, output_splits = input_splits.tolist(), output_splits.tolist()
         ins = [int(x) for x in input_splits] if input_splits is not None else []
         outs = [int(x) for x in output_splits] if output_splits is not None else []
+        if torch.compiler.is_compiling():
+            torch.ops.commlib.all_to_all_v_out(input, outs, ins, self._group_name, out=output)
+            return output
         self._comm.all_to_all_v(output, input, outs, ins)
         return output
 
@@ -327,12 +370,6 @@ class Communicator:
         """This rank's rows ``(begin, end)`` of ``num_tokens`` in the fused ops (ceil-split)."""
         from .fused import token_slice
         return token_slice(num_tokens, self.world_size, self.rank)
-
-    @property
-    def op_handle(self) -> int:
-        """The integer naming this communicator in ``torch.ops.ddacomm`` ops."""
-        from .fused import op_handle
-        return op_handle(self)
 
 
 @atexit.register

@@ -12,6 +12,7 @@ fp32 in ascending owner rank and rounds once. A token whose experts all live on 
 """
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple, Optional
 
 import torch
@@ -19,6 +20,7 @@ import torch
 from . import _C
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_buffer_ids = itertools.count()
 
 
 class EPHandle(NamedTuple):
@@ -38,8 +40,8 @@ class EPDispatchResult(NamedTuple):
 class EPBuffer:
     """Registered buffers for expert-parallel dispatch / combine on one communicator.
 
-    ``EPBuffer(comm, max_tokens_per_rank, hidden, num_experts, topk, dtype, device="cpu", capacity=None)``
-    is collective on CUDA (it allocates symmetric memory once). ``capacity`` (rows per local expert)
+    ``EPBuffer(comm, max_tokens_per_rank, hidden, num_experts, topk, dtype, device="cpu", capacity=None,
+    name=None)`` is collective on CUDA (it allocates symmetric memory once). ``capacity`` (rows per local expert)
     defaults to ``max_tokens_per_rank * world_size``, which no routing without repeated experts in a
     token's top-k can exceed. Rows beyond the capacity are dropped and recorded in an overflow word
     on every rank; ``check()`` raises ``ValueError`` describing it (it syncs with the device on CUDA).
@@ -49,16 +51,21 @@ class EPBuffer:
     (``expert_x``, ``expert_counts``, the handle) are valid until the next dispatch. On CUDA both run on
     the current stream, read no value on the host, and can be captured in a CUDA graph and replayed
     with routing that changes between replays.
+
+    ``name`` names the buffer in ``torch.ops.commlib.ep_dispatch`` / ``ep_combine`` (default:
+    ``"<comm name>/ep<k>"``, k counting this process's buffers; docs/ops.md); under
+    ``torch.compile`` ``dispatch`` and ``combine`` are those ops.
     """
 
     def __init__(self, comm, max_tokens_per_rank: int, hidden: int, num_experts: int, topk: int,
-                 dtype: torch.dtype = torch.bfloat16, device="cpu", capacity: Optional[int] = None):
+                 dtype: torch.dtype = torch.bfloat16, device="cpu", capacity: Optional[int] = None,
+                 name: Optional[str] = None):
         if dtype not in _DTYPES:
             raise TypeError(f"EPBuffer: dtype {dtype} not supported; supported: float32, float16, bfloat16")
-        for name, value in (("max_tokens_per_rank", max_tokens_per_rank), ("hidden", hidden),
-                            ("num_experts", num_experts), ("topk", topk)):
+        for arg, value in (("max_tokens_per_rank", max_tokens_per_rank), ("hidden", hidden),
+                           ("num_experts", num_experts), ("topk", topk)):
             if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"EPBuffer: {name} must be an int, got {type(value).__name__}")
+                raise TypeError(f"EPBuffer: {arg} must be an int, got {type(value).__name__}")
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -76,11 +83,21 @@ class EPBuffer:
         self.capacity = self._buf.capacity
         self.num_local_experts = num_experts // self.world_size
         self._last = None
+        self.name = str(name) if name is not None else f"{comm.name}/ep{next(_buffer_ids)}"
+        _C.register_ep_buffer(self.name, self._buf)
+
+    def __del__(self):
+        buf, name = getattr(self, "_buf", None), getattr(self, "name", None)
+        if buf is not None and name is not None and _C is not None:  # _C is None late in shutdown
+            _C.unregister_ep_buffer(name, buf)
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> EPDispatchResult:
         """Sends each token to its top-k experts. ``x`` [num_tokens, hidden] (num_tokens may be 0),
         ``topk_idx`` [num_tokens, topk] int64 or int32 (-1: no expert), ``topk_weights``
         [num_tokens, topk] float (used by combine)."""
+        if torch.compiler.is_compiling():
+            expert_x, expert_counts = torch.ops.commlib.ep_dispatch(x, topk_idx, topk_weights, self.name)
+            return EPDispatchResult(expert_x, expert_counts, EPHandle(topk_idx, topk_weights, x.shape[0]))
         handle = self._send(x, topk_idx, topk_weights, "both")
         expert_x, expert_counts = self._last
         return EPDispatchResult(expert_x, expert_counts, handle)
@@ -116,6 +133,8 @@ class EPBuffer:
         """Returns [num_tokens, hidden]: each token's expert outputs weighted by topk_weights and summed
         (order and rounding: module docstring). ``expert_out`` has expert_x's shape; rows past
         expert_counts are ignored. ``out`` (contiguous) receives the result when given."""
+        if torch.compiler.is_compiling() and out is None:
+            return torch.ops.commlib.ep_combine(expert_out, handle.topk_idx, self.name)
         self._check_combine(expert_out, handle)
         return self._buf.combine(expert_out, handle.num_tokens, out, "both")
 

@@ -4,6 +4,8 @@ Bad arguments raise the built-in ``ValueError`` (a value: size, op, algorithm) o
 (a dtype or device). Failures of the communication itself raise the classes below, which derive
 from ``torch.distributed.DistBackendError`` so code written for NCCL catches them unchanged.
 """
+import warnings
+
 import torch.distributed as dist
 
 
@@ -11,7 +13,7 @@ class CommError(dist.DistBackendError):
     """A collective failed (CUDA error, peer failure). The message names operation, rank and peer."""
 
 
-class TimeoutError(CommError):  # noqa: A001 - mirrors torch's naming; also a RuntimeError
+class CommTimeoutError(CommError):
     """A bounded wait for a peer expired; the message names the rank, the peer and the phase."""
 
 
@@ -20,7 +22,7 @@ class PeerError(CommError):
 
 
 def from_dispatcher(error: dist.DistBackendError) -> CommError:
-    """commlib's class for ``error``, raised by a ``torch.ops.ddacomm`` op on this thread (the
+    """commlib's class for ``error``, raised by a ``torch.ops.commlib`` op on this thread (the
     torch dispatcher carries only ``DistBackendError``); same message."""
     if isinstance(error, CommError):
         return error
@@ -28,4 +30,18 @@ def from_dispatcher(error: dist.DistBackendError) -> CommError:
     return globals()[_C.last_error_class()](str(error))
 
 
-__all__ = ["CommError", "TimeoutError", "PeerError"]
+def deprecated_alias(module: str, name: str):
+    """``TimeoutError``: the old name of ``CommTimeoutError`` (kept for one release; not in
+    ``__all__``, so ``from commlib import *`` leaves the built-in ``TimeoutError`` alone)."""
+    if name == "TimeoutError":
+        warnings.warn(f"{module}.TimeoutError is deprecated; use {module}.CommTimeoutError",
+                      DeprecationWarning, stacklevel=3)
+        return CommTimeoutError
+    raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+
+def __getattr__(name: str):
+    return deprecated_alias("commlib.errors", name)
+
+
+__all__ = ["CommError", "CommTimeoutError", "PeerError"]

@@ -10,9 +10,10 @@ rows are gathered. The arithmetic is fixed (Note [fused rmsnorm arithmetic] in
 include/commlib/fused_rmsnorm.hpp; ``reference_rmsnorm`` below is the same in torch), so the
 result is bitwise equal to ``comm.all_reduce(x)`` followed by ``reference_rmsnorm``, on CPU and GPU.
 
-The op is also ``torch.ops.ddacomm.fused_allreduce_rmsnorm(x, residual, weight, eps, out,
-comm.op_handle, residual_mode, num_sms, algo)`` (mutates residual and out; has a Meta kernel, so
-it works under torch.compile and CUDA graph capture).
+The op is also ``torch.ops.commlib.fused_allreduce_rmsnorm(x, residual, weight, eps,
+comm.group_name, residual_mode, num_sms, algo)`` (updates ``residual`` in place and returns ``out``;
+``fused_allreduce_rmsnorm_out`` writes a given ``out``): it has a Meta kernel, so it works under
+torch.compile and CUDA graph capture (docs/ops.md).
 """
 from __future__ import annotations
 
@@ -108,13 +109,19 @@ def fused_allreduce_rmsnorm(comm, x: torch.Tensor, residual: torch.Tensor, weigh
         raise ValueError(f"fused_allreduce_rmsnorm: algo '{algo}' not supported; supported: {', '.join(ALGOS)}")
     if num_sms is not None and (not isinstance(num_sms, int) or num_sms < 1):
         raise ValueError(f"fused_allreduce_rmsnorm: num_sms {num_sms!r} must be a positive int or None")
-    if out is None:
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    elif not isinstance(out, torch.Tensor):
+    if out is not None and not isinstance(out, torch.Tensor):
         raise TypeError(f"fused_allreduce_rmsnorm: out must be a torch.Tensor, got {type(out).__name__}")
+    args = (x, residual, weight, float(eps), comm.group_name, residual_mode, int(num_sms or 0), algo)
+    if torch.compiler.is_compiling():
+        if out is None:
+            return torch.ops.commlib.fused_allreduce_rmsnorm(*args), residual
+        torch.ops.commlib.fused_allreduce_rmsnorm_out(*args, out=out)
+        return out, residual
     try:
-        torch.ops.ddacomm.fused_allreduce_rmsnorm(x, residual, weight, float(eps), out, op_handle(comm),
-                                                  residual_mode, int(num_sms or 0), algo)
+        if out is None:
+            out = torch.ops.commlib.fused_allreduce_rmsnorm(*args)
+        else:
+            torch.ops.commlib.fused_allreduce_rmsnorm_out(*args, out=out)
     except dist.DistBackendError as e:
         raise from_dispatcher(e) from None
     return out, residual
@@ -127,19 +134,10 @@ def tuned_fused_num_sms(world_size: int) -> int:
     return int(_C.tuned_fused_num_sms(int(world_size)))
 
 
-def op_handle(comm) -> int:
-    """The integer naming ``comm`` in ``torch.ops.ddacomm`` ops (registered on first use)."""
-    handle = getattr(comm, "_op_handle", None)
-    if handle is None:
-        handle = _C.register_op_handle(comm.native)
-        comm._op_handle = handle
-    return handle
-
-
 def multicast_allowed() -> Tuple[bool, str, str]:
     """(allowed, deciding variable, reason): the NVLink multicast guard, from the environment only."""
     return tuple(_C.multicast_allowed())
 
 
-__all__ = ["fused_allreduce_rmsnorm", "token_slice", "reference_rmsnorm", "op_handle", "multicast_allowed",
+__all__ = ["fused_allreduce_rmsnorm", "token_slice", "reference_rmsnorm", "multicast_allowed",
            "tuned_fused_num_sms"]

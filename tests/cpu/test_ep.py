@@ -141,7 +141,7 @@ def _bad_inputs(ctx):
     out = buf.combine(y, res.handle)
     torch.testing.assert_close(out.float(), (x.float() * 2), rtol=1e-2, atol=1e-2)
     t = torch.ones(3)
-    comm.all_reduce(t)
+    comm.all_reduce_(t)
     assert torch.equal(t, torch.full((3,), float(n)))
     return True
 
@@ -162,14 +162,14 @@ def _all_to_all_v_tensor_splits(ctx):
     outs = torch.tensor([rows(q, me) for q in range(n)])
     inp = torch.randn(int(ins.sum()), 5, dtype=torch.float64) + me
     out = torch.full((int(outs.sum()), 5), float("nan"), dtype=torch.float64)
-    ctx.comm.all_to_all_v(out, inp, ins, outs)
+    ctx.comm.all_to_all_v(out, inp, outs, ins)
     ref = torch.empty_like(out)
     dist.all_to_all_single(ref, inp, outs.tolist(), ins.tolist(), group=group)
     assert torch.equal(out, ref)
     with pytest.raises(TypeError, match="both be tensors or both sequences"):
-        ctx.comm.all_to_all_v(out, inp, ins, outs.tolist())
-    with pytest.raises(ValueError, match="pass both input_splits and output_splits"):
-        ctx.comm.all_to_all_v(out, inp, ins, None)
+        ctx.comm.all_to_all_v(out, inp, outs.tolist(), ins)
+    with pytest.raises(ValueError, match="pass both output_split_sizes and input_split_sizes"):
+        ctx.comm.all_to_all_v(out, inp, None, ins)
     return True
 
 

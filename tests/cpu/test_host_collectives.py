@@ -50,7 +50,7 @@ def _all_reduce_case(ctx, dtype_name, op, algos, sizes):
         results = {}
         for algo in algos:
             t = inputs[ctx.rank].clone()
-            ctx.comm.all_reduce(t, op=op, algo=algo)
+            ctx.comm.all_reduce_(t, op=op, algo=algo)
             assert torch.equal(t.view(torch.int16 if dtype != torch.float32 else torch.int32),
                                expected.view(torch.int16 if dtype != torch.float32 else torch.int32)), \
                 f"{algo} {op} {dtype_name} count={count}: differs from the ordered fp32 reference"
@@ -107,7 +107,7 @@ def _out_of_place_case(ctx, dtype_name):
         for count in sizes:
             inp = rank_input(ctx.rank, count, dtype, salt=11)
             for algo in ("flat", "tree", "auto"):
-                in_place = ctx.comm.all_reduce(inp.clone(), op=op, algo=algo)
+                in_place = ctx.comm.all_reduce_(inp.clone(), op=op, algo=algo)
                 x = inp.clone()
                 out = torch.full_like(inp, float("nan"))
                 got = ctx.comm.all_reduce(x, op=op, algo=algo, out=out)
@@ -120,7 +120,7 @@ def _out_of_place_case(ctx, dtype_name):
     count = (9 << 20) // esize + 5
     inp = rank_input(ctx.rank, count, dtype, salt=13)
     for algo in ("flat", "tree"):
-        in_place = ctx.comm.all_reduce(inp.clone(), op="sum", algo=algo)
+        in_place = ctx.comm.all_reduce_(inp.clone(), op="sum", algo=algo)
         for offset in (0, 1):
             out = torch.full((count + offset,), float("nan"), dtype=dtype)[offset:]
             ctx.comm.all_reduce(inp, op="sum", algo=algo, out=out)
@@ -150,7 +150,7 @@ def _against_gloo(ctx, dtype_name):
     for count in (1, 1023, 70001):
         x = rank_input(ctx.rank, count, dtype, salt=5)
         ours, theirs = x.clone(), x.clone()
-        ctx.comm.all_reduce(ours)
+        ctx.comm.all_reduce_(ours)
         dist.all_reduce(theirs, group=group)
         tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
         torch.testing.assert_close(ours.float(), theirs.float(), rtol=tol, atol=tol)
@@ -225,7 +225,7 @@ def _broadcast_all_to_all(ctx):
     inp = torch.cat([torch.arange(rows_from(ctx.rank, r), dtype=torch.float64) + ctx.rank * 1e7 + r * 1e6
                      for r in range(n)]).reshape(-1, 1).to(torch.float64)
     out = torch.full((sum(out_splits), 1), float("nan"), dtype=torch.float64)
-    ctx.comm.all_to_all_v(out, inp, in_splits, out_splits)
+    ctx.comm.all_to_all_v(out, inp, out_splits, in_splits)
     expect = torch.cat([torch.arange(rows_from(q, ctx.rank), dtype=torch.float64) + q * 1e7 + ctx.rank * 1e6
                         for q in range(n)]).reshape(-1, 1)
     assert torch.equal(out, expect)
@@ -243,7 +243,7 @@ def _non_contiguous(ctx):
     view = base[:, 1::2]  # non-contiguous
     expected = ordered_reference([rank_input(r, 64 * 33, torch.bfloat16, salt=4).reshape(64, 33)[:, 1::2]
                                   for r in range(ctx.world_size)], "sum", ctx.world_size)
-    ctx.comm.all_reduce(view)
+    ctx.comm.all_reduce_(view)
     assert torch.equal(view, expected)
     assert torch.equal(base[:, 0::2], rank_input(ctx.rank, 64 * 33, torch.bfloat16, salt=4).reshape(64, 33)[:, 0::2])
     out = torch.zeros(ctx.world_size * 8, 4)[:, ::2]
@@ -260,17 +260,17 @@ def _bad_inputs(ctx):
     import commlib
     comm = ctx.comm
     cases = [
-        (TypeError, "dtype int8 not supported", lambda: comm.all_reduce(torch.ones(4, dtype=torch.int8))),
+        (TypeError, "dtype int8 not supported", lambda: comm.all_reduce_(torch.ones(4, dtype=torch.int8))),
         (TypeError, "dtype mismatch", lambda: comm.reduce_scatter(torch.ones(2), torch.ones(4, dtype=torch.float16))),
         (ValueError, "must have world_size", lambda: comm.reduce_scatter(torch.ones(3), torch.ones(4))),
         (ValueError, "must have world_size", lambda: comm.all_gather(torch.ones(3), torch.ones(4))),
-        (TypeError, "supported: cpu, cuda", lambda: comm.all_reduce(torch.ones(4, device="meta"))),
-        (ValueError, "op 'xor' not supported", lambda: comm.all_reduce(torch.ones(4), op="xor")),
-        (ValueError, "algo 'ring' not supported", lambda: comm.all_reduce(torch.ones(4), algo="ring")),
+        (TypeError, "supported: cpu, cuda", lambda: comm.all_reduce_(torch.ones(4, device="meta"))),
+        (ValueError, "op 'xor' not supported", lambda: comm.all_reduce_(torch.ones(4), op="xor")),
+        (ValueError, "algo 'ring' not supported", lambda: comm.all_reduce_(torch.ones(4), algo="ring")),
         (ValueError, "src 9 out of range", lambda: comm.broadcast(torch.ones(4), src=9)),
         (ValueError, "split sizes sum to", lambda: comm.all_to_all_v(torch.ones(4), torch.ones(4), [1] * ctx.world_size,
                                                                       [2] * ctx.world_size)),
-        (TypeError, "must be a torch.Tensor", lambda: comm.all_reduce([1.0, 2.0])),
+        (TypeError, "must be a torch.Tensor", lambda: comm.all_reduce_([1.0, 2.0])),
         (ValueError, r"out has shape \(3,\) but tensor has \(4,\)",
          lambda: comm.all_reduce(torch.ones(4), out=torch.empty(3))),
         (TypeError, "out has dtype torch.float16 but tensor has torch.float32",
@@ -287,13 +287,13 @@ def _bad_inputs(ctx):
             call()
         # still usable
         t = torch.full((5,), float(ctx.rank + 1))
-        comm.all_reduce(t)
+        comm.all_reduce_(t)
         assert torch.equal(t, torch.full((5,), float(sum(range(1, ctx.world_size + 1)))))
     # Mismatched collectives across ranks: every rank raises PeerError, and the next call works.
     with pytest.raises(commlib.PeerError, match="ranks disagree"):
-        comm.all_reduce(torch.ones(3 + ctx.rank))
+        comm.all_reduce_(torch.ones(3 + ctx.rank))
     t = torch.ones(4)
-    comm.all_reduce(t)
+    comm.all_reduce_(t)
     assert torch.equal(t, torch.full((4,), float(ctx.world_size)))
     # World size disagreement at creation raises on the calling rank.
     ws = ctx.world_size + (1 if ctx.rank == ctx.world_size - 1 else 0)
@@ -314,7 +314,7 @@ def _die_or_wait(ctx):
     if ctx.rank == 1:
         os._exit(3)
     try:
-        comm.all_reduce(torch.ones(1000))
+        comm.all_reduce_(torch.ones(1000))
     except commlib.PeerError as e:
         return str(e)
     return "no error"
@@ -345,10 +345,10 @@ def _slow_peer(ctx):
     if ctx.rank == 1:
         time.sleep(8)
         return "slept"
-    with pytest.raises(commlib.TimeoutError, match="Timed out .* rank 0 waiting for rank 1"):
-        comm.all_reduce(torch.ones(10))
+    with pytest.raises(commlib.CommTimeoutError, match="Timed out .* rank 0 waiting for rank 1"):
+        comm.all_reduce_(torch.ones(10))
     with pytest.raises(commlib.PeerError, match="unusable"):
-        comm.all_reduce(torch.ones(10))
+        comm.all_reduce_(torch.ones(10))
     comm.close()
     return "timed out"
 
@@ -376,7 +376,7 @@ def _large_world(ctx):
     recv = [(q * 7 + ctx.rank * 3) % 5 for q in range(n)]
     inp = torch.cat([torch.full((rows[r], 2), float(ctx.rank * 100 + r)) for r in range(n)])
     out = torch.full((sum(recv), 2), float("nan"))
-    ctx.comm.all_to_all_v(out, inp, rows, recv)
+    ctx.comm.all_to_all_v(out, inp, recv, rows)
     assert torch.equal(out, torch.cat([torch.full((recv[q], 2), float(q * 100 + ctx.rank)) for q in range(n)]))
     return True
 

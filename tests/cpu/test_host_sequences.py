@@ -131,7 +131,7 @@ def _prepare_all_to_all_v(comm, rng, salt, buf):
 
     def check():
         assert torch.equal(out, expected), what
-    return lambda: comm.all_to_all_v(out, mine, rows[me], [rows[s][me] for s in range(n)]), check
+    return lambda: comm.all_to_all_v(out, mine, [rows[s][me] for s in range(n)], rows[me]), check
 
 
 def _prepare_fused(comm, rng, salt, buf):

@@ -230,8 +230,8 @@ def _auto_follows_tune_file(ctx, flat_max):
         g = torch.Generator().manual_seed(ctx.rank)
         x = torch.rand(flat_max // 4 + 5, generator=g) + 0.5
         ref = x.clone()
-        ctx.comm.all_reduce(ref, algo="tree")
-        comm.all_reduce(x)
+        ctx.comm.all_reduce_(ref, algo="tree")
+        comm.all_reduce_(x)
         assert torch.equal(x, ref)
         return chosen
     finally:

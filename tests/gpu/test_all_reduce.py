@@ -55,7 +55,7 @@ def _run_case(ctx, comm, count, dtype, op, algo, pad, salt=0):
     buf = torch.full((count + 2 * pad,), float("nan"), dtype=dtype, device=dev)
     view = buf[pad:pad + count]
     view.copy_(inputs[ctx.rank])
-    comm.all_reduce(view, op=op, algo=algo)
+    comm.all_reduce_(view, op=op, algo=algo)
     out = buf.cpu()
     assert torch.isnan(out[:pad].float()).all() and torch.isnan(out[pad + count:].float()).all(), \
         f"{algo} wrote outside the tensor (count={count}, pad={pad})"
@@ -89,7 +89,7 @@ def _random_sizes_and_zero(ctx):
             dtype = list(DTYPES.values())[i % 3]
             if count == 0:
                 t = torch.empty(0, dtype=dtype, device=f"cuda:{ctx.device}")
-                assert ctx.comm.all_reduce(t, algo=algo).numel() == 0
+                assert ctx.comm.all_reduce_(t, algo=algo).numel() == 0
             else:
                 _run_case(ctx, ctx.comm, count, dtype, "sum", algo, pad=i % 5, salt=i)
     return True
@@ -113,7 +113,7 @@ def _against_nccl(ctx):
             dist.all_reduce(theirs, group=nccl)
             for algo in ("flat", "tree", "auto"):
                 ours = x.clone()
-                ctx.comm.all_reduce(ours, algo=algo)
+                ctx.comm.all_reduce_(ours, algo=algo)
                 torch.testing.assert_close(ours.float(), theirs.float(), rtol=TOL[dtype], atol=TOL[dtype])
     return True
 
@@ -178,7 +178,7 @@ def _tree_small_grid_many_chunks(ctx):
             inputs = [rank_input(r, count, dtype, salt=13) for r in range(ctx.world_size)]
             t = comm.symmetric_empty((count,), dtype, dev)
             t.copy_(inputs[ctx.rank])
-            comm.all_reduce(t, algo="tree")
+            comm.all_reduce_(t, algo="tree")
             assert torch.equal(bits(t.cpu()), bits(ordered_reference(inputs, "sum", ctx.world_size))), \
                 f"symmetric tree {dtype} count={count}"
     comm.close()
@@ -202,7 +202,7 @@ def _graph_replay(ctx, algo, symmetric):
     else:
         work = torch.empty(count, dtype=dtype, device=dev)
     out = torch.empty(count, dtype=dtype, device=dev)
-    comm.all_reduce(src.fill_(1), algo=algo)  # first use outside capture (creates GPU state)
+    comm.all_reduce_(src.fill_(1), algo=algo)  # first use outside capture (creates GPU state)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
@@ -210,8 +210,8 @@ def _graph_replay(ctx, algo, symmetric):
     with torch.cuda.stream(stream):
         with torch.cuda.graph(graph, stream=stream):
             work.copy_(src)
-            comm.all_reduce(work, algo=algo)
-            comm.all_reduce(work, op="avg", algo=algo)  # two ops per replay
+            comm.all_reduce_(work, algo=algo)
+            comm.all_reduce_(work, op="avg", algo=algo)  # two ops per replay
             out.copy_(work)
     torch.cuda.synchronize()
     for i in range(1000):
@@ -269,14 +269,14 @@ def _symmetric_zero_copy(ctx):
             for algo in ("tree", "flat", "auto"):
                 t = ctx.comm.symmetric_empty((count,), dtype, dev)
                 t.copy_(inputs[ctx.rank])
-                ctx.comm.all_reduce(t, algo=algo)
+                ctx.comm.all_reduce_(t, algo=algo)
                 assert torch.equal(bits(t.cpu()), bits(ordered_reference(inputs, "sum", ctx.world_size))), \
                     f"symmetric {algo} {dtype} count={count}"
     # 2-D symmetric tensor, and one reused many times (the end barrier keeps iterations apart).
     t = ctx.comm.symmetric_empty((64, 129), torch.float32, dev)
     for i in range(50):
         t.fill_(float(ctx.rank + 1 + i))
-        ctx.comm.all_reduce(t, algo="tree")
+        ctx.comm.all_reduce_(t, algo="tree")
         assert torch.equal(t, torch.full_like(t, float(sum(r + 1 + i for r in range(ctx.world_size)))))
     return True
 
@@ -298,7 +298,7 @@ def _bad_tree_knob(ctx):
     dev = torch.device("cuda", ctx.device)
     with pytest.raises(ValueError, match=r"COMMLIB_TREE_THREADS=100 invalid; valid: 0 or a multiple of 32"):
         with ctx.new_comm("bad-tree-knob") as comm:  # the knobs are read when the GPU state is made
-            comm.all_reduce(torch.ones(8, device=dev), algo="tree")
+            comm.all_reduce_(torch.ones(8, device=dev), algo="tree")
     return True
 
 
@@ -309,7 +309,7 @@ def test_bad_tree_knob_is_a_clear_error(ranks):
 def _symmetric_mismatch(ctx):
     dev = torch.device("cuda", ctx.device)
     comm = ctx.new_comm("mismatch")
-    comm.all_reduce(torch.ones(4, device=dev))
+    comm.all_reduce_(torch.ones(4, device=dev))
     import commlib
     with pytest.raises(commlib.PeerError, match=r"symmetric allocation mismatch"):
         comm.symmetric_empty((1024 * (ctx.rank + 1) * 1024,), torch.float32, dev)
@@ -335,10 +335,10 @@ def _two_communicators_two_streams(ctx):
         s1.wait_stream(torch.cuda.current_stream())
         s2.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s1):
-            a.all_reduce(x, algo="flat" if i % 2 else "tree")
-            b.all_reduce(y, algo="tree")
+            a.all_reduce_(x, algo="flat" if i % 2 else "tree")
+            b.all_reduce_(y, algo="tree")
         with torch.cuda.stream(s2):  # same communicator, another stream, no user sync in between
-            a.all_reduce(z, algo="flat")
+            a.all_reduce_(z, algo="flat")
         torch.cuda.synchronize()
         assert torch.equal(bits(x.cpu()), bits(ordered_reference(xs, "sum", n)))
         assert torch.equal(bits(y.cpu()), bits(ordered_reference(ys, "sum", n)))
@@ -369,7 +369,7 @@ def _run_case_on(ctx, comm, dev, count):
     inputs = [rank_input(r, count, torch.float16, salt=5) for r in range(ctx.world_size)]
     for algo in ("flat", "tree"):
         t = inputs[ctx.rank].to(dev)
-        comm.all_reduce(t, algo=algo)
+        comm.all_reduce_(t, algo=algo)
         assert torch.equal(bits(t.cpu()), bits(ordered_reference(inputs, "sum", ctx.world_size)))
 
 
@@ -382,14 +382,14 @@ def _bad_inputs(ctx):
     dev = torch.device("cuda", ctx.device)
     x = torch.ones(8, device=dev)
     with pytest.raises(ValueError, match=r"all_reduce: op max not supported for CUDA tensors; supported: sum, avg"):
-        ctx.comm.all_reduce(x, op="max")
+        ctx.comm.all_reduce_(x, op="max")
     with pytest.raises(ValueError, match=r"algo 'nccl' needs an NCCL engine"):
-        ctx.comm.all_reduce(x, algo="nccl")
+        ctx.comm.all_reduce_(x, algo="nccl")
     with pytest.raises(TypeError, match=r"dtype int32 not supported; supported: float32, float16, bfloat16"):
-        ctx.comm.all_reduce(torch.ones(8, dtype=torch.int32, device=dev))
-    ctx.comm.all_reduce(x)  # still usable
+        ctx.comm.all_reduce_(torch.ones(8, dtype=torch.int32, device=dev))
+    ctx.comm.all_reduce_(x)  # still usable
     assert torch.equal(x, torch.full_like(x, float(ctx.world_size)))
-    assert isinstance(commlib.TimeoutError("x"), RuntimeError)
+    assert isinstance(commlib.CommTimeoutError("x"), RuntimeError)
     return True
 
 
@@ -401,15 +401,15 @@ def _timeout(ctx):
     import commlib
     dev = torch.device("cuda", ctx.device)
     comm = ctx.new_comm("timeout", timeout=timedelta(seconds=2))
-    comm.all_reduce(torch.ones(4, device=dev))  # both ranks: creates the GPU state
+    comm.all_reduce_(torch.ones(4, device=dev))  # both ranks: creates the GPU state
     torch.cuda.synchronize()
     if ctx.rank == 0:  # rank 1 never joins: rank 0's wait must expire, not hang
-        comm.all_reduce(torch.ones(4, device=dev), algo="flat")
+        comm.all_reduce_(torch.ones(4, device=dev), algo="flat")
         torch.cuda.synchronize()
-        with pytest.raises(commlib.TimeoutError, match=r"rank 0 waited \d+ ms for rank 1 at phase '"):
+        with pytest.raises(commlib.CommTimeoutError, match=r"rank 0 waited \d+ ms for rank 1 at phase '"):
             comm.check_gpu_error()
-        with pytest.raises(commlib.TimeoutError, match=r"all_reduce: Timed out in an earlier GPU wait"):
-            comm.all_reduce(torch.ones(4, device=dev))
+        with pytest.raises(commlib.CommTimeoutError, match=r"all_reduce: Timed out in an earlier GPU wait"):
+            comm.all_reduce_(torch.ones(4, device=dev))
     comm.close()
     return True
 
@@ -441,12 +441,12 @@ def _ll_timeout(ctx):
     import commlib
     dev = torch.device("cuda", ctx.device)
     comm = ctx.new_comm("ll-timeout", timeout=timedelta(seconds=2))
-    comm.all_reduce(torch.ones(4, device=dev))
+    comm.all_reduce_(torch.ones(4, device=dev))
     torch.cuda.synchronize()
     if ctx.rank == 0:
-        comm.all_reduce(torch.ones(4, device=dev), algo="flat")
+        comm.all_reduce_(torch.ones(4, device=dev), algo="flat")
         torch.cuda.synchronize()
-        with pytest.raises(commlib.TimeoutError, match=r"rank 0 waited \d+ ms for rank 1 at phase 'LL data"):
+        with pytest.raises(commlib.CommTimeoutError, match=r"rank 0 waited \d+ ms for rank 1 at phase 'LL data"):
             comm.check_gpu_error()
     comm.close()
     return True

@@ -2,7 +2,9 @@
 
 Reference: an NCCL group of the same ranks inside the same "ddacomm" world, on the same inputs;
 every output poisoned first. Also: a tensor-parallel MLP forward (ddacomm vs nccl), CUDA-graph
-capture of dist.all_reduce, and torch.compile of a function calling functional all_reduce.
+capture of dist.all_reduce, and torch.compile of a function calling functional all_reduce. Those
+three also read the backend's call counters: each call they check went through commlib's path
+(num_fast_calls), none to the inner NCCL (num_fallback_calls), so NCCL alone cannot pass them.
 """
 from __future__ import annotations
 
@@ -35,6 +37,13 @@ def ddacomm_world(ctx, device_id: bool = False):
     finally:
         torch.cuda.synchronize()
         dist.destroy_process_group()
+
+
+def fast_path_counts(group):
+    """(commlib calls, inner-backend calls) of the group's DdaBackend for CUDA tensors so far."""
+    backend = group._get_backend(torch.device("cuda"))
+    assert type(backend).__name__ == "DdaBackend" and backend.has_fast_path, type(backend).__name__
+    return backend.num_fast_calls, backend.num_fallback_calls
 
 
 def rand(rank, count, dtype, salt=0, device="cuda"):
@@ -192,7 +201,10 @@ def _tp_mlp(ctx):
             dist.all_reduce(y, group=group)
             return y
 
-        ours, ref = forward(world), forward(nccl)
+        fast0, fallback0 = fast_path_counts(world)
+        ours = forward(world)
+        assert fast_path_counts(world) == (fast0 + 1, fallback0), "the MLP's all_reduce did not take commlib's path"
+        ref = forward(nccl)
         torch.testing.assert_close(ours.float(), ref.float(), rtol=2e-2, atol=2e-2)
     return True
 
@@ -209,9 +221,12 @@ def _graph_capture(ctx):
         static = torch.zeros(32768, device="cuda", dtype=torch.bfloat16)
         dist.all_reduce(static)  # warm-up (creates the inner NCCL communicator outside capture)
         torch.cuda.synchronize()
+        fast0, fallback0 = fast_path_counts(world)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             dist.all_reduce(static)
+        # The captured call is commlib's kernel (replays do not pass through the host).
+        assert fast_path_counts(world) == (fast0 + 1, fallback0), "the captured all_reduce is not commlib's"
         for step in range(3):
             src = rand(r, 32768, torch.bfloat16, salt=step)
             static.copy_(src)
@@ -236,8 +251,11 @@ def _compiled(ctx):
         compiled = torch.compile(fn, fullgraph=True)
         x = rand(r, 4096, torch.float32, salt=9)
         expect = sum(rand(q, 4096, torch.float32, salt=9).double() * 2 for q in range(n)) + 1
+        fast0, fallback0 = fast_path_counts(world)
         close(compiled(x), expect, "compiled funcol.all_reduce")
+        assert fast_path_counts(world) == (fast0 + 1, fallback0), "the compiled all_reduce did not take commlib's path"
         close(fn(x), expect, "eager funcol.all_reduce")
+        assert fast_path_counts(world) == (fast0 + 2, fallback0), "the eager all_reduce did not take commlib's path"
     return True
 
 

@@ -293,7 +293,7 @@ def _ll_dead_peer(ctx):
     if ctx.rank == 0:
         buf.dispatch(x, idx, w)
         torch.cuda.synchronize()
-        with pytest.raises(commlib.TimeoutError, match=r"rank 0 waited \d+ ms for rank 1"):
+        with pytest.raises(commlib.CommTimeoutError, match=r"rank 0 waited \d+ ms for rank 1"):
             comm.check_gpu_error()
     comm.close()
     return True
@@ -402,7 +402,7 @@ def _all_to_all_v(ctx):
                 out = comm.symmetric_empty([cap, hidden], dtype, dev) if symmetric else \
                     torch.empty(cap, hidden, dtype=dtype, device=dev)
                 out.fill_(float("nan"))
-                comm.all_to_all_v(out, inp, ins, outs)
+                comm.all_to_all_v(out, inp, outs, ins)
                 got = out.cpu()
                 assert torch.equal(got[:total], _a2a_expect(ctx, salt, hidden, dtype)), (hidden, symmetric, salt)
                 assert torch.isnan(got[total:].float()).all(), "wrote past the received rows"
@@ -416,7 +416,7 @@ def _all_to_all_v(ctx):
     # mismatched device splits: flagged, raised by check_all_to_all, and the communicator still works
     bad = torch.tensor([1] * n, device=dev) + (1 if me == 0 else 0)
     comm.all_to_all_v(torch.empty(8 * n, 4, device=dev), torch.ones(8 * n, 4, device=dev),
-                      torch.tensor([1] * n, device=dev), bad)
+                      bad, torch.tensor([1] * n, device=dev))
     if n > 1:
         with pytest.raises(ValueError, match="invalid device splits"):
             comm.check_all_to_all()
@@ -440,11 +440,11 @@ def _a2a_graph(ctx):
     sout = torch.zeros(cap_out, hidden, dtype=dtype, device=dev)
     ins = torch.zeros(n, dtype=torch.long, device=dev)
     outs = torch.zeros(n, dtype=torch.long, device=dev)
-    ctx.comm.all_to_all_v(sout, sin, ins, outs)  # set-up outside capture
+    ctx.comm.all_to_all_v(sout, sin, outs, ins)  # set-up outside capture
     torch.cuda.synchronize(dev)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ctx.comm.all_to_all_v(sout, sin, ins, outs)
+        ctx.comm.all_to_all_v(sout, sin, outs, ins)
     for salt in range(4):
         x = _a2a_input(ctx, salt, hidden, dtype)
         sin[:x.shape[0]].copy_(x)

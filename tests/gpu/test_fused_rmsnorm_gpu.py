@@ -45,7 +45,7 @@ def _gpu_case(ctx, dtype_name, tokens_list, hidden_list, num_sms_list=(None,), e
             xs, residual0, weight = make_inputs(n, tokens, hidden, dtype)
             x = xs[rank].to(dev)
             summed = x.clone()
-            comm.all_reduce(summed)
+            comm.all_reduce_(summed)
             ref_out, ref_res = reference_rmsnorm(summed.cpu(), residual0, weight, eps)
             r64 = residual0.double() + sum(t.double() for t in xs)
             out64 = r64 / torch.sqrt((r64 * r64).mean(dim=1, keepdim=True) + eps) * weight.double()
@@ -149,9 +149,9 @@ def _dead_peer(ctx):
     if ctx.rank == 0:
         comm.fused_allreduce_rmsnorm(x, x.clone(), w)
         torch.cuda.synchronize()
-        with pytest.raises(commlib.TimeoutError, match=r"rank 0 waited \d+ ms for rank 1 at phase 'inputs ready"):
+        with pytest.raises(commlib.CommTimeoutError, match=r"rank 0 waited \d+ ms for rank 1 at phase 'inputs ready"):
             comm.check_gpu_error()
-        with pytest.raises(commlib.TimeoutError, match=r"Timed out in an earlier GPU wait of this communicator"):
+        with pytest.raises(commlib.CommTimeoutError, match=r"Timed out in an earlier GPU wait of this communicator"):
             comm.fused_allreduce_rmsnorm(x, x.clone(), w)
     comm.close()
     return True
@@ -188,7 +188,7 @@ def _graph_chunks(ctx, tokens):
             graph.replay()
             torch.cuda.synchronize()
             summed = x.clone()
-            comm.all_reduce(summed)
+            comm.all_reduce_(summed)
             ref_out, ref_res = reference_rmsnorm(summed.cpu(), residual0, weight, eps)
             where = f"{mode} graph replay {step}"
             assert torch.equal(bits(out.cpu()), bits(ref_out)), f"{where}: out"
@@ -253,7 +253,7 @@ def _mixed_sequence(ctx):
         xs, residual0, weight = make_inputs(n, tokens, hidden, dtype, salt=100 + step)
         x = xs[rank].to(dev)
         summed = x.clone()
-        comm.all_reduce(summed)  # an all-reduce between fused calls
+        comm.all_reduce_(summed)  # an all-reduce between fused calls
         ref_out, ref_res = reference_rmsnorm(summed.cpu(), residual0, weight, eps)
         residual = residual0.to(dev)
         out = torch.full((tokens, hidden), float("nan"), dtype=dtype, device=dev)
@@ -292,7 +292,7 @@ def _back_to_back(ctx):
         summed = sum(t.double() for t in xs)  # a second all-reduce input, checked against the ordered sum
         x = xs[rank].to(dev)
         ref_sum = x.clone()
-        comm.all_reduce(ref_sum)
+        comm.all_reduce_(ref_sum)
         refs.append((reference_rmsnorm(ref_sum.cpu(), residual0, weight, eps), ref_sum.cpu(), summed))
         out = torch.full((tokens, hidden), float("nan"), dtype=dtype, device=dev)
         staged.append((x, x.clone(), residual0.to(dev), weight.to(dev), out, mode))
@@ -300,7 +300,7 @@ def _back_to_back(ctx):
     comm.barrier()
     for x, x_ar, residual, w, out, mode in staged:
         comm.fused_allreduce_rmsnorm(x, residual, w, eps, residual_mode=mode, out=out)
-        comm.all_reduce(x_ar)  # a flat / LL all-reduce right after the fused kernel
+        comm.all_reduce_(x_ar)  # a flat / LL all-reduce right after the fused kernel
     torch.cuda.synchronize()
     for step, ((tokens, mode), (x, x_ar, residual, w, out, _), ((ref_out, ref_res), ref_sum, summed)) in enumerate(
             zip(steps, staged, refs)):
@@ -332,7 +332,7 @@ def _bad_pdl_knob(ctx):
     with pytest.raises(ValueError, match=re.escape("COMMLIB_PDL=2 invalid; valid: 0, 1")):
         ctx.comm.fused_allreduce_rmsnorm(x, x.clone(), torch.ones(1024, dtype=torch.bfloat16, device=dev))
     with pytest.raises(ValueError, match=re.escape("COMMLIB_PDL=2 invalid; valid: 0, 1")):
-        ctx.comm.all_reduce(x, algo="flat")
+        ctx.comm.all_reduce_(x, algo="flat")
     return True
 
 
@@ -357,7 +357,7 @@ def _graph_and_compile(ctx, tokens):
 
     def expected(x_now, residual_now):
         summed = x_now.clone()
-        comm.all_reduce(summed)
+        comm.all_reduce_(summed)
         return reference_rmsnorm(summed.cpu(), residual_now.cpu(), weight, eps)
 
     # CUDA graph capture: warm up eagerly (first-use set-up), capture, replay on fresh inputs.
@@ -380,8 +380,8 @@ def _graph_and_compile(ctx, tokens):
     # torch.compile (inductor, fullgraph) around the op with ops before and after it.
     def layer(x, residual, w):
         out = torch.empty_like(x)
-        torch.ops.ddacomm.fused_allreduce_rmsnorm(x * 1, residual, w, eps, out, comm.op_handle,
-                                                  "replicated", 0, "auto")
+        torch.ops.commlib.fused_allreduce_rmsnorm_out(x * 1, residual, w, eps, comm.group_name,
+                                                      "replicated", 0, "auto", out=out)
         return out + 0
 
     compiled = torch.compile(layer, fullgraph=True)
@@ -437,7 +437,7 @@ def _multimem_refused_gpu(ctx):
         comm.fused_allreduce_rmsnorm(x, residual, weight, out=out, algo="multimem")
     # The communicator's own entry refuses too, before its GPU state (or anything CUDA) is made.
     with pytest.raises(ValueError, match="multicast transport: NVLink multicast refused"):
-        commlib._C.multicast_workspace_bytes(comm.op_handle, ctx.device)
+        commlib._C.multicast_workspace_bytes(comm.group_name, ctx.device)
     assert commlib._C.multicast_objects_created() == 0
     # Nothing was touched, and the communicator still works.
     assert torch.isnan(out.float()).all() and torch.equal(residual, x)

@@ -41,12 +41,12 @@ def _use_everything(ctx, cycle: int) -> int:
     dev = torch.device("cuda", ctx.device)
     comm = ctx.new_comm(f"memory-release-{cycle}")
     x = torch.randn(1 << 20, device=dev)  # 4 MiB: the copy-in tree through the workspace
-    comm.all_reduce(x, algo="flat")
-    comm.all_reduce(x, algo="tree")
-    comm.all_reduce(torch.randn(1000, device=dev))  # the LL lines
+    comm.all_reduce_(x, algo="flat")
+    comm.all_reduce_(x, algo="tree")
+    comm.all_reduce_(torch.randn(1000, device=dev))  # the LL lines
     sym = comm.symmetric_empty((8 * MiB,), torch.bfloat16, dev)  # 16 MiB of symmetric memory
     sym.copy_(torch.randn(8 * MiB, device=dev))
-    comm.all_reduce(sym)
+    comm.all_reduce_(sym)
     tokens, hidden = 33, 8192
     residual = torch.randn(tokens, hidden, dtype=torch.bfloat16, device=dev)
     comm.fused_allreduce_rmsnorm(torch.randn_like(residual), residual, torch.ones(hidden, dtype=torch.bfloat16,

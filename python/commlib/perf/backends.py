@@ -84,7 +84,7 @@ class DDAComm(Backend):
         if self._routes_to_nccl(t, redop):
             dist.all_reduce(t, op=_DIST_OPS[redop], group=self.nccl)
             return
-        self._call(self.comm.all_reduce, t, redop, self.algo)
+        self._call(self.comm.all_reduce_, t, redop, self.algo)
 
     def _routes_to_nccl(self, t, redop) -> bool:
         if self.nccl is None or not t.is_cuda or redop not in ("sum", "avg"):
