@@ -77,6 +77,48 @@ def test_all_reduce_table_json_csv(tmp_path):
     assert len(recs) == 24 and all(rec["oop_wrong"] == "0" and rec["ip_wrong"] == "0" for rec in recs)
 
 
+def test_out_writes_the_results_file(tmp_path):
+    # --out: machine, commit, date, the exact command and the table as printed; a bare --plot lands
+    # beside it, named after it. The file's table is the run's, line for line.
+    out = tmp_path / "results" / "all_reduce.md"
+    args = ["all_reduce", "-b", "1K", "-e", "8K", "-f", "8", "-n", "3", "-w", "1", "-np", "2",
+            "--out", str(out), "--plot"]
+    r = run_cli("commlib.perf", *args)
+    assert r.returncode == 0, r.stdout + r.stderr
+    text = out.read_text()
+    head = dict(line[2:].split(": ", 1) for line in text.splitlines() if line.startswith("- ") and ": " in line)
+    assert head["command"] == "`commlib-perf " + " ".join(args) + "`"
+    sys.path.insert(0, str(ROOT / "python"))
+    from commlib.perf.report import cpu_model
+    assert head["machine"].startswith(f"{cpu_model()} ({os.cpu_count()} cores); torch "), head["machine"]
+    assert "torch " in head["machine"] and "Python " in head["machine"]
+    head_commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"],
+                                 capture_output=True, text=True)
+    if head_commit.returncode == 0:
+        assert head["commit"].split()[0] == head_commit.stdout.strip()
+    else:
+        assert head["commit"].startswith("unknown")
+    import datetime
+    assert head["date"][:10] in {(datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=d))
+                                 .strftime("%Y-%m-%d") for d in (0, 1)}
+    assert head["date"].endswith(" UTC")
+    assert text.startswith("# all_reduce: ddacomm vs gloo, CPU, world size 2\n")
+    body = text.split("```\n", 1)[1].rsplit("```", 1)[0]
+    printed = r.stdout[:r.stdout.index("# wrote")]
+    assert body == printed
+    assert len(table_rows(body)) == 4 and "# Out of bounds values : 0 OK" in body
+    png = out.with_suffix(".png")
+    try:
+        import matplotlib  # noqa: F401
+        assert png.exists() and png.stat().st_size > 0 and "![all_reduce](all_reduce.png)" in text
+    except ImportError:
+        assert not png.exists() and "matplotlib is not installed" in r.stderr
+    # Rerunning the command rewrites the file (no appending).
+    r = run_cli("commlib.perf", *args)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert out.read_text().count("# commlib-perf ") == 1
+
+
 def test_cpu_binding(tmp_path):
     # Default: each rank on its own CPU (the machine has >= 2), and rounds taking turns between the
     # backends (4, or one per call when -n is smaller); both reported in the JSON's timing line.
@@ -138,6 +180,8 @@ def test_planted_wrong_result_is_reported():
     (["all_reduce_fancy"], "operation 'all_reduce_fancy' not known"),
     (["-b", "1M", "-e", "1K"], "is larger than -e"),
     (["--rounds", "0"], "-n and --rounds must be >= 1"),
+    (["--plot"], "--plot without a file name needs --out"),
+    (["--out", "-"], "--out needs a file name"),
     (["fused_allreduce_rmsnorm", "--hidden", "12"], "--hidden 12 not supported by fused_allreduce_rmsnorm; "
                                                     "supported: multiples of 8 up to 16384"),
     (["ep_dispatch_combine", "-np", "2", "--experts", "7"], "--experts 7 is not a multiple of the world size 2"),
