@@ -175,7 +175,7 @@ def test_planted_wrong_result_is_reported():
 @pytest.mark.parametrize("args, message", [
     (["-d", "int8"], "-d int8 not supported; supported: float, half, bfloat16"),
     (["--backend", "nccl"], "--backend nccl needs CUDA tensors; valid on CPU: ddacomm, gloo"),
-    (["--backend", "mpi"], "--backend mpi not known; valid: ddacomm, nccl, gloo, symm"),
+    (["--backend", "mpi"], "--backend mpi not known; valid: ddacomm, nccl, gloo, symm, dist-ddacomm"),
     (["-o", "xor"], "-o xor not supported"),
     (["all_reduce_fancy"], "operation 'all_reduce_fancy' not known"),
     (["-b", "1M", "-e", "1K"], "is larger than -e"),
@@ -327,6 +327,21 @@ def test_fused_and_ep_ops_table_json(tmp_path):
     for res in data["results"]:
         assert res["oop"]["wrong"] == 0 and res["oop"]["time_us"] > 0 and "time_us" not in res["ip"]
         assert res["oop"]["busbw"] == pytest.approx(res["oop"]["algbw"])  # 2(n-1)/n = 1 for n = 2
+
+
+def test_ep_ag_rs_baseline_and_dist_ddacomm_backend():
+    """--ep-baseline ag-rs (all_gather + reduce_scatter) on gloo and on a torch.distributed "ddacomm"
+    group (dist-ddacomm): #wrong 0 against the fp64 reference at odd token counts; and a planted
+    wrong element in the baseline's output is counted."""
+    args = ["ep_dispatch_combine", "--tokens", "1,7,33", "--hidden", "40", "--experts", "6", "--topk", "3",
+            "-n", "2", "-w", "1", "-np", "2", "-d", "float,half", "--ep-baseline", "ag-rs"]
+    r = run_cli("commlib.perf", *args, "--backend", "gloo", "dist-ddacomm", "ddacomm")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = table_rows(r.stdout)
+    assert len(rows) == 2 * 3 * 3 and all(row[9] == "0" for row in rows), r.stdout
+    assert {row[0] for row in rows} == {"gloo", "dist-ddacomm", "ddacomm"}
+    r = run_cli("commlib.perf", *args, "--backend", "gloo", "--corrupt-rank", "0")
+    assert r.returncode == 1 and all(row[9] == "1" for row in table_rows(r.stdout)), r.stdout + r.stderr
 
 
 def test_row_ops_planted_wrong_result_is_reported():
