@@ -134,7 +134,7 @@ def _bind_cpu(mode: str, local_rank: int, world_size: int) -> str:
     """Binds this rank to one CPU (mode "core") and says how. Unbound, the scheduler's wake-up
     placement often puts both ranks of a 2-core machine on one CPU after any sleep (a gloo call, the
     harness's barrier): every hand-off then waits for a context switch, 31-48 µs instead of ~4 for a
-    4 KiB all_reduce, for milliseconds at a time (bench/results/cpu-bind-2026-12-01.md)."""
+    4 KiB all_reduce, for milliseconds at a time (Note [host shm waiting] in csrc/transport/host_shm.cc)."""
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # torchrun sets it
     if mode == "none" or len(cpus) < local_ranks:
