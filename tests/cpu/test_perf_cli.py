@@ -83,6 +83,8 @@ def test_out_writes_the_results_file(tmp_path):
     out = tmp_path / "results" / "all_reduce.md"
     args = ["all_reduce", "-b", "1K", "-e", "8K", "-f", "8", "-n", "3", "-w", "1", "-np", "2",
             "--out", str(out), "--plot"]
+    head_commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"],
+                                 capture_output=True, text=True)
     r = run_cli("commlib.perf", *args)
     assert r.returncode == 0, r.stdout + r.stderr
     text = out.read_text()
@@ -92,8 +94,6 @@ def test_out_writes_the_results_file(tmp_path):
     from commlib.perf.report import cpu_model
     assert head["machine"].startswith(f"{cpu_model()} ({os.cpu_count()} cores); torch "), head["machine"]
     assert "torch " in head["machine"] and "Python " in head["machine"]
-    head_commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"],
-                                 capture_output=True, text=True)
     if head_commit.returncode == 0:
         assert head["commit"].split()[0] == head_commit.stdout.strip()
     else:
