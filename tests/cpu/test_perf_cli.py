@@ -463,3 +463,15 @@ def test_fused_num_sms_malformed(tmp_path, monkeypatch):
     bad.write_text(json.dumps({"version": 1, "entries": [entry]}))
     with pytest.raises(ValueError, match=r"entry 0: fused_num_sms must be null or an integer >= 1, got 0"):
         tune.read_file(str(bad))
+
+
+def test_operation_modules_are_found_by_name():
+    """Every python/commlib/perf/ops_*.py is imported by the CLI without a registry line, and what
+    they register is known to it (fused_allreduce_rmsnorm from ops_fused, ep_dispatch_combine from ops_ep)."""
+    sys.path.insert(0, str(ROOT / "python"))
+    from commlib.perf import registry
+    on_disk = {f"commlib.perf.{p.stem}" for p in (ROOT / "python" / "commlib" / "perf").glob("ops_*.py")}
+    assert on_disk >= {"commlib.perf.ops_fused", "commlib.perf.ops_ep"}
+    assert set(registry.plugin_modules()) >= on_disk
+    registry.load_plugins()
+    assert {"fused_allreduce_rmsnorm", "ep_dispatch_combine"} <= set(registry.names())
