@@ -10,14 +10,12 @@ csrc/kernels/ep_params.hpp). Clocks of different GPUs are not compared.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 
 import torch
-import torch.distributed as dist
 
-from common import capture_graph, run_ranks
+from commlib.perf.harness import capture, spawn
 
 POINTS = ["dispatch start", "rows pushed", "data signalled", "meta signalled",
           "own chunk expanded (non-push warps)", "peers' data landed", "dispatch end", "combine start",
@@ -25,12 +23,11 @@ POINTS = ["dispatch start", "rows pushed", "data signalled", "meta signalled",
 MODELS = {"deepseek": (7168, 256, 8), "mixtral": (4096, 8, 2)}
 
 
-def worker(rank, world, port, args, q):
+def worker(rank, world, store, args):
     import commlib
     from commlib import _C
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=120))
     comm = commlib.Communicator(store, rank, world, "ep-trace")
     H, E, K = MODELS[args.model]
     T = args.tokens
@@ -45,18 +42,18 @@ def worker(rank, world, port, args, q):
         r = buf.dispatch(x, idx, w)
         buf.combine(r.expert_x, r.handle, out=out)
 
-    graph = capture_graph(step, args.iters)
+    graph = capture(step, args.iters, dev)
     store.set(f"ready{rank}", "1")
     store.wait([f"ready{r}" for r in range(world)])
     graph.replay()
     torch.cuda.synchronize()
     buf.check()
     store.set(f"trace{rank}", json.dumps(_C._ep_trace()))
-    if rank == 0:  # every rank's trace, in rank order
-        q.put([json.loads(store.get(f"trace{r}")) for r in range(world)])
+    traces = [json.loads(store.get(f"trace{r}")) for r in range(world)]  # every rank's, in rank order
     store.set(f"done{rank}", "1")
     store.wait([f"done{r}" for r in range(world)])
     comm.close()
+    return traces
 
 
 def main():
@@ -66,7 +63,9 @@ def main():
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--world", type=int, default=2, help="ranks (1: the kernels' local costs alone)")
     args = ap.parse_args()
-    traces = run_ranks(worker, args.world, args)
+    if torch.cuda.device_count() < args.world:
+        sys.exit(f"ep_trace: needs {args.world} GPUs, found {torch.cuda.device_count()}")
+    traces = spawn(worker, args.world, args)
     if not traces[0]:
         sys.exit("no trace: build with CUDAFLAGS=-DCOMMLIB_EP_TRACE")
     print(f"# EP trace, {args.model}, {args.tokens} tokens/rank, block 0, last of {args.iters} graph-replayed steps")

@@ -4,7 +4,7 @@
                                     [--ep-tokens 1,128,4096] [--fused-tokens 1,1024,4096]
                                     [--fused-sms 0,16] [--allreduce-bytes 1M,4M]
 
-Spawns 2 processes (one per GPU; bench/common.py's run_ranks). For each case it runs the op eagerly `iters` times under the
+Spawns 2 processes (one per GPU; commlib.perf.harness.spawn). For each case it runs the op eagerly `iters` times under the
 profiler on rank 0 and lists every GPU kernel and memcpy/memset launched: calls per op and mean
 device time, plus the op's wall time per call (host launch included), so launch gaps, extra torch
 kernels and the slowest kernel phase are visible. Cases: EP dispatch + combine (DeepSeek-V3-like:
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from common import eager_us, run_ranks
+from commlib.perf.harness import cuda_eager_us, spawn
 
 
 def parse_bytes(s: str) -> int:
@@ -43,10 +43,13 @@ def kernel_table(prof, iters: int) -> list[tuple[str, int, float]]:
 
 
 def profiled(fn, iters: int, rank: int):
-    """Wall µs per call of fn() and, on rank 0, the kernel table."""
+    """µs per call of fn() (CUDA events around `iters` eager calls, launch gaps included) and, on
+    rank 0, the kernel table."""
     for _ in range(3):
         fn()
-    wall = eager_us(fn, iters)
+    torch.cuda.synchronize()
+    dist.barrier()
+    wall = cuda_eager_us(fn, iters, torch.device("cuda", torch.cuda.current_device()))
     dist.barrier()
     if rank != 0:
         for _ in range(iters):
@@ -60,11 +63,10 @@ def profiled(fn, iters: int, rank: int):
     return wall, kernel_table(prof, iters)
 
 
-def worker(rank: int, world: int, port: int, args, queue):
+def worker(rank: int, world: int, store, args):
     import commlib
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=300))
     dist.init_process_group("nccl", store=dist.PrefixStore("nccl", store), rank=rank, world_size=world,
                             device_id=dev)
     comm = commlib.Communicator(store, rank, world, "profile")
@@ -103,11 +105,10 @@ def worker(rank: int, world: int, port: int, args, queue):
     for name, fn in cases:
         wall, table = profiled(fn, args.iters, rank)
         results.append((name, wall, table))
-    if rank == 0:
-        queue.put(results)
     dist.barrier()
     comm.close()
     dist.destroy_process_group()
+    return results
 
 
 def render(results, args) -> str:
@@ -116,9 +117,9 @@ def render(results, args) -> str:
              f"- machine: {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}, "
              f"{platform.node()}",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-             f"- {args.iters} eager calls per case; wall = host time per call (launches included)", ""]
+             f"- {args.iters} eager calls per case; per call: CUDA events around the calls (launch gaps included)", ""]
     for name, wall, table in results:
-        lines += [f"## {name}: wall {wall:.1f} µs/call", "", "| kernel | calls/op | mean µs |", "| --- | ---: | ---: |"]
+        lines += [f"## {name}: {wall:.1f} µs/call", "", "| kernel | calls/op | mean µs |", "| --- | ---: | ---: |"]
         lines += [f"| `{k}` | {c:.2f} | {us:.1f} |" for k, c, us in table[:8]]
         lines.append("")
     return "\n".join(lines)
@@ -136,7 +137,9 @@ def main():
                     default=[1 << 20, 4 << 20])
     args = ap.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    text = render(run_ranks(worker, 2, args), args)
+    if torch.cuda.device_count() < 2:
+        sys.exit(f"profile_kernels: needs 2 GPUs, found {torch.cuda.device_count()}")
+    text = render(spawn(worker, 2, args), args)
     print(text)
     if args.out:
         with open(args.out, "w") as f:

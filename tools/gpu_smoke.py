@@ -1,19 +1,22 @@
-"""Smallest GPU check: 2 processes, one all_reduce per algorithm, printed. For debugging set-up."""
+"""Smallest GPU check: 2 processes, one all_reduce per algorithm, printed. For debugging set-up.
+
+    python tools/gpu_smoke.py
+"""
 import faulthandler
 import sys
 from datetime import timedelta
 
 import torch
-import torch.multiprocessing as mp
+
+from commlib.perf.harness import spawn
+
+WORLD_SIZE = 2
 
 
-def worker(rank, world, port):
+def worker(rank, world, store):
     faulthandler.enable()
-    import torch.distributed as dist
-
     import commlib
     torch.cuda.set_device(rank)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=(rank == 0), timeout=timedelta(seconds=60))
     print(f"[{rank}] store ok", flush=True)
     comm = commlib.Communicator(store, rank, world, "smoke", timeout=timedelta(seconds=20))
     print(f"[{rank}] comm ok", flush=True)
@@ -26,9 +29,6 @@ def worker(rank, world, port):
 
 
 if __name__ == "__main__":
-    import socket
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    mp.spawn(worker, args=(2, port), nprocs=2)
+    if torch.cuda.device_count() < WORLD_SIZE:
+        sys.exit(f"gpu_smoke: needs {WORLD_SIZE} GPUs, found {torch.cuda.device_count()}")
+    spawn(worker, WORLD_SIZE)

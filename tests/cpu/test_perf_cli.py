@@ -77,6 +77,48 @@ def test_all_reduce_table_json_csv(tmp_path):
     assert len(recs) == 24 and all(rec["oop_wrong"] == "0" and rec["ip_wrong"] == "0" for rec in recs)
 
 
+def test_out_writes_the_results_file(tmp_path):
+    # --out: machine, commit, date, the exact command and the table as printed; a bare --plot lands
+    # beside it, named after it. The file's table is the run's, line for line.
+    out = tmp_path / "results" / "all_reduce.md"
+    args = ["all_reduce", "-b", "1K", "-e", "8K", "-f", "8", "-n", "3", "-w", "1", "-np", "2",
+            "--out", str(out), "--plot"]
+    head_commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"],
+                                 capture_output=True, text=True)
+    r = run_cli("commlib.perf", *args)
+    assert r.returncode == 0, r.stdout + r.stderr
+    text = out.read_text()
+    head = dict(line[2:].split(": ", 1) for line in text.splitlines() if line.startswith("- ") and ": " in line)
+    assert head["command"] == "`commlib-perf " + " ".join(args) + "`"
+    sys.path.insert(0, str(ROOT / "python"))
+    from commlib.perf.report import cpu_model
+    assert head["machine"].startswith(f"{cpu_model()} ({os.cpu_count()} cores); torch "), head["machine"]
+    assert "torch " in head["machine"] and "Python " in head["machine"]
+    if head_commit.returncode == 0:
+        assert head["commit"].split()[0] == head_commit.stdout.strip()
+    else:
+        assert head["commit"].startswith("unknown")
+    import datetime
+    assert head["date"][:10] in {(datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=d))
+                                 .strftime("%Y-%m-%d") for d in (0, 1)}
+    assert head["date"].endswith(" UTC")
+    assert text.startswith("# all_reduce: ddacomm vs gloo, CPU, world size 2\n")
+    body = text.split("```\n", 1)[1].rsplit("```", 1)[0]
+    printed = r.stdout[:r.stdout.index("# wrote")]
+    assert body == printed
+    assert len(table_rows(body)) == 4 and "# Out of bounds values : 0 OK" in body
+    png = out.with_suffix(".png")
+    try:
+        import matplotlib  # noqa: F401
+        assert png.exists() and png.stat().st_size > 0 and "![all_reduce](all_reduce.png)" in text
+    except ImportError:
+        assert not png.exists() and "matplotlib is not installed" in r.stderr
+    # Rerunning the command rewrites the file (no appending).
+    r = run_cli("commlib.perf", *args)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert out.read_text().count("# commlib-perf ") == 1
+
+
 def test_cpu_binding(tmp_path):
     # Default: each rank on its own CPU (the machine has >= 2), and rounds taking turns between the
     # backends (4, or one per call when -n is smaller); both reported in the JSON's timing line.
@@ -133,11 +175,13 @@ def test_planted_wrong_result_is_reported():
 @pytest.mark.parametrize("args, message", [
     (["-d", "int8"], "-d int8 not supported; supported: float, half, bfloat16"),
     (["--backend", "nccl"], "--backend nccl needs CUDA tensors; valid on CPU: ddacomm, gloo"),
-    (["--backend", "mpi"], "--backend mpi not known; valid: ddacomm, nccl, gloo, symm"),
+    (["--backend", "mpi"], "--backend mpi not known; valid: ddacomm, nccl, gloo, symm, dist-ddacomm"),
     (["-o", "xor"], "-o xor not supported"),
     (["all_reduce_fancy"], "operation 'all_reduce_fancy' not known"),
     (["-b", "1M", "-e", "1K"], "is larger than -e"),
     (["--rounds", "0"], "-n and --rounds must be >= 1"),
+    (["--plot"], "--plot without a file name needs --out"),
+    (["--out", "-"], "--out needs a file name"),
     (["fused_allreduce_rmsnorm", "--hidden", "12"], "--hidden 12 not supported by fused_allreduce_rmsnorm; "
                                                     "supported: multiples of 8 up to 16384"),
     (["ep_dispatch_combine", "-np", "2", "--experts", "7"], "--experts 7 is not a multiple of the world size 2"),
@@ -309,6 +353,21 @@ def test_fused_and_ep_ops_table_json(tmp_path):
         assert res["oop"]["busbw"] == pytest.approx(res["oop"]["algbw"])  # 2(n-1)/n = 1 for n = 2
 
 
+def test_ep_ag_rs_baseline_and_dist_ddacomm_backend():
+    """--ep-baseline ag-rs (all_gather + reduce_scatter) on gloo and on a torch.distributed "ddacomm"
+    group (dist-ddacomm): #wrong 0 against the fp64 reference at odd token counts; and a planted
+    wrong element in the baseline's output is counted."""
+    args = ["ep_dispatch_combine", "--tokens", "1,7,33", "--hidden", "40", "--experts", "6", "--topk", "3",
+            "-n", "2", "-w", "1", "-np", "2", "-d", "float,half", "--ep-baseline", "ag-rs"]
+    r = run_cli("commlib.perf", *args, "--backend", "gloo", "dist-ddacomm", "ddacomm")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = table_rows(r.stdout)
+    assert len(rows) == 2 * 3 * 3 and all(row[9] == "0" for row in rows), r.stdout
+    assert {row[0] for row in rows} == {"gloo", "dist-ddacomm", "ddacomm"}
+    r = run_cli("commlib.perf", *args, "--backend", "gloo", "--corrupt-rank", "0")
+    assert r.returncode == 1 and all(row[9] == "1" for row in table_rows(r.stdout)), r.stdout + r.stderr
+
+
 def test_row_ops_planted_wrong_result_is_reported():
     """One damaged output element per rank-1 result of each new operation, fused and baseline, and
     the sharded residual mode on the way."""
@@ -428,3 +487,15 @@ def test_fused_num_sms_malformed(tmp_path, monkeypatch):
     bad.write_text(json.dumps({"version": 1, "entries": [entry]}))
     with pytest.raises(ValueError, match=r"entry 0: fused_num_sms must be null or an integer >= 1, got 0"):
         tune.read_file(str(bad))
+
+
+def test_operation_modules_are_found_by_name():
+    """Every python/commlib/perf/ops_*.py is imported by the CLI without a registry line, and what
+    they register is known to it (fused_allreduce_rmsnorm from ops_fused, ep_dispatch_combine from ops_ep)."""
+    sys.path.insert(0, str(ROOT / "python"))
+    from commlib.perf import registry
+    on_disk = {f"commlib.perf.{p.stem}" for p in (ROOT / "python" / "commlib" / "perf").glob("ops_*.py")}
+    assert on_disk >= {"commlib.perf.ops_fused", "commlib.perf.ops_ep"}
+    assert set(registry.plugin_modules()) >= on_disk
+    registry.load_plugins()
+    assert {"fused_allreduce_rmsnorm", "ep_dispatch_combine"} <= set(registry.names())

@@ -1,7 +1,9 @@
-"""commlib-perf on 2 GPUs: ddacomm vs NCCL (and torch symmetric memory), eager and CUDA graph.
+"""commlib-perf on GPUs: ddacomm vs NCCL (and torch symmetric memory, the torch backend), eager and
+CUDA graph, at world 1 (one GPU) and 2.
 
 Reference: the CLI's own check (fp64 reference on fresh random data, #wrong must be 0). Timing is
-not asserted. Runs the CLI as a subprocess (it starts its own processes).
+not asserted. Runs the CLI as a subprocess (it starts its own processes, one per GPU: marked
+``nccl``, so skipped when COMMLIB_TEST_SHARE_GPUS would put two ranks on one GPU).
 """
 import json
 import os
@@ -12,7 +14,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.nccl]
+WORLDS = [1, 2]
 
 
 def run_cli(*args, timeout=600):
@@ -22,10 +25,11 @@ def run_cli(*args, timeout=600):
                           timeout=timeout, cwd=ROOT)
 
 
+@pytest.mark.parametrize("world_size", WORLDS)
 @pytest.mark.parametrize("graph", [[], ["-G", "5"]], ids=["eager", "graph"])
-def test_all_reduce_ddacomm_vs_nccl(tmp_path, graph):
+def test_all_reduce_ddacomm_vs_nccl(tmp_path, graph, world_size):
     js = tmp_path / "r.json"
-    r = run_cli("all_reduce", "-b", "1K", "-e", "4M", "-f", "16", "-n", "5", "-w", "2", "-np", "2",
+    r = run_cli("all_reduce", "-b", "1K", "-e", "4M", "-f", "16", "-n", "5", "-w", "2", "-np", str(world_size),
                 "-d", "bfloat16,float", "--device", "cuda", "--backend", "ddacomm", "nccl", "--json", str(js), *graph)
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads(js.read_text())
@@ -34,6 +38,37 @@ def test_all_reduce_ddacomm_vs_nccl(tmp_path, graph):
     assert nccl and all(row["ip"]["time_us"] > 0 and row["ip"]["wrong"] == 0 for row in nccl)
     dda = [row for row in data["results"] if row["backend"] == "ddacomm"]
     assert all(row["ip"].get("wrong", 0) == 0 for row in dda)
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+@pytest.mark.parametrize("graph", [[], ["-G", "5"]], ids=["eager", "graph"])
+def test_results_file_with_the_torch_backend(tmp_path, graph, world_size):
+    """--out on GPU (bench/results/backend.md's command, small): the torch "ddacomm" backend beside
+    NCCL and the direct API, eager and graph-replayed; the file names the GPU, NCCL and the command."""
+    out = tmp_path / "backend.md"
+    args = ["all_reduce", "-b", "64K", "-e", "64K", "-n", "20", "-w", "2", "-np", str(world_size), "-d", "bfloat16",
+            "--device", "cuda", "--backend", "dist-ddacomm", "nccl", "ddacomm", "--out", str(out), *graph]
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stdout + r.stderr
+    text = out.read_text()
+    assert f"- command: `commlib-perf {' '.join(args)}`" in text
+    assert "NVIDIA" in text and "NCCL " in text and "# Out of bounds values : 0 OK" in text
+    rows = [line.split() for line in text.splitlines() if line.startswith(" ") and "bfloat16" in line]
+    assert [row[0] for row in rows] == ["dist-ddacomm", "nccl", "ddacomm"]
+    assert all(row[9] == "0" and row[13] == "0" for row in rows), text
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_ep_ag_rs_baseline_in_a_graph(tmp_path, world_size):
+    """--ep-baseline ag-rs: the NCCL all_gather + reduce_scatter path is captured (-G) and right."""
+    js = tmp_path / "ep.json"
+    r = run_cli("ep_dispatch_combine", "--tokens", "1,33,512", "-n", "5", "-w", "2", "-np", str(world_size),
+                "-d", "bfloat16", "--device", "cuda", "--backend", "ddacomm", "nccl", "--ep-baseline", "ag-rs",
+                "-G", "5", "--json", str(js))
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads(js.read_text())
+    assert data["wrong"] == 0
+    assert all(row["oop"]["time_us"] > 0 and row["oop"]["wrong"] == 0 for row in data["results"])
 
 
 def test_all_collectives_with_symm(tmp_path):
@@ -53,12 +88,13 @@ def test_planted_wrong_result_on_gpu():
 ROW_OPS = ["fused_allreduce_rmsnorm", "ep_dispatch_combine"]
 
 
+@pytest.mark.parametrize("world_size", WORLDS)
 @pytest.mark.parametrize("graph", [[], ["-G", "5"]], ids=["eager", "graph"])
-def test_fused_and_ep_ddacomm_vs_nccl(tmp_path, graph):
+def test_fused_and_ep_ddacomm_vs_nccl(tmp_path, graph, world_size):
     """fused op vs NCCL all_reduce + add + rms_norm; EPBuffer vs the host-synchronised NCCL path
     (n/a under -G: it cannot be captured). Default GPU shapes (hidden 8192 / DeepSeek-like EP)."""
     js = tmp_path / "rows.json"
-    r = run_cli(*ROW_OPS, "--tokens", "1,128,1024", "-n", "5", "-w", "2", "-np", "2", "-d", "bfloat16",
+    r = run_cli(*ROW_OPS, "--tokens", "1,128,1024", "-n", "5", "-w", "2", "-np", str(world_size), "-d", "bfloat16",
                 "--device", "cuda", "--backend", "ddacomm", "nccl", "--json", str(js), *graph)
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads(js.read_text())

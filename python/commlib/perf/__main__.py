@@ -18,6 +18,7 @@ from typing import List, Optional
 
 from . import registry
 from .backends import ALGOS, BACKENDS, split_name
+from .report import PLOT_BESIDE_OUT
 
 
 def parse_size(text: str) -> int:
@@ -82,7 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ddacomm (and symm) all_reduce algorithm (default auto)")
     p.add_argument("--json", metavar="FILE", help="write results as JSON ('-' for stdout)")
     p.add_argument("--csv", metavar="FILE", help="write results as CSV ('-' for stdout)")
-    p.add_argument("--plot", metavar="FILE.png", help="plot latency and busbw against size (needs matplotlib)")
+    p.add_argument("--out", metavar="FILE.md",
+                   help="write a results file: machine, commit, date, this exact command and the table "
+                        "(bench/results/OP.md; rerunning the command rewrites it)")
+    p.add_argument("--plot", metavar="FILE.png", nargs="?", const=PLOT_BESIDE_OUT,
+                   help="plot latency and busbw against size (needs matplotlib); without FILE: beside --out, "
+                        "same name with .png")
     # Tests only: rank R damages one element of its output in the check path (proves #wrong works).
     p.add_argument("--corrupt-rank", dest="corrupt_rank", type=int, default=-1, help=argparse.SUPPRESS)
     registry.load_plugins()
@@ -143,6 +149,10 @@ def resolve(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if len(set(backends)) != len(backends):
         parser.error(f"--backend lists a backend twice: {' '.join(backends)}")
     opts.backends = backends
+    if opts.plot == PLOT_BESIDE_OUT and not opts.out:
+        parser.error("--plot without a file name needs --out (the plot goes beside it)")
+    if opts.out == "-":
+        parser.error("--out needs a file name (for the table on stdout, leave --out out)")
     if opts.minbytes > opts.maxbytes:
         parser.error(f"-b {opts.minbytes} is larger than -e {opts.maxbytes}")
     if opts.stepfactor < 1:

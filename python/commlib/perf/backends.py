@@ -5,6 +5,9 @@
   ``auto``, CUDA all-reduces that the selection table gives to NCCL go to an NCCL group, as the
   ``"ddacomm"`` torch backend does.
 * ``gloo`` / ``nccl``: ``torch.distributed`` on a process group of that backend.
+* ``dist-ddacomm``: ``torch.distributed`` on a process group of commlib's ``"ddacomm"`` backend (the
+  drop-in): beside ``ddacomm`` it shows what the c10d layer costs per call (eager) and that a
+  graph-replayed ``dist.all_reduce`` runs the same kernels.
 * ``symm``: torch symmetric memory (CUDA, all_reduce sum only): the input is copied into a
   symmetric buffer, then one-shot (``--algo flat``) or two-shot (``tree``; ``auto`` picks by size).
   Never the multimem (NVLink multicast) variants.
@@ -22,7 +25,7 @@ import torch.distributed as dist
 
 from .registry import Unsupported
 
-BACKENDS = ("ddacomm", "nccl", "gloo", "symm")
+BACKENDS = ("ddacomm", "nccl", "gloo", "symm", "dist-ddacomm")
 
 _DIST_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "max": dist.ReduceOp.MAX,
              "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.AVG}
@@ -117,13 +120,16 @@ class DDAComm(Backend):
 
 
 class TorchDist(Backend):
-    """torch.distributed on its own process group of backend ``name`` (gloo or nccl)."""
+    """torch.distributed on its own process group of backend ``name`` (gloo, nccl, or commlib's
+    ddacomm as ``dist-ddacomm``)."""
 
     def __init__(self, name: str):
         super().__init__()
         self.name = name
-        self.capturable = name == "nccl"
-        self.group = dist.new_group(backend=name)
+        self.capturable = name in ("nccl", "dist-ddacomm")
+        if name == "dist-ddacomm":
+            import commlib  # noqa: F401  (registers the "ddacomm" backend)
+        self.group = dist.new_group(backend="ddacomm" if name == "dist-ddacomm" else name)
         self.world_size = dist.get_world_size(self.group)
 
     def all_reduce(self, t, redop):
@@ -212,8 +218,8 @@ def make(spec: str, *, store, rank: int, world_size: int, algo: str, device: tor
     algo = own_algo or algo
     if name == "ddacomm":
         return DDAComm(store, rank, world_size, algo, device)
-    if name == "gloo":
-        return TorchDist("gloo")
+    if name in ("gloo", "dist-ddacomm"):
+        return TorchDist(name)
     if name == "nccl":
         if device.type != "cuda":
             raise ValueError("commlib-perf: backend nccl needs CUDA tensors; use --device cuda on a GPU machine "

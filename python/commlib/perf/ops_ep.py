@@ -15,6 +15,10 @@ can regenerate every rank's routing), experts that scale their rows by ``scale[e
   per-expert counts, ``.tolist()`` (the host sync), permute, all_to_all_single of the rows with
   those splits, experts, all_to_all_single back, weighted sum with ``index_add_``. It cannot be
   captured in a CUDA graph, so with ``-G`` it shows n/a (compare eager runs).
+* with ``--ep-baseline ag-rs``, every backend but ``ddacomm`` runs vLLM's default path instead:
+  all_gather of x and of the routing, each rank's experts scale the gathered rows routed to them
+  (``x * sum over its routes of w * scale``, one elementwise op), reduce_scatter of the
+  [world x tokens, hidden] partials back to their owners. No host sync: capturable (``-G``).
 
 Flags: ``--experts`` and ``--topk`` (defaults: DeepSeek-V3-like 256 / 8 with ``--hidden`` 7168 on
 GPU; 4 x world size / 2 with hidden 256 on CPU); ``--tokens`` / ``--hidden`` as in
@@ -42,6 +46,7 @@ from .registry import Buffers, Case, Collective, Unsupported
 NAME = "ep_dispatch_combine"
 GPU_DEFAULTS = {"hidden": 7168, "experts": 256, "topk": 8}  # DeepSeek-V3-like
 CPU_DEFAULTS = {"hidden": 256, "experts_per_rank": 4, "topk": 2}
+EP_BASELINES = ("host-sync", "ag-rs")
 
 
 def _add(group: argparse._ArgumentGroup) -> None:
@@ -50,6 +55,12 @@ def _add(group: argparse._ArgumentGroup) -> None:
                             "4 x world size on CPU)")
     group.add_argument("--topk", type=int, default=None,
                        help=f"{NAME}: experts per token (default 8 on GPU, 2 on CPU)")
+
+
+    group.add_argument("--ep-baseline", dest="ep_baseline", choices=EP_BASELINES, default="host-sync",
+                       help=f"{NAME}: what the other backends run: the host-synchronised all-to-all "
+                            "(host-sync, default; eager only) or all_gather + reduce_scatter (ag-rs, vLLM's "
+                            "default; CUDA-graph capturable)")
 
 
 def _validate(opts: argparse.Namespace) -> Optional[str]:
@@ -197,6 +208,9 @@ def _run(backend, b: Buffers, case: Case) -> None:
         res = buf.dispatch(b.inp, e["idx"], e["w"])
         buf.combine(res.expert_x * e["local_scales"], res.handle, out=b.out)
         return
+    if case.options.get("ep_baseline") == "ag-rs":
+        _all_gather_reduce_scatter(backend, b, case)
+        return
     if backend.name not in ("nccl", "gloo"):
         raise Unsupported(f"{backend.name}: {NAME} needs all_to_all_single with splits (nccl, gloo)")
     if case.device.type == "cuda" and case.options.get("graph_launches"):
@@ -205,6 +219,27 @@ def _run(backend, b: Buffers, case: Case) -> None:
     scales = e["scales"]
     b.out.copy_(host_sync_dispatch_combine(b.inp, e["idx"], e["w"], experts, backend.group,
                                            lambda r, ids: r * scales[ids][:, None]))
+
+
+def _all_gather_reduce_scatter(backend, b: Buffers, case: Case) -> None:
+    """vLLM's default EP path (``--ep-baseline ag-rs``): every rank sees every token, its experts
+    weigh the rows routed to them, a reduce_scatter sums each token's partials on its owner."""
+    e, n = b.extra, case.world_size
+    tokens, (hidden, experts, topk) = e["tokens"], e["shape"]
+    if "gathered_x" not in e:  # the first (untimed) call allocates; the timed calls only run
+        e["gathered_x"] = torch.empty(n * tokens, hidden, dtype=case.dtype, device=case.device)
+        e["gathered_idx"] = torch.empty(n * tokens, topk, dtype=e["idx"].dtype, device=case.device)
+        e["gathered_w"] = torch.empty(n * tokens, topk, dtype=e["w"].dtype, device=case.device)
+        e["partials"] = torch.empty(n * tokens, hidden, dtype=case.dtype, device=case.device)
+        e["scales_f32"] = expert_scales(experts, case.device)
+    backend.all_gather(e["gathered_x"], b.inp)
+    backend.all_gather(e["gathered_idx"], e["idx"])
+    backend.all_gather(e["gathered_w"], e["w"])
+    idx = e["gathered_idx"]
+    mine = (idx // (experts // n)) == case.rank
+    coef = (e["gathered_w"] * e["scales_f32"][idx] * mine).sum(1, keepdim=True)
+    torch.mul(e["gathered_x"], coef.to(case.dtype), out=e["partials"])
+    backend.reduce_scatter(b.out, e["partials"], "sum")
 
 
 def _check(b: Buffers, case: Case) -> int:

@@ -16,8 +16,9 @@ A descriptor says, for one operation, everything the runner needs and nothing ab
   repeats, or takes an explicit list from its own flag). Default: the CLI's sizes.
 
 Other modules add their operations (``ops_fused``: fused_allreduce_rmsnorm, ``ops_ep``:
-ep_dispatch_combine) by calling ``register(Collective(...))`` at import time and listing their
-module in ``PLUGIN_MODULES`` (or by being imported before ``commlib.perf.main`` runs); flags of
+ep_dispatch_combine) by calling ``register(Collective(...))`` at import time: a module named
+``commlib/perf/ops_NAME.py`` is imported by itself; others are listed in ``PLUGIN_MODULES`` (or
+imported before ``commlib.perf.main`` runs); flags of
 their own come from ``register_options`` and reach ``setup``/``run`` as ``case.options``. A backend
 that lacks the operation raises ``Unsupported`` from ``run`` during the first (untimed) call, and
 the table shows ``n/a``.
@@ -114,8 +115,18 @@ def option_groups() -> List[Tuple[str, Callable, Optional[Callable]]]:
     return [(title, add, validate) for title, (add, validate) in _OPTIONS.items()]
 
 
+def plugin_modules() -> List[str]:
+    """PLUGIN_MODULES, then every other ``commlib/perf/ops_*.py`` (found by name, sorted), so a new
+    operation module needs no line here."""
+    import pkgutil
+    package = __name__.rpartition(".")[0]
+    found = sorted(f"{package}.{m.name}" for m in pkgutil.iter_modules(importlib.import_module(package).__path__)
+                   if m.name.startswith("ops_"))
+    return list(PLUGIN_MODULES) + [m for m in found if m not in PLUGIN_MODULES]
+
+
 def load_plugins() -> None:
-    for module in PLUGIN_MODULES:
+    for module in plugin_modules():
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as e:

@@ -8,9 +8,11 @@ import json
 import math
 import os
 import platform
+import subprocess
 from typing import Dict, List, Optional
 
 MODES = ("oop", "ip")
+PLOT_BESIDE_OUT = "<beside --out>"  # a bare --plot: the results file's name with .png
 
 
 def machine_description(device_type: str) -> str:
@@ -18,6 +20,20 @@ def machine_description(device_type: str) -> str:
         import torch
         return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
     return f"{cpu_model()} ({os.cpu_count()} cores)"
+
+
+def software_description(device_type: str) -> str:
+    import sys
+
+    import torch
+    parts = [f"torch {torch.__version__}"]
+    if device_type == "cuda" and hasattr(torch.cuda, "nccl"):
+        try:
+            parts.append("NCCL " + ".".join(map(str, torch.cuda.nccl.version())))
+        except Exception:  # noqa: BLE001
+            pass
+    parts.append(f"Python {sys.version.split()[0]}")
+    return ", ".join(parts)
 
 
 def cpu_model() -> str:
@@ -33,6 +49,29 @@ def cpu_model() -> str:
 
 def today() -> str:
     return _dt.date.today().isoformat()
+
+
+def now_utc() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def source_commit() -> str:
+    """The git commit of the commlib being measured (``+ local changes`` when tracked files differ
+    from it), or ``unknown`` outside a git checkout."""
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*args: str) -> Optional[str]:
+        try:
+            r = subprocess.run(["git", "-C", here, *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    commit = git("rev-parse", "--short=12", "HEAD")
+    if not commit:
+        return "unknown (not a git checkout)"
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return commit + (" + local changes" if dirty else "")
 
 
 def _cell(m: Optional[dict], check: bool) -> str:
@@ -58,8 +97,10 @@ class Table:
         self.check = check
         self.rows: List[dict] = []
         self.notes: List[str] = []
+        self.lines: List[str] = []  # everything printed, for the results file
 
     def p(self, line: str = "") -> None:
+        self.lines.append(line)
         print(line, file=self.out, flush=True)
 
     def header(self) -> None:
@@ -130,7 +171,34 @@ class Table:
                            f"(min {min(rs):.2f}x, max {max(rs):.2f}x)")
         self.p("#")
 
-    # ---- machine-readable outputs ----
+    # ---- outputs ----
+    def to_markdown(self, plot: Optional[str] = None) -> str:
+        """The results file (``--out``): what was measured, where, on which commit, when, the exact
+        command, and the table as printed. ``plot``: a plot file beside it, linked."""
+        m = self.meta
+        ops = []
+        for row in self.rows:
+            if row["op"] not in ops:
+                ops.append(row["op"])
+        title = ", ".join(ops) or "commlib-perf"
+        lines = [
+            f"# {title}: {' vs '.join(self.backends)}, {m['device'].upper()}, world size {m['world_size']}",
+            "",
+            f"- machine: {m['machine']}; {m.get('software', '')}".rstrip("; "),
+            f"- commit: {m.get('commit', 'unknown')}",
+            f"- date: {m.get('time', m['date'])}",
+            f"- command: `{m['command']}`",
+            f"- timing: {m['timing']}; iters {m['iters']}, warmup {m['warmup']}",
+        ]
+        if len(self.backends) > 1:
+            lines.append(f"- ratio = time({self.backends[1]}) / time(backend): > 1 means faster than "
+                         f"{self.backends[1]}")
+        lines += ["", "Regenerate: run the command above (it rewrites this file).", ""]
+        if plot:
+            lines += [f"![{title}]({os.path.basename(plot)})", ""]
+        lines += ["```"] + [line for line in self.lines] + ["```", ""]
+        return "\n".join(lines)
+
     def to_json(self) -> str:
         return json.dumps({"meta": self.meta, "backends": self.backends, "results": self.rows,
                            "wrong": self.total_wrong()}, indent=1, default=str)

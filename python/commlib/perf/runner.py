@@ -15,12 +15,9 @@ poisoned outputs and counts wrong elements against an fp64 reference (``registry
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import statistics
 import sys
-import time
-import traceback
 from datetime import timedelta
 from typing import List, Optional
 
@@ -28,9 +25,10 @@ import torch
 import torch.distributed as dist
 
 from . import backends as _backends
+from . import harness
 from . import registry
 from .registry import Case, Unsupported
-from .report import Table, machine_description, today
+from .report import PLOT_BESIDE_OUT, Table, machine_description, now_utc, software_description, source_commit, today
 
 DIST_TIMEOUT = timedelta(seconds=600)
 MODES = (("oop", False), ("ip", True))  # the table's two columns: out of place, in place
@@ -39,53 +37,6 @@ MODES = (("oop", False), ("ip", True))  # the table's two columns: out of place,
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _time_cpu(fn, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
-
-
-def _time_cuda_eager(fn, iters: int, blocking: bool, device) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-        if blocking:
-            torch.cuda.synchronize(device)
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
-
-
-def _time_cuda_graph(fn, iters: int, launches: int, device) -> float:
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    graph.replay()  # first replay uploads the graph
-    torch.cuda.synchronize(device)
-    times = []
-    for _ in range(launches):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / iters)
-    del graph
-    return statistics.median(times)
 
 
 def _agree(ok: bool, reason: Optional[str]) -> Optional[str]:
@@ -139,11 +90,11 @@ def measure(desc, backend, case: Case, opts) -> dict:
     if device.type == "cuda" and opts.graph_launches > 0:
         if not backend.capturable:
             return {"reason": f"{backend.name}: not CUDA-graph capturable (-G)"}
-        t_us = _time_cuda_graph(fn, opts.iters, opts.graph_launches, device)
+        t_us = harness.cuda_graph_us(fn, opts.iters, opts.graph_launches, device)
     elif device.type == "cuda":
-        t_us = _time_cuda_eager(fn, opts.iters, bool(opts.blocking), device)
+        t_us = harness.cuda_eager_us(fn, opts.iters, device, blocking=bool(opts.blocking))
     else:
-        t_us = _time_cpu(fn, opts.iters)
+        t_us = harness.cpu_us(fn, opts.iters)
     return {"time_us": t_us, "wrong": _wrong(desc, backend, case, opts)}
 
 
@@ -164,12 +115,9 @@ def measure_in_rounds(desc, cells, opts) -> List[dict]:
                 continue
             dist.barrier()
             fn()  # untimed: brings this cell's buffers back after the other cells' rounds
-            for _ in range(calls):
-                t0 = time.perf_counter()
-                fn()
-                cell_times.append(time.perf_counter() - t0)
+            cell_times += harness.cpu_call_times_us(fn, calls)
     return [{"reason": reason} if reason else
-            {"time_us": statistics.median(cell_times) * 1e6, "wrong": _wrong(desc, backend, case, opts)}
+            {"time_us": statistics.median(cell_times), "wrong": _wrong(desc, backend, case, opts)}
             for (backend, case), (_, reason), cell_times in zip(cells, prepared, times)]
 
 
@@ -186,7 +134,7 @@ def _bind_cpu(mode: str, local_rank: int, world_size: int) -> str:
     """Binds this rank to one CPU (mode "core") and says how. Unbound, the scheduler's wake-up
     placement often puts both ranks of a 2-core machine on one CPU after any sleep (a gloo call, the
     harness's barrier): every hand-off then waits for a context switch, 31-48 µs instead of ~4 for a
-    4 KiB all_reduce, for milliseconds at a time (bench/results/cpu-bind-2026-12-01.md)."""
+    4 KiB all_reduce, for milliseconds at a time (Note [host shm waiting] in csrc/transport/host_shm.cc)."""
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # torchrun sets it
     if mode == "none" or len(cpus) < local_ranks:
@@ -205,7 +153,8 @@ def run_rank(opts, rank: int, world_size: int, store, local_rank: int) -> int:
     out = sys.stdout if rank == 0 else open(os.devnull, "w")
     meta = {"version": _version(), "command": opts.command_line, "machine": machine_description(device.type),
             "date": today(), "world_size": world_size, "device": device.type, "iters": opts.iters,
-            "warmup": opts.warmup,
+            "warmup": opts.warmup, "time": now_utc(), "commit": source_commit(),
+            "software": software_description(device.type),
             "timing": (f"median of per-op wall time, ranks bound: {binding}" if device.type == "cpu" else
                        f"CUDA graph of {opts.iters} ops x {opts.graph_launches} replays, median"
                        if opts.graph_launches > 0 else f"CUDA events, mean of {opts.iters} ops"
@@ -291,20 +240,30 @@ def _broadcast_int(value: int) -> int:
     return int(obj[0])
 
 
+def plot_path(opts) -> Optional[str]:
+    """--plot FILE, or with a bare --plot the results file's name with .png (beside --out)."""
+    if opts.plot == PLOT_BESIDE_OUT:
+        return os.path.splitext(opts.out)[0] + ".png" if opts.out else None
+    return opts.plot
+
+
 def _write_outputs(table: Table, opts) -> None:
+    plot = plot_path(opts)
     for path, text in ((opts.json, table.to_json if opts.json else None),
-                       (opts.csv, table.to_csv if opts.csv else None)):
+                       (opts.csv, table.to_csv if opts.csv else None),
+                       (opts.out, (lambda: table.to_markdown(plot)) if opts.out else None)):
         if not path:
             continue
         if path == "-":
             print(text(), flush=True)
         else:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             with open(path, "w") as f:
                 f.write(text())
             print(f"# wrote {path}", flush=True)
-    if opts.plot:
-        err = table.plot(opts.plot)
-        print(err if err else f"# wrote {opts.plot}", file=sys.stderr if err else sys.stdout, flush=True)
+    if plot:
+        err = table.plot(plot)
+        print(err if err else f"# wrote {plot}", file=sys.stderr if err else sys.stdout, flush=True)
 
 
 def _version() -> str:
@@ -323,22 +282,19 @@ def _init_pg(rank: int, world_size: int, store) -> None:
                             world_size=world_size, timeout=DIST_TIMEOUT)
 
 
-def _worker(opts, rank: int, world_size: int, port: int) -> None:
-    code = 2
+def _rank(rank: int, world_size: int, store, opts) -> int:
+    """One spawned rank (``harness.spawn``): the exit code, or SystemExit(2) on an error."""
     try:
         if opts.device == "cuda":
             torch.cuda.set_device(rank)
-        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=DIST_TIMEOUT)
         _init_pg(rank, world_size, store)
         code = run_rank(opts, rank, world_size, store, rank)
         dist.destroy_process_group()
+        return code
     except (ValueError, TypeError) as e:
         if rank == 0:
             print(f"commlib-perf: error: {e}", file=sys.stderr, flush=True)
-    except BaseException:  # noqa: BLE001
-        print(f"commlib-perf: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(code)
+        raise SystemExit(2) from None
 
 
 def launch(opts) -> int:
@@ -355,25 +311,7 @@ def launch(opts) -> int:
             return run_rank(opts, rank, world_size, c10d._get_default_store(), local_rank)
         finally:
             dist.destroy_process_group()
-    world_size = opts.np
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, timeout=DIST_TIMEOUT,
-                          wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(opts, r, world_size, store.port)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    failed_at = None
-    while any(p.is_alive() for p in procs):
-        time.sleep(0.05)
-        if failed_at is None and any(p.exitcode not in (None, 0, 1) for p in procs):
-            failed_at = time.monotonic()
-        if failed_at is not None and time.monotonic() - failed_at > 10:
-            for p in procs:  # a rank failed and the others are stuck waiting for it
-                if p.is_alive():
-                    p.kill()
-    for p in procs:
-        p.join()
-    codes = [p.exitcode for p in procs]
-    if any(c not in (0, 1) for c in codes):
-        return 2
-    return max(codes)
+    try:
+        return int(harness.spawn(_rank, opts.np, opts))
+    except SystemExit as e:
+        return 2 if e.code else 0
