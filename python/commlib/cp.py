@@ -419,7 +419,7 @@ class DistTransport(_LocalSlots):
 def _tag(name: str) -> int:
     """A point-to-point tag per slot family, so messages of different families never pair up."""
     family = "kv" if name.startswith("kv") else name[0]
-    return {"kv": 1, "q": 2, "p": 3, "r": 4}[family] * 1024 + int(name.lstrip("kvqpr"))
+    return {"kv": 1, "q": 2, "p": 3}[family] * 1024 + int(name.lstrip("kvqp"))
 
 
 def _all_to_all_v(comm, output, input, output_split_sizes, input_split_sizes):
@@ -481,6 +481,142 @@ class CommTransport(_LocalSlots):
 
     def wait(self, token) -> None:
         return None
+
+
+class SymmetricTransport(RingTransport):
+    """The ring on GPUs with no SM: slots in symmetric memory, each message one copy-engine
+    transfer into the receiver's slot, the signals stream memory operations (Note [cp copy-engine
+    ring]). Needs a CUDA build of commlib and a ``commlib.Communicator``."""
+
+    _ALIGN = 256
+
+    def __init__(self, comm, timeout_s: Optional[float] = None):
+        from . import _C
+        if not hasattr(_C, "cp_symmetric_peer_views"):
+            raise TypeError("SymmetricTransport: this commlib build has no CUDA; supported: a CUDA build")
+        self._C = _C
+        self.comm = comm
+        self.rank = comm.rank
+        self.world_size = comm.world_size
+        self.timeout_s = 300.0 if timeout_s is None else float(timeout_s)
+        self._key = None
+        self._slots: dict = {}
+        self._sender: dict = {}
+        self._copy_stream = None
+
+    def allocate(self, specs: dict, device) -> None:
+        device = torch.device(device)
+        key = (tuple(sorted((k, tuple(v[0]), v[1]) for k, v in specs.items())), device)
+        if key == self._key:
+            return
+        names = sorted(specs)
+        offsets, off = {}, 0
+        for name in names:
+            shape, dtype = specs[name]
+            nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+            offsets[name] = off
+            off += -(-nbytes // self._ALIGN) * self._ALIGN
+        flags_at = off
+        total = off + 2 * 4 * len(names)
+        # Collective: every rank has the same specs (the shapes come from the global layout).
+        buf = self.comm.symmetric_empty((total,), dtype=torch.uint8, device=device)
+        views = self._C.cp_symmetric_peer_views(self.comm.native, buf)
+        flags = buf[flags_at:].view(torch.int32).view(2, len(names))
+        flags[0].zero_()   # ready[X]: this rank's slot X holds a message (written by its sender)
+        flags[1].fill_(1)  # free[X]: the receiver of this rank's slot-X messages may take one
+        torch.cuda.synchronize(device)
+        self.comm.barrier()  # every rank's flags are initialised before any peer writes them
+        self._buf, self._views, self._key = buf, views, key
+        self._slot_id = {name: i for i, name in enumerate(names)}
+        self._slots = {}
+        for name in names:
+            shape, dtype = specs[name]
+            nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+            self._slots[name] = [v[offsets[name]:offsets[name] + nbytes].view(dtype).view(shape) for v in views]
+        base = [v.data_ptr() + flags_at for v in views]
+        n_slots = len(names)
+        self._ready = lambda r, x: base[r] + 4 * x
+        self._free = lambda r, x: base[r] + 4 * (n_slots + x)
+        if self._copy_stream is None or self._copy_stream.device != device:
+            self._copy_stream = torch.cuda.Stream(device)
+
+    def slot(self, name: str) -> torch.Tensor:
+        return self._slots[name][self.rank]
+
+    def start(self, sends, recvs):
+        cur = torch.cuda.current_stream()
+        cs = self._copy_stream
+        cs.wait_stream(cur)  # the sources are written
+        me = self.rank
+        for peer, name, src in sends:
+            x = self._slot_id[name]
+            dst = self._slots[name][peer]
+            self._C.cp_stream_wait_value32(self._free(me, x), 1, cs.cuda_stream)
+            self._C.cp_stream_write_value32(self._free(me, x), 0, cs.cuda_stream)
+            with torch.cuda.stream(cs):
+                dst.copy_(src)  # contiguous, same dtype: one cudaMemcpyAsync into the peer's slot
+            # Default write: a fence first, so the copy lands before the flag is seen.
+            self._C.cp_stream_write_value32(self._ready(peer, x), 1, cs.cuda_stream)
+            src.record_stream(cs)
+        for peer, name in recvs:
+            self._sender[name] = peer
+        done = torch.cuda.Event()
+        done.record(cs)
+        return done, [name for _, name in recvs]
+
+    def wait(self, token) -> None:
+        done, names = token
+        cur = torch.cuda.current_stream()
+        cur.wait_event(done)  # this step's sends no longer read their sources
+        for name in names:
+            x = self._slot_id[name]
+            self._C.cp_stream_wait_value32(self._ready(self.rank, x), 1, cur.cuda_stream)
+            self._C.cp_stream_write_value32(self._ready(self.rank, x), 0, cur.cuda_stream)
+
+    def release(self, names) -> None:
+        cur = torch.cuda.current_stream()
+        for name in names:
+            x = self._slot_id[name]
+            self._C.cp_stream_write_value32(self._free(self._sender[name], x), 1, cur.cuda_stream)
+
+    def synchronize(self, timeout_s: Optional[float] = None) -> None:
+        """Host watchdog: waits for the current stream, at most ``timeout_s`` (default: the
+        transport's timeout); raises ``commlib.TimeoutError`` naming the slots still waiting."""
+        import time
+        from .errors import TimeoutError as CommTimeout
+        ev = torch.cuda.Event()
+        ev.record()
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        while not ev.query():
+            if time.monotonic() > deadline:
+                raise CommTimeout(f"ring_attention: rank {self.rank}: the ring did not complete within "
+                                  f"{self.timeout_s if timeout_s is None else timeout_s} s; " + self._stuck())
+            time.sleep(1e-4)
+
+    def _stuck(self) -> str:
+        """Which flags block, read on a side stream (the blocked stream cannot run a copy)."""
+        side = torch.cuda.Stream(self._buf.device)
+        with torch.cuda.stream(side):
+            flags = self._buf[-(8 * len(self._slot_id)):].view(torch.int32).view(2, -1).to("cpu", non_blocking=False)
+        waits = [f"slot {name} from rank {self._sender.get(name, '?')}" for name, x in self._slot_id.items()
+                 if flags[0, x] == 0 and name in self._sender]
+        return "waiting for " + (", ".join(waits) or "peers (no slot filled)")
+
+
+_symmetric_transports: "dict[int, SymmetricTransport]" = {}
+
+
+def _transport_for(comm, device) -> RingTransport:
+    """The transport of a commlib.Communicator: the copy-engine ring for CUDA tensors (one per
+    communicator, kept for its slots), the all_to_all_v step otherwise."""
+    if device.type == "cuda" and comm.world_size > 1:
+        from . import _C
+        if hasattr(_C, "cp_symmetric_peer_views"):
+            t = _symmetric_transports.get(id(comm))
+            if t is None or t.comm is not comm:
+                t = _symmetric_transports[id(comm)] = SymmetricTransport(comm)
+            return t
+    return CommTransport(comm)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -576,6 +712,25 @@ class _Plan:
         return calls
 
 
+_plans: dict = {}
+_MAX_PLANS = 64
+
+
+def _plan(lens_q, cache, world_size, layout, causal, device) -> _Plan:
+    """A cached plan: a repeated layout (decode steps, CUDA-graph capture after a warm-up call)
+    builds no index tensor and copies nothing from the host."""
+    key = (tuple(lens_q), tuple(tuple(c) for c in cache), world_size, layout, causal, str(device))
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= _MAX_PLANS:
+            _plans.pop(next(iter(_plans)))
+        plan = _plans[key] = _Plan(list(lens_q), [list(c) for c in cache], world_size, layout, causal, device)
+        for j in range(world_size):
+            for i in range(world_size):
+                plan.calls(j, i)
+    return plan
+
+
 def _block_attention(plan: _Plan, j: int, i: int, q_block, k_block, v_block, attn_fn, scale, state: _State):
     """Rank j's queries (q_block) against rank i's keys, merged into ``state``."""
     for c in plan.calls(j, i):
@@ -627,10 +782,11 @@ def _pass_kv(plan, transport, rank, q, kv_local, attn_fn, scale, state):
             token = transport.start([(nxt, f"kv{(s + 1) % 2}", cur)], [(prv, f"kv{(s + 1) % 2}")])
         rows = plan.kv_rows[src]
         _block_attention(plan, rank, src, q, cur[0, :rows], cur[1, :rows], attn_fn, scale, state)
+        if s + 1 < n:
+            transport.wait(token)  # also: the send of step s+1 no longer reads cur
         if s >= 1:
             transport.release([f"kv{s % 2}"])
         if s + 1 < n:
-            transport.wait(token)
             cur = transport.slot(f"kv{(s + 1) % 2}")
 
 
@@ -663,10 +819,8 @@ def _pass_q(plan, transport, rank, q_local, k_res, v_res, attn_fn, scale, state,
     part_numel = q_rows * heads * head_dim + heads * q_rows
     if n > 1:
         specs = {"q0": (tuple(q_pad.shape), q_pad.dtype), "q1": (tuple(q_pad.shape), q_pad.dtype)}
-        if ret == "stream":
-            specs.update({"p0": ((part_numel,), torch.float32), "p1": ((part_numel,), torch.float32)})
-        else:
-            specs.update({f"r{s}": ((part_numel,), torch.float32) for s in range(1, n)})
+        # Partial slot p{s}: filled at step s by rank + s (one sender per slot, Note [cp copy-engine ring]).
+        specs.update({f"p{s}": ((part_numel,), torch.float32) for s in range(1, n)})
         transport.allocate(specs, q_local.device)
     cur, token, pending = q_pad, None, None
     held = []  # post-loop variant: (owner, message)
@@ -679,14 +833,16 @@ def _pass_q(plan, transport, rank, q_local, k_res, v_res, attn_fn, scale, state,
         _block_attention(plan, owner, rank, cur[:t_owner], k_res, v_res, attn_fn, scale, part)
         if s + 1 < n:
             transport.wait(token)
-            transport.release([f"q{s % 2}"] if s >= 1 else [])
+        if s >= 1:
+            transport.release([f"q{s % 2}"])
+        if s + 1 < n:
             cur = transport.slot(f"q{(s + 1) % 2}")
         if s == 0:
             continue
         msg = _pack_partial(part, q_rows)
         if ret == "stream":
             # Send this step's partial to its owner; receive this rank's partial from (rank + s).
-            slot = f"p{s % 2}"
+            slot = f"p{s}"
             if pending is not None:
                 _merge_pending(transport, pending, state, q_rows, heads, head_dim)
             pending = (transport.start([(owner, slot, msg)], [((rank + s) % n, slot)]), slot)
@@ -695,12 +851,13 @@ def _pass_q(plan, transport, rank, q_local, k_res, v_res, attn_fn, scale, state,
     if pending is not None:
         _merge_pending(transport, pending, state, q_rows, heads, head_dim)
     if ret == "all_to_all" and n > 1:
-        token = transport.start([(owner, f"r{s}", msg) for owner, msg, s in held],
-                                [((rank + s) % n, f"r{s}") for s in range(1, n)])
+        token = transport.start([(owner, f"p{s}", msg) for owner, msg, s in held],
+                                [((rank + s) % n, f"p{s}") for s in range(1, n)])
         transport.wait(token)
         for s in range(1, n):
-            o, lse = _unpack_partial(transport.slot(f"r{s}"), q_rows, state.out.shape[0], heads, head_dim)
+            o, lse = _unpack_partial(transport.slot(f"p{s}"), q_rows, state.out.shape[0], heads, head_dim)
             state.merge(None, o, lse)
+        transport.release([f"p{s}" for s in range(1, n)])
 
 
 def _merge_pending(transport, pending, state, q_rows, heads, head_dim):
@@ -754,11 +911,11 @@ class _ProcessGroupRef:
     group: object
 
 
-def _resolve(comm, transport):
+def _resolve(comm, transport, device):
     """(rank, world_size, transport, metadata group) for a Communicator or a process group."""
     from .communicator import Communicator
     if isinstance(comm, Communicator):
-        return comm.rank, comm.world_size, transport or CommTransport(comm), _Group(comm)
+        return comm.rank, comm.world_size, transport or _transport_for(comm, device), _Group(comm)
     if comm is None or isinstance(comm, dist.ProcessGroup):
         if not dist.is_initialized():
             raise ValueError("ring_attention: comm is a process group but torch.distributed is not initialised")
@@ -828,7 +985,8 @@ def ring_attention(comm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     ``[H, local tokens]`` with ``return_lse``).
     """
     what = "ring_attention"
-    rank, world_size, transport, group = _resolve(comm, transport)
+    rank, world_size, transport, group = _resolve(comm, transport, q.device if isinstance(q, torch.Tensor)
+                                                  else torch.device("cpu"))
     if mode not in MODES:
         raise ValueError(f"{what}: mode '{mode}' not supported; supported: {', '.join(MODES)}")
     _check_layout(what, layout)
@@ -891,7 +1049,7 @@ def ring_attention(comm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     attn = attn_fn or default_attention
-    plan = _Plan(lens_q, cache, world_size, layout, causal, q.device)
+    plan = _plan(lens_q, cache, world_size, layout, causal, q.device)
     state = _State(q.shape[0], heads, head_dim, q.device)
     if mode == "pass_kv":
         kv_local = _pack_kv(plan, rank, k, v, kv_cache, max(plan.kv_rows))
@@ -922,4 +1080,4 @@ def _describe(name: str, value: int) -> str:
 
 __all__ = ["MODES", "LAYOUTS", "PASS_Q_RETURNS", "Shard", "shard", "unshard", "merge_attention_states",
            "default_attention", "select_mode", "machine_constants", "ring_attention", "RingTransport",
-           "DistTransport", "CommTransport"]
+           "DistTransport", "CommTransport", "SymmetricTransport"]
