@@ -291,16 +291,22 @@ def default_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 # Selection rule
 # ---------------------------------------------------------------------------------------------
 
+_tuned: dict = {}
+
+
 def machine_constants(device_type: str, world_size: int):
     """(BW bytes/s, C FLOP/s) for select_mode: commlib-tune's measurement for this machine when
     cached (``commlib.tune.load_cp``), else the built-in defaults."""
     if device_type not in DEFAULT_BW:
         raise ValueError(f"select_mode: device type '{device_type}' not supported; supported: cpu, cuda")
-    try:
-        from .tune import load_cp
-        tuned = load_cp(device_type, world_size)
-    except Exception:  # noqa: BLE001 - a missing or unreadable cache means the defaults
-        tuned = None
+    from .tune import cache_path, load_cp
+    ck = (device_type, world_size, str(cache_path()))
+    if ck not in _tuned:
+        try:
+            _tuned[ck] = load_cp(device_type, world_size)
+        except Exception:  # noqa: BLE001 - a missing or unreadable cache means the defaults
+            _tuned[ck] = None
+    tuned = _tuned[ck]
     if tuned:
         return float(tuned["bw_bytes_per_s"]), float(tuned["attn_flops_per_s"])
     return DEFAULT_BW[device_type], DEFAULT_ATTN_FLOPS[device_type]

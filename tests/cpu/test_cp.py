@@ -293,3 +293,20 @@ def test_ring_attention_errors(ranks, world_size):
         assert "q has" in m[3] and "pass this rank's shard" in m[3]
         assert "ranks disagree on mode: rank 0: pass_kv, rank 1: pass_q" in m[4]
         assert "ranks disagree on batch size" in m[5]
+
+
+def test_tuned_constants_reach_select_mode(tmp_path, monkeypatch):
+    from commlib import tune
+    path = tmp_path / "tune.json"
+    monkeypatch.setenv("COMMLIB_TUNE_FILE", str(path))
+    entry = tune.tune_cp("cpu", 2)
+    assert entry["bw_bytes_per_s"] > 0 and entry["attn_flops_per_s"] > 0
+    assert cp.machine_constants("cpu", 2) == (entry["bw_bytes_per_s"], entry["attn_flops_per_s"])
+    # A machine whose link is slow against its compute: pass-Q at 1% new tokens; fast: pass-KV.
+    data = tune.read_file()
+    for bw, want in ((1e3, "pass_q"), (1e20, "pass_kv")):
+        data["cp"][0].update(bw_bytes_per_s=bw, attn_flops_per_s=1e12)
+        path.write_text(__import__("json").dumps(data))
+        cp._tuned.clear()
+        assert cp.select_mode(1000, 99_000, 2, 8, 2, 64, torch.float32, device_type="cpu") == want
+    cp._tuned.clear()
