@@ -904,7 +904,8 @@ class _Group:
             dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(comm.group) == "nccl" \
                 else torch.device("cpu")
             out = torch.empty(n * len(values), dtype=torch.int64, device=dev)
-            dist.all_gather_into_tensor(out, t.to(dev), group=comm.group)
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            gather(out, t.to(dev), group=comm.group)
         else:
             n = comm.world_size
             out = torch.empty(n * len(values), dtype=torch.int64)
