@@ -26,12 +26,25 @@ Note [block pairs]
     Nothing masked out is computed. Non-causal attention is one full call per pair. A rank's K/V
     block is stored per sequence as [cache, first chunk, second chunk], so every key range above is
     a prefix of a sequence's rows.
+
+Note [cp copy-engine ring]
+    On CUDA with a commlib.Communicator the ring uses no SM. Each message slot (K/V, Q: two each,
+    double-buffered; partial (O, LSE) returns: one per step) lives in symmetric memory (cuMem,
+    mapped into every peer) and has exactly one sender per receiver, so two 32-bit flags per slot
+    suffice: ready[X] in the receiver's memory, free[X] in the sender's. Sender, on a copy stream
+    that first waits for the current stream: wait free[X] == 1, write free[X] = 0, copy the block
+    into the receiver's slot (cudaMemcpyAsync between peer-mapped addresses: a copy-engine
+    transfer), write ready[X] = 1 at the receiver (cuStreamWriteValue32 fences first, so the data
+    lands before the flag). Receiver, on the current stream: wait ready[X] == 1, write ready[X] = 0,
+    compute, then write free[X] = 1 at the sender. The flags return to their initial values after
+    every use (no sequence numbers), so a captured CUDA graph replays the same operations. A
+    stream wait has no timeout: SymmetricTransport.synchronize(timeout_s) is the host-side watchdog
+    (polls an event, raises commlib.TimeoutError naming the slots and peers still awaited).
 """
 from __future__ import annotations
 
 import inspect
 import math
-import os
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -955,7 +968,8 @@ def _check_qkv(what, q, k, v, kv_cache):
         raise ValueError(f"{what}: num_q_heads {q.shape[1]} is not a multiple of num_kv_heads {k.shape[1]}")
     if kv_cache is not None:
         if not isinstance(kv_cache, (tuple, list)) or len(kv_cache) != 3:
-            raise TypeError(f"{what}: kv_cache must be (k_cache, v_cache, cache_seqlens), got {type(kv_cache).__name__}")
+            raise TypeError(f"{what}: kv_cache must be (k_cache, v_cache, cache_seqlens), "
+                            f"got {type(kv_cache).__name__}")
         kc, vc, _ = kv_cache
         for name, t in (("k_cache", kc), ("v_cache", vc)):
             if not isinstance(t, torch.Tensor) or t.dim() != 3 or tuple(t.shape[1:]) != tuple(k.shape[1:]):
