@@ -508,6 +508,8 @@ class SymmetricTransport(RingTransport):
     ring]). Needs a CUDA build of commlib and a ``commlib.Communicator``."""
 
     _ALIGN = 256
+    _MAX_SLOTS = 64
+    _FLAGS_BYTES = 2 * 4 * _MAX_SLOTS  # ready[64], free[64] (int32), then the slots
 
     def __init__(self, comm, timeout_s: Optional[float] = None):
         from . import _C
@@ -521,43 +523,56 @@ class SymmetricTransport(RingTransport):
         self._key = None
         self._slots: dict = {}
         self._sender: dict = {}
+        self._last_wait: list = []
         self._copy_stream = None
 
     def allocate(self, specs: dict, device) -> None:
         device = torch.device(device)
         key = (tuple(sorted((k, tuple(v[0]), v[1]) for k, v in specs.items())), device)
         if key == self._key:
-            return
-        names = sorted(specs)
-        offsets, off = {}, 0
-        for name in names:
+            return  # the same layout: the flags' protocol covers reuse across calls
+        offsets, off = {}, self._FLAGS_BYTES
+        for name in sorted(specs):
             shape, dtype = specs[name]
             nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
-            offsets[name] = off
+            offsets[name] = (off, nbytes)
             off += -(-nbytes // self._ALIGN) * self._ALIGN
-        flags_at = off
-        total = off + 2 * 4 * len(names)
-        # Collective: every rank has the same specs (the shapes come from the global layout).
-        buf = self.comm.symmetric_empty((total,), dtype=torch.uint8, device=device)
-        views = self._C.cp_symmetric_peer_views(self.comm.native, buf)
-        flags = buf[flags_at:].view(torch.int32).view(2, len(names))
-        flags[0].zero_()   # ready[X]: this rank's slot X holds a message (written by its sender)
-        flags[1].fill_(1)  # free[X]: the receiver of this rank's slot-X messages may take one
-        torch.cuda.synchronize(device)
-        self.comm.barrier()  # every rank's flags are initialised before any peer writes them
-        self._buf, self._views, self._key = buf, views, key
-        self._slot_id = {name: i for i, name in enumerate(names)}
+        # A new layout may put one slot where a peer still reads or writes another of the last call:
+        # drain every rank's ring work first (host sync; a repeated layout, e.g. decode, skips this).
+        if self._key is not None:
+            torch.cuda.synchronize(self._buf.device)
+            self.comm.barrier()
+        if self._key is None or off > self._buf.numel() or self._buf.device != device:
+            # Collective: every rank has the same specs (the shapes come from the global layout).
+            capacity = max(off, int(1.5 * self._buf.numel())) if self._key is not None else off
+            buf = self.comm.symmetric_empty((capacity,), dtype=torch.uint8, device=device)
+            views = self._C.cp_symmetric_peer_views(self.comm.native, buf)
+            flags = buf[:self._FLAGS_BYTES].view(torch.int32).view(2, self._MAX_SLOTS)
+            flags[0].zero_()   # ready[X]: this rank's slot X holds a message (written by its sender)
+            flags[1].fill_(1)  # free[X]: the receiver of this rank's slot-X messages may take one
+            torch.cuda.synchronize(device)
+            self.comm.barrier()  # every rank's flags are initialised before any peer writes them
+            self._buf, self._views = buf, views
+            base = [v.data_ptr() for v in views]
+            self._ready = lambda r, x: base[r] + 4 * x
+            self._free = lambda r, x: base[r] + 4 * (self._MAX_SLOTS + x)
+        self._key = key
         self._slots = {}
-        for name in names:
+        for name, (o, nbytes) in offsets.items():
             shape, dtype = specs[name]
-            nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
-            self._slots[name] = [v[offsets[name]:offsets[name] + nbytes].view(dtype).view(shape) for v in views]
-        base = [v.data_ptr() + flags_at for v in views]
-        n_slots = len(names)
-        self._ready = lambda r, x: base[r] + 4 * x
-        self._free = lambda r, x: base[r] + 4 * (n_slots + x)
+            self._slots[name] = [v[o:o + nbytes].view(dtype).view(shape) for v in self._views]
         if self._copy_stream is None or self._copy_stream.device != device:
             self._copy_stream = torch.cuda.Stream(device)
+
+    @classmethod
+    def _slot_index(cls, name: str) -> int:
+        """Fixed flag index per slot name: kv0, kv1, q0, q1, then p1, p2, ..."""
+        fixed = {"kv0": 0, "kv1": 1, "q0": 2, "q1": 3}
+        x = fixed[name] if name in fixed else 3 + int(name[1:])
+        if x >= cls._MAX_SLOTS:
+            raise ValueError(f"ring_attention: the copy-engine ring supports world sizes up to "
+                             f"{cls._MAX_SLOTS - 3}; slot {name} is past it")
+        return x
 
     def slot(self, name: str) -> torch.Tensor:
         return self._slots[name][self.rank]
@@ -568,7 +583,7 @@ class SymmetricTransport(RingTransport):
         cs.wait_stream(cur)  # the sources are written
         me = self.rank
         for peer, name, src in sends:
-            x = self._slot_id[name]
+            x = self._slot_index(name)
             dst = self._slots[name][peer]
             self._C.cp_stream_wait_value32(self._free(me, x), 1, cs.cuda_stream)
             self._C.cp_stream_write_value32(self._free(me, x), 0, cs.cuda_stream)
@@ -585,17 +600,18 @@ class SymmetricTransport(RingTransport):
 
     def wait(self, token) -> None:
         done, names = token
+        self._last_wait = names
         cur = torch.cuda.current_stream()
         cur.wait_event(done)  # this step's sends no longer read their sources
         for name in names:
-            x = self._slot_id[name]
+            x = self._slot_index(name)
             self._C.cp_stream_wait_value32(self._ready(self.rank, x), 1, cur.cuda_stream)
             self._C.cp_stream_write_value32(self._ready(self.rank, x), 0, cur.cuda_stream)
 
     def release(self, names) -> None:
         cur = torch.cuda.current_stream()
         for name in names:
-            x = self._slot_id[name]
+            x = self._slot_index(name)
             self._C.cp_stream_write_value32(self._free(self._sender[name], x), 1, cur.cuda_stream)
 
     def synchronize(self, timeout_s: Optional[float] = None) -> None:
@@ -616,10 +632,11 @@ class SymmetricTransport(RingTransport):
         """Which flags block, read on a side stream (the blocked stream cannot run a copy)."""
         side = torch.cuda.Stream(self._buf.device)
         with torch.cuda.stream(side):
-            flags = self._buf[-(8 * len(self._slot_id)):].view(torch.int32).view(2, -1).to("cpu", non_blocking=False)
-        waits = [f"slot {name} from rank {self._sender.get(name, '?')}" for name, x in self._slot_id.items()
-                 if flags[0, x] == 0 and name in self._sender]
-        return "waiting for " + (", ".join(waits) or "peers (no slot filled)")
+            flags = self._buf[:self._FLAGS_BYTES].view(torch.int32).view(2, -1).to("cpu", non_blocking=False)
+        waits = [f"slot {name} from rank {self._sender[name]}" for name in self._last_wait
+                 if flags[0, self._slot_index(name)] == 0]
+        return ("the last step waits for " + ", ".join(waits)) if waits else \
+            "a peer has not released a slot this rank sends into"
 
 
 _symmetric_transports: "dict[int, SymmetricTransport]" = {}
