@@ -310,3 +310,24 @@ def test_tuned_constants_reach_select_mode(tmp_path, monkeypatch):
         cp._tuned.clear()
         assert cp.select_mode(1000, 99_000, 2, 8, 2, 64, torch.float32, device_type="cpu") == want
     cp._tuned.clear()
+
+
+def test_perf_ring_attention_rows():
+    """commlib-perf ring_attention on 2 CPU processes: the CLI checks each result against the
+    1-process attention on the whole sequence; a planted wrong element must be reported."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    args = [sys.executable, "-m", "commlib.perf", "ring_attention", "-np", "2", "--seqlens", "33", "--cp-mode",
+            "pass_q", "--backend", "ddacomm", "gloo", "-n", "1", "-w", "1", "-d", "float"]
+    ok = subprocess.run(args, capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    rows = [line.split() for line in ok.stdout.splitlines() if line.strip() and not line.startswith("#")]
+    assert {r[0] for r in rows} == {"ddacomm", "gloo"}, ok.stdout
+    assert "Out of bounds values : 0 OK" in ok.stdout
+    bad = subprocess.run(args + ["--corrupt-rank", "1"], capture_output=True, text=True, env=env, cwd=root,
+                         timeout=300)
+    assert bad.returncode != 0 and "Out of bounds values : 0 OK" not in bad.stdout, bad.stdout
