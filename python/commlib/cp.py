@@ -488,7 +488,8 @@ class CommTransport(_LocalSlots):
         parts = [t for peer in range(n) for t in by_peer_send[peer]]
         inp = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
         out = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
-        # A zero-row input or output still takes part in the collective.
+        # A zero-row input or output still takes part in the collective. When the direct API has
+        # send / recv, this step becomes one send per entry of `sends` and one recv per `recvs`.
         _all_to_all_v(self.comm, out, inp, out_splits, in_splits)
         offset = 0
         for peer in range(n):
@@ -974,6 +975,9 @@ def _check_qkv(what, q, k, v, kv_cache):
         if t.dtype != q.dtype or t.device != q.device:
             raise TypeError(f"{what}: {name} is {t.dtype} on {t.device} but q is {q.dtype} on {q.device}; "
                             "q, k and v must share dtype and device")
+    if q.is_cuda and q.dtype == torch.float64:
+        raise TypeError(f"{what}: q has dtype torch.float64, which PyTorch's CUDA attention does not support; "
+                        "supported on CUDA: float32, float16, bfloat16")
     if k.shape != v.shape:
         raise ValueError(f"{what}: k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; they must match")
     if k.shape[0] != q.shape[0]:
