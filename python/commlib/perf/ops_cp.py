@@ -16,10 +16,12 @@ Check: against the default attention call on the whole sequence computed on this
 1-GPU result), |difference| <= 16 eps of the dtype (both round partial outputs differently).
 
 ``python -m commlib.perf.ops_cp [--seqlens 8192,32768] [--modes pass_kv,pass_q,pass_q_a2a]
-[--iters N]`` (under torchrun, or alone for world 1) prints rows: sequence length, mode, time, the
-1-GPU baseline (the same attention on the whole sequence on one device) and the scaling efficiency
-baseline / (N x time); at world 1 the difference between time and baseline is the ring's own
-per-call cost (packing, merges, the plan).
+[--iters N] [--emulate 2,4,8]`` (under torchrun, or alone for world 1) prints rows: sequence length,
+mode, time, the 1-GPU baseline (the same attention on the whole sequence on one device) and the
+scaling efficiency baseline / (N x time); at world 1 the difference between time and baseline is
+the ring's own per-call cost (packing, merges, the plan). ``--emulate`` adds, at world 1, each step
+of a pass-KV ring on N ranks: the slowest rank's block-pair attention, timed here, beside the K/V
+block's size and its transfer time at select_mode's BW.
 """
 from __future__ import annotations
 
@@ -163,6 +165,38 @@ def scaling_rows(comm, seqlens: List[int], modes: List[str], device: torch.devic
     return rows
 
 
+def emulated_step_rows(seqlens: List[int], world_sizes: List[int], device: torch.device, dtype: torch.dtype,
+                       iters: int, shape=None) -> List[dict]:
+    """World-1 estimate of a pass-KV ring's step on N ranks: every rank's block-pair attention of
+    each step timed on this one device (the step costs the slowest rank's), beside the K/V block's
+    bytes and its transfer time at select_mode's BW (tuned or default). ``hidden``: the transfer
+    fits under the step's attention."""
+    h, hkv, d = shape or (GPU_SHAPE if device.type == "cuda" else CPU_SHAPE)
+    bw, _ = cp.machine_constants(device.type, 2)
+    rows = []
+    for length in seqlens:
+        q, k, v = (t.to(device) for t in _sequence(length, h, hkv, d, dtype, 0))
+        for n in world_sizes:
+            plan = cp._plan([length], [[0]] * n, n, "balanced", True, device)
+            shards = [cp.shard([0, length], n, r) for r in range(n)]
+            blocks = [(q[s.index.to(device)], k[s.index.to(device)], v[s.index.to(device)]) for s in shards]
+            block_bytes = 2 * max(plan.kv_rows) * hkv * d * torch.tensor([], dtype=dtype).element_size()
+            for step in range(n):
+                worst = 0.0
+                for r in range(n):
+                    src = (r - step) % n
+                    qr, kb, vb = blocks[r][0], blocks[src][1], blocks[src][2]
+
+                    def one():
+                        state = cp._State(qr.shape[0], h, d, device)
+                        cp._block_attention(plan, r, src, qr, kb, vb, cp.default_attention, d ** -0.5, state)
+                    worst = max(worst, _time(one, device, iters))
+                rows.append({"seqlen": length, "world": n, "step": step, "attn_ms": worst * 1e3,
+                             "block_mib": block_bytes / 2**20, "transfer_ms": block_bytes / bw * 1e3,
+                             "hidden": block_bytes / bw <= worst})
+    return rows
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m commlib.perf.ops_cp", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -170,6 +204,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--modes", default="pass_kv,pass_q,pass_q_a2a")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    p.add_argument("--emulate", type=_int_list, default=None, metavar="N1,N2,...",
+                   help="world 1: per-step cost of a pass-KV ring on N ranks (attention per step vs the "
+                        "K/V block's transfer at the tuned BW)")
     opts = p.parse_args(argv)
     modes = [m for m in opts.modes.split(",") if m]
     for m in modes:
@@ -191,6 +228,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
     seqlens = opts.seqlens or ([8192, 32768, 131072] if device_type == "cuda" else [1024, 4096])
     rows = scaling_rows(comm, seqlens, modes, device, dtype, opts.iters)
+    if opts.emulate and rank == 0:
+        print(f"# emulated pass-KV steps on one device ({dtype}); transfer at BW "
+              f"{cp.machine_constants(device_type, 2)[0] / 1e9:.0f} GB/s")
+        print(f"# {'seqlen':>8} {'N':>3} {'step':>4} {'attn ms':>10} {'block MiB':>10} {'xfer ms':>10} hidden")
+        for r in emulated_step_rows(seqlens, opts.emulate, device, dtype, opts.iters):
+            print(f"  {r['seqlen']:>8d} {r['world']:>3d} {r['step']:>4d} {r['attn_ms']:>10.3f} {r['block_mib']:>10.2f} "
+                  f"{r['transfer_ms']:>10.3f} {'yes' if r['hidden'] else 'no'}")
     if rank == 0:
         name = torch.cuda.get_device_name(device) if device_type == "cuda" else "cpu"
         print(f"# ring_attention causal prefill, {dtype}, heads "
