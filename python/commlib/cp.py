@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -517,7 +518,7 @@ class SymmetricTransport(RingTransport):
         if not hasattr(_C, "cp_symmetric_peer_views"):
             raise TypeError("SymmetricTransport: this commlib build has no CUDA; supported: a CUDA build")
         self._C = _C
-        self.comm = comm
+        self._comm = weakref.ref(comm)  # the communicator owns this transport, not the reverse
         self.rank = comm.rank
         self.world_size = comm.world_size
         self.timeout_s = 300.0 if timeout_s is None else float(timeout_s)
@@ -526,6 +527,10 @@ class SymmetricTransport(RingTransport):
         self._sender: dict = {}
         self._last_wait: list = []
         self._copy_stream = None
+
+    @property
+    def comm(self):
+        return self._comm()
 
     def allocate(self, specs: dict, device) -> None:
         device = torch.device(device)
@@ -640,7 +645,7 @@ class SymmetricTransport(RingTransport):
             "a peer has not released a slot this rank sends into"
 
 
-_symmetric_transports: "dict[int, SymmetricTransport]" = {}
+_symmetric_transports: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _transport_for(comm, device) -> RingTransport:
@@ -649,9 +654,9 @@ def _transport_for(comm, device) -> RingTransport:
     if device.type == "cuda" and comm.world_size > 1:
         from . import _C
         if hasattr(_C, "cp_symmetric_peer_views"):
-            t = _symmetric_transports.get(id(comm))
-            if t is None or t.comm is not comm:
-                t = _symmetric_transports[id(comm)] = SymmetricTransport(comm)
+            t = _symmetric_transports.get(comm)
+            if t is None:
+                t = _symmetric_transports[comm] = SymmetricTransport(comm)
             return t
     return CommTransport(comm)
 
