@@ -14,6 +14,10 @@ The cache (``COMMLIB_TUNE_FILE``, default ``~/.cache/commlib/tune.json``) holds 
      "all_reduce": [{"world_size": 2, "flat_max_bytes": 262144, "tree_max_bytes": 33554432}],
      "fused_num_sms": [{"world_size": 2, "num_sms": 16}]}
 
+``commlib-tune --cp`` also measures ring attention's machine constants (``measure_cp``: attention
+FLOP/s and the copy-engine ring bandwidth) into a top-level ``cp`` list of ``{"key": ...,
+"bw_bytes_per_s": ..., "attn_flops_per_s": ...}``, which ``commlib.cp.select_mode`` reads.
+
 ``entries`` is what the Python side reads (keyed; CPU entries have link "shm"); the top-level
 ``all_reduce`` and ``fused_num_sms`` lists are rewritten from the GPU entries on every save and are
 what the C++ side (GPU path, torch backend, fused op) reads: the file describes one machine.
