@@ -61,6 +61,13 @@ def _gpu_cases(ctx):
             torch.cuda.synchronize()
             err = (out.double().cpu() - ref).abs().max().item() if out.numel() else 0.0
             results.append((f"{case[0]} {mode}/{ret}", err, tol(dtype)))
+        if ci == 0 and ctx.world_size > 1:  # the all_to_all_v ring step on CUDA (the fallback transport)
+            for mode in ("pass_kv", "pass_q"):
+                out = cp.ring_attention(comm, q, k, v, cu_seqlens_q=cu, causal=causal, mode=mode,
+                                        transport=cp.CommTransport(comm))
+                torch.cuda.synchronize()
+                results.append((f"{case[0]} {mode} CommTransport", (out.double().cpu() - ref).abs().max().item(),
+                                tol(dtype)))
     return results
 
 
