@@ -15,6 +15,10 @@ The cache (``COMMLIB_TUNE_FILE``, default ``~/.cache/commlib/tune.json``) holds 
      "fused_num_sms": [{"world_size": 2, "num_sms": 16}],
      "host_all_reduce": [{"world_size": 2, "flat_max_bytes": 65536}]}
 
+``commlib-tune --cp`` also measures ring attention's machine constants (``measure_cp``: attention
+FLOP/s and the copy-engine ring bandwidth) into a top-level ``cp`` list of ``{"key": ...,
+"bw_bytes_per_s": ..., "attn_flops_per_s": ...}``, which ``commlib.cp.select_mode`` reads.
+
 ``entries`` is what commlib-tune reads (keyed; CPU entries have link "shm"); the top-level
 ``all_reduce`` and ``fused_num_sms`` lists (from the GPU entries) and ``host_all_reduce`` (from the
 CPU entries) are rewritten on every save and are what the library reads, in C++, for the Python
@@ -268,6 +272,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("-n", "--iters", type=int, default=20)
     p.add_argument("--file", default=None, help="cache path (default $COMMLIB_TUNE_FILE or ~/.cache/commlib/tune.json)")
     p.add_argument("--show", action="store_true", help="print the cache and exit")
+    p.add_argument("--cp", action="store_true", help="also measure ring attention's BW and C (commlib.cp.select_mode)")
     p.add_argument("--no-fused", dest="fused", action="store_false",
                    help="GPU: skip the fused kernel's CTA-count sweep (fused_num_sms stays null)")
     opts = p.parse_args(argv)
@@ -298,7 +303,92 @@ def main(argv: Optional[List[str]] = None) -> int:
               + f" -> fused_num_sms {entry['fused_num_sms']}")
     path = save(entry, opts.file)
     print(f"# wrote {path}: {json.dumps(entry)}")
+    if opts.cp:
+        print(f"# cp: {json.dumps(tune_cp(device, np_, opts.file))}")
     return 0
+
+
+# ---- context parallelism: select_mode's BW and C (commlib.cp) ----
+CP_ATTN_SHAPE = {"cuda": (8192, 64, 8, 128), "cpu": (1024, 8, 2, 64)}  # tokens, q heads, kv heads, head_dim
+CP_COPY_BYTES = {"cuda": 256 << 20, "cpu": 32 << 20}
+
+
+def _median_time(fn, sync, iters: int) -> float:
+    import time
+    fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_cp(device_type: str, iters: int = 10) -> dict:
+    """ring attention's machine constants, measured in this process: ``attn_flops_per_s`` (C: the
+    default attention call on one causal sequence, bf16 on CUDA / fp32 on CPU, 4*T*T/2*H*D FLOPs)
+    and ``bw_bytes_per_s`` (BW: one ring step's transfer, a copy-engine copy from GPU 0 into GPU 1;
+    on CPU a memory copy; None with one GPU, where there is no ring)."""
+    import torch
+    from . import cp
+    t, h, hkv, d = CP_ATTN_SHAPE[device_type]
+    dev = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
+    sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+    q = torch.randn(t, h, d, dtype=dtype, device=dev)
+    k = torch.randn(t, hkv, d, dtype=dtype, device=dev)
+    v = torch.randn(t, hkv, d, dtype=dtype, device=dev)
+    cu = torch.tensor([0, t], dtype=torch.int32, device=dev)
+    sec = _median_time(lambda: cp.default_attention(q, k, v, cu, cu, t, t, True, d ** -0.5), sync, iters)
+    flops = 4.0 * t * t / 2 * h * d / sec
+    bw = None
+    nbytes = CP_COPY_BYTES[device_type]
+    if device_type == "cpu":
+        a, b = torch.empty(nbytes, dtype=torch.uint8).random_(), torch.empty(nbytes, dtype=torch.uint8)
+        bw = nbytes / _median_time(lambda: b.copy_(a), sync, iters)
+    elif torch.cuda.device_count() >= 2:
+        a = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0").random_()
+        b = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+        bw = nbytes / _median_time(lambda: b.copy_(a, non_blocking=True), lambda: (torch.cuda.synchronize(0),
+                                                                               torch.cuda.synchronize(1)), iters)
+    return {"bw_bytes_per_s": bw, "attn_flops_per_s": flops}
+
+
+def _cp_entries(data: dict) -> list:
+    entries = data.get("cp", [])
+    return entries if isinstance(entries, list) else []
+
+
+def load_cp(device_type: str, world_size: int, path: Optional[str] = None) -> Optional[dict]:
+    """The cached cp constants for this machine, or None. A missing BW (one GPU) falls back to
+    the built-in default in commlib.cp."""
+    key = make_key(device_type, world_size)
+    for e in _cp_entries(read_file(path)):
+        if isinstance(e, dict) and e.get("key") == key:
+            values = dict(e)
+            if values.get("bw_bytes_per_s") is None:
+                from .cp import DEFAULT_BW
+                values["bw_bytes_per_s"] = DEFAULT_BW[device_type]
+            return values
+    return None
+
+
+def tune_cp(device_type: str, world_size: int, path: Optional[str] = None) -> dict:
+    """Measures (``measure_cp``) and caches the cp constants under this machine's key in the
+    tune file's top-level ``cp`` list; returns the new entry."""
+    entry = {"key": make_key(device_type, world_size), **measure_cp(device_type)}
+    p = cache_path(path)
+    data = read_file(path)
+    data["cp"] = [e for e in _cp_entries(data) if e.get("key") != entry["key"]] + [entry]
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tune-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, p)
+    return entry
 
 
 if __name__ == "__main__":

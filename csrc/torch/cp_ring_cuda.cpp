@@ -1,0 +1,83 @@
+// GPU side of commlib.cp's copy-engine ring (Note [cp copy-engine ring] in python/commlib/cp.py):
+// every rank's mapping of a symmetric tensor, and 32-bit stream memory operations on its flags.
+// Nothing here launches a kernel: the ring's transfers are cudaMemcpyAsync between peer-mapped
+// addresses and its signals are cuStreamWriteValue32 / cuStreamWaitValue32.
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "core/cuda_comm.hpp"
+#include "core/cuda_driver.hpp"
+#include "torch/bindings.hpp"
+
+namespace py = pybind11;
+
+namespace commlib::torch_layer {
+namespace {
+
+using StreamValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+struct StreamMemOps {
+  StreamValue32 write;
+  StreamValue32 wait;
+};
+
+const StreamMemOps& stream_memops() {
+  // The CUDA 12 ABI of both calls (the _v2 entry points); resolved once, on first use.
+  static const StreamMemOps ops{
+      reinterpret_cast<StreamValue32>(cuda::entry_point("cuStreamWriteValue32", 12000)),
+      reinterpret_cast<StreamValue32>(cuda::entry_point("cuStreamWaitValue32", 12000))};
+  return ops;
+}
+
+// Rank r's mapping of `t` (a tensor inside this communicator's symmetric memory), for every r.
+std::vector<at::Tensor> symmetric_peer_views(Communicator& comm, const at::Tensor& t) {
+  const char* what = "cp_symmetric_peer_views";
+  COMMLIB_CHECK(t.is_cuda(), TypeMismatch, what, ": device ", t.device().str(), " not supported; supported: cuda");
+  COMMLIB_CHECK(t.is_contiguous(), InvalidArgument, what, ": the tensor must be contiguous");
+  COMMLIB_CHECK(comm.has_cuda(), InvalidArgument, what,
+                ": this communicator has no GPU state; allocate the tensor with symmetric_empty first");
+  CudaComm& cuda = comm.cuda(t.device().index());
+  size_t offset = 0;
+  const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+  std::shared_ptr<SymmetricBuffer> buffer = cuda.find_symmetric(t.data_ptr(), bytes, &offset);
+  COMMLIB_CHECK(buffer != nullptr, InvalidArgument, what,
+                ": the tensor is not in this communicator's symmetric memory; allocate it with symmetric_empty");
+  std::vector<at::Tensor> views;
+  for (int r = 0; r < buffer->world_size(); ++r) {
+    void* data = static_cast<char*>(buffer->peer(r)) + offset;
+    // Each view keeps the mapping alive.
+    views.push_back(at::from_blob(
+        data, t.sizes(), [buffer](void*) mutable { buffer.reset(); }, t.options()));
+  }
+  return views;
+}
+
+void stream_write_value32(uint64_t address, uint32_t value, uint64_t stream) {
+  cuda::check(stream_memops().write(reinterpret_cast<CUstream>(stream), static_cast<CUdeviceptr>(address), value, 0),
+              "cp ring", "cuStreamWriteValue32");
+}
+
+void stream_wait_value32(uint64_t address, uint32_t value, uint64_t stream) {
+  cuda::check(stream_memops().wait(reinterpret_cast<CUstream>(stream), static_cast<CUdeviceptr>(address), value,
+                                   CU_STREAM_WAIT_VALUE_EQ),
+              "cp ring", "cuStreamWaitValue32");
+}
+
+BindingRegistrar reg("cp_ring_cuda", [](py::module_& m) {
+  m.def(
+      "cp_symmetric_peer_views",
+      [](const py::handle& comm, const at::Tensor& t) {
+        std::shared_ptr<Communicator> c = communicator_from_python(comm);
+        return symmetric_peer_views(*c, t);
+      },
+      py::arg("comm"), py::arg("tensor"),
+      "Every rank's mapping of a symmetric tensor (list indexed by rank), each a tensor on this GPU.");
+  m.def("cp_stream_write_value32", &stream_write_value32, py::arg("address"), py::arg("value"), py::arg("stream"),
+        "cuStreamWriteValue32 (with its default memory barrier: earlier work on the stream is visible first).");
+  m.def("cp_stream_wait_value32", &stream_wait_value32, py::arg("address"), py::arg("value"), py::arg("stream"),
+        "cuStreamWaitValue32 until the word equals value (unbounded on the device: see the host watchdog).");
+});
+
+}  // namespace
+}  // namespace commlib::torch_layer

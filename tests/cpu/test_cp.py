@@ -1,0 +1,333 @@
+"""commlib.cp: sharding, the merge of attention states, the selection rule, and ring attention on
+CPU against a single-process fp64 full-attention reference on the unsharded input."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from commlib import cp
+
+# Output tolerance in units of the dtype's epsilon: the partial outputs are rounded to the dtype
+# once per block call and the final output once more, each error at most eps/2 relative of values
+# of order 1; the attention kernels accumulate in fp32 (low-precision P@V adds a few eps).
+TOL_EPS = {torch.float32: 64, torch.float16: 8, torch.bfloat16: 8, torch.float64: 1e6}
+
+
+def tol(dtype):
+    return TOL_EPS[dtype] * torch.finfo(dtype).eps
+
+
+def reference(q, k, v, lens, cache_k, cache_v, causal, scale):
+    """fp64 attention per sequence: sequence b's queries q[b] [L, H, D] against its cached keys
+    (all visible) and its new keys (position p sees new keys <= p when causal). Returns (out, lse)
+    packed like q, lse [H, T]."""
+    outs, lses, start = [], [], 0
+    h = q.shape[1]
+    for b, length in enumerate(lens):
+        qb = q[start:start + length].double()
+        kb = torch.cat([cache_k[b].double(), k[start:start + length].double()])
+        vb = torch.cat([cache_v[b].double(), v[start:start + length].double()])
+        rep = h // kb.shape[1]
+        kb, vb = kb.repeat_interleave(rep, 1), vb.repeat_interleave(rep, 1)
+        s = torch.einsum("qhd,khd->hqk", qb, kb) * scale
+        if causal:
+            p = cache_k[b].shape[0]
+            allowed = torch.ones(length, kb.shape[0], dtype=torch.bool).tril(p)
+            s = s.masked_fill(~allowed, float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        if length:
+            outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vb))
+        else:
+            outs.append(qb.new_zeros(0, h, vb.shape[-1]))
+        lses.append(lse)
+        start += length
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Single process
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("layout", cp.LAYOUTS)
+def test_shard_unshard_round_trip(world_size, layout):
+    lens = [0, 1, 2, 3, 2 * world_size - 1, 2 * world_size, 37, 1]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    x = torch.randn(cu[-1], 3)
+    shards = [cp.shard(cu, world_size, r, layout=layout) for r in range(world_size)]
+    every = torch.cat([s.index for s in shards]).sort().values
+    assert torch.equal(every, torch.arange(cu[-1])), "every token on exactly one rank"
+    for s in shards:
+        assert s.cu_seqlens[-1] == s.index.numel() and len(s.cu_seqlens) == len(lens) + 1
+    back = cp.unshard([x[s.index] for s in shards], cu, layout=layout)
+    assert torch.equal(back, x)
+
+
+def test_shard_balanced_chunks():
+    # One sequence of 16 tokens, 2 ranks: chunks of 4; rank 0 holds chunks 0 and 3.
+    s0 = cp.shard([0, 16], 2, 0)
+    assert s0.index.tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    s1 = cp.shard([0, 16], 2, 1)
+    assert s1.index.tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    # round robin: sequence b on rank b mod N.
+    rr = cp.shard([0, 1, 2, 3], 2, 1, layout="round_robin")
+    assert rr.index.tolist() == [1] and rr.cu_seqlens.tolist() == [0, 0, 1, 1]
+
+
+def test_shard_bad_input():
+    with pytest.raises(ValueError, match="shard: layout 'zigzag' not supported; supported: balanced, round_robin"):
+        cp.shard([0, 4], 2, 0, layout="zigzag")
+    with pytest.raises(ValueError, match=r"shard: rank must be in \[0, 2\), got 2"):
+        cp.shard([0, 4], 2, 2)
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0, be non-decreasing"):
+        cp.shard([0, 4, 3], 2, 0)
+    with pytest.raises(ValueError, match="unshard: shards\\[1\\] has 3 rows but rank 1 of 2 holds 2"):
+        cp.unshard([torch.zeros(2), torch.zeros(3)], [0, 4])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_merge_attention_states(dtype):
+    torch.manual_seed(1)
+    t, h, d = 13, 4, 16
+    q = torch.randn(t, h, d, dtype=torch.float64)
+    keys = [torch.randn(n, h, d, dtype=torch.float64) * 3 for n in (5, 1, 9)]
+    vals = [torch.randn(n, h, d, dtype=torch.float64) for n in (5, 1, 9)]
+    outs, lses = [], []
+    for kk, vv in zip(keys, vals):
+        s = torch.einsum("qhd,khd->hqk", q, kk)
+        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv).to(dtype))
+        lses.append(torch.logsumexp(s, -1).float())
+    # A state that saw no key (lse -inf) contributes nothing.
+    outs.append(torch.full((t, h, d), float("nan")).nan_to_num(7.0).to(dtype))
+    lses.append(torch.full((h, t), float("-inf")))
+    s_all = torch.einsum("qhd,khd->hqk", q, torch.cat(keys))
+    ref = torch.einsum("hqk,khd->qhd", torch.softmax(s_all, -1), torch.cat(vals))
+    out, lse = cp.merge_attention_states(outs, lses)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert (out.double() - ref).abs().max() <= tol(dtype) * 4
+    assert (lse.double() - torch.logsumexp(s_all, -1)).abs().max() <= 1e-5
+    # Large LSE magnitudes stay finite (max-subtracted).
+    o2, l2 = cp.merge_attention_states([outs[0], outs[0]], [lses[0] + 1e4, lses[0] + 1e4])
+    assert torch.isfinite(o2.float()).all() and (l2 - (lses[0] + 1e4 + math.log(2))).abs().max() < 1e-2
+    with pytest.raises(ValueError, match=r"lses\[0\] has shape \(13, 4\); expected \[heads, tokens\] = \(4, 13\)"):
+        cp.merge_attention_states([outs[0]], [lses[0].t()])
+
+
+def test_select_mode():
+    args = dict(world_size=2, num_q_heads=64, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                bw=3.5e11, flops=4.5e14)
+    assert cp.select_mode(128 * 1024, 0, **args) == "pass_kv"         # full prefill
+    assert cp.select_mode(1, 100_000, **args) == "pass_q"             # decode
+    assert cp.select_mode(200, 100_000, **args) == "pass_q"           # 0.2% new tokens
+    # Hidden transfer: T >= N*C*NKV*e / (2*NH*BW) = 2*4.5e14*8*2/(2*64*3.5e11) ~ 321.
+    assert cp.select_mode(400, 10_000_000, **args) == "pass_kv"
+    assert cp.select_mode(300, 10_000_000, **args) == "pass_q"
+    # MHA with a large new fraction (the second condition).
+    mha = dict(args, num_kv_heads=64, flops=1e30)
+    assert cp.select_mode(900, 100, **mha) == "pass_q"  # 2*NKV/NH = 2 > 0.9
+    with pytest.raises(ValueError, match="select_mode: num_q_heads 6 is not a multiple of num_kv_heads 4"):
+        cp.select_mode(1, 1, 2, 6, 4, 64, torch.bfloat16)
+    with pytest.raises(TypeError, match="select_mode: dtype torch.int32 not supported"):
+        cp.select_mode(1, 1, 2, 8, 4, 64, torch.int32)
+
+
+def test_default_attention_cpu_matches_reference():
+    torch.manual_seed(2)
+    lens_q, lens_k = [3, 1, 6], [5, 1, 6]
+    h, hkv, d = 8, 2, 32
+    q = torch.randn(sum(lens_q), h, d, dtype=torch.float64)
+    k = torch.randn(sum(lens_k), hkv, d, dtype=torch.float64)
+    v = torch.randn(sum(lens_k), hkv, d, dtype=torch.float64)
+    cu_q = torch.tensor([0, 3, 4, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 6, 12], dtype=torch.int32)
+    out, lse = cp.default_attention(q, k, v, cu_q, cu_k, 6, 6, True, 0.3)
+    # bottom-right causal = the reference's cache (the first Lk - Lq keys) + causal new keys
+    cache_k = [k[0:2], k[5:5], k[6:6]]
+    cache_v = [v[0:2], v[5:5], v[6:6]]
+    new_idx = torch.tensor([2, 3, 4, 5, 6, 7, 8, 9, 10, 11])
+    ref, ref_lse = reference(q, k[new_idx], v[new_idx], lens_q, cache_k, cache_v, True, 0.3)
+    assert (out - ref).abs().max() < 1e-10 and (lse.double() - ref_lse).abs().max() < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# Ring attention, multi-process
+# ---------------------------------------------------------------------------------------------
+
+def _make_case(seed, lens, cache_lens, h, hkv, d, dtype, world_size):
+    """Global data, identical on every rank: new q/k/v packed per sequence, and each sequence's
+    cache split over the ranks (cache_split[r][b] rows of sequence b on rank r)."""
+    g = torch.Generator().manual_seed(seed)
+    t = sum(lens)
+    q = torch.randn(t, h, d, generator=g).to(dtype)
+    k = torch.randn(t, hkv, d, generator=g).to(dtype)
+    v = torch.randn(t, hkv, d, generator=g).to(dtype)
+    cache_k = [torch.randn(p, hkv, d, generator=g).to(dtype) for p in cache_lens]
+    cache_v = [torch.randn(p, hkv, d, generator=g).to(dtype) for p in cache_lens]
+    split = [[0] * len(lens) for _ in range(world_size)]
+    for b, p in enumerate(cache_lens):
+        cuts = sorted(torch.randint(0, p + 1, (world_size - 1,), generator=g).tolist())
+        bounds = [0] + cuts + [p]
+        for r in range(world_size):
+            split[r][b] = bounds[r + 1] - bounds[r]
+    return q, k, v, cache_k, cache_v, split
+
+
+CASES = [
+    # name, lens, cache lens (None: no cache), h, hkv, d, dtype, causal, layout
+    ("causal varlen gqa4 d64 fp32", [37, 5, 1, 16, 3], None, 8, 2, 64, torch.float32, True, "balanced"),
+    ("noncausal varlen mha d64 fp32", [21, 1, 9], None, 4, 4, 64, torch.float32, False, "balanced"),
+    ("causal gqa8 d128 bf16", [40, 7], None, 8, 1, 128, torch.bfloat16, True, "balanced"),
+    ("causal gqa4 d128 fp16", [33, 2, 1], None, 8, 2, 128, torch.float16, True, "balanced"),
+    ("partial prefill gqa4 fp32", [12, 3, 1], [20, 7, 0], 8, 2, 64, torch.float32, True, "balanced"),
+    ("partial prefill noncausal bf16", [9, 4], [11, 5], 4, 1, 64, torch.bfloat16, False, "balanced"),
+    ("decode gqa4 fp32", [1, 1, 1, 1, 1], [9, 17, 1, 4, 30], 8, 2, 64, torch.float32, True, "round_robin"),
+    ("decode gqa8 bf16", [1, 1, 1], [33, 6, 12], 8, 1, 128, torch.bfloat16, True, "round_robin"),
+]
+MODES_TRANSPORTS = [("pass_kv", "stream", "comm"), ("pass_q", "stream", "comm"), ("pass_q", "all_to_all", "comm"),
+                    ("auto", "stream", "comm"), ("pass_kv", "stream", "gloo"), ("pass_q", "stream", "gloo"),
+                    ("pass_q", "all_to_all", "gloo")]
+
+
+def _ring_cases(ctx):
+    """Every case x mode x transport on this rank; returns [(label, max error, tolerance)] plus
+    the pass-KV vs pass-Q difference of the fp32 runs."""
+    rank, n = ctx.rank, ctx.world_size
+    gloo = ctx.gloo()
+    results = []
+    for ci, (name, lens, cache_lens, h, hkv, d, dtype, causal, layout) in enumerate(CASES):
+        q, k, v, ck, cv, split = _make_case(100 + ci, lens, cache_lens or [0] * len(lens), h, hkv, d, dtype, n)
+        cu = [0]
+        for x in lens:
+            cu.append(cu[-1] + x)
+        sh = cp.shard(cu, n, rank, layout=layout)
+        scale = 1.0 / math.sqrt(d) if ci % 2 == 0 else 0.7 / math.sqrt(d)
+        ref, ref_lse = reference(q, k, v, lens, ck, cv, causal, scale)
+        kv_cache, cu_kv = None, None
+        if cache_lens is not None:
+            rows_k, rows_v = [], []
+            for b in range(len(lens)):
+                off = sum(split[r][b] for r in range(rank))
+                rows_k.append(ck[b][off:off + split[rank][b]])
+                rows_v.append(cv[b][off:off + split[rank][b]])
+            kv_cache = (torch.cat(rows_k), torch.cat(rows_v), split[rank])
+            cu_kv = [0]
+            for b in range(len(lens)):
+                cu_kv.append(cu_kv[-1] + lens[b] + cache_lens[b])
+        outs = {}
+        for mode, ret, via in MODES_TRANSPORTS:
+            comm = ctx.comm if via == "comm" else gloo
+            out, lse = cp.ring_attention(comm, q[sh.index], k[sh.index], v[sh.index], cu_seqlens_q=cu,
+                                         cu_seqlens_kv=cu_kv, causal=causal, kv_cache=kv_cache, mode=mode,
+                                         scale=scale, layout=layout, pass_q_return=ret, return_lse=True)
+            assert out.dtype == dtype and out.shape == q[sh.index].shape
+            err = (out.double() - ref[sh.index]).abs().max().item() if out.numel() else 0.0
+            lse_err = (lse.double() - ref_lse[:, sh.index]).abs().max().item() if out.numel() else 0.0
+            label = f"{name} {mode}/{ret}/{via}"
+            results.append((label, err, tol(dtype)))
+            results.append((label + " lse", lse_err, 1e-4))
+            outs[(mode, ret, via)] = out
+        # pass-KV and pass-Q compute the same block calls and merge in another order.
+        a, b = outs[("pass_kv", "stream", "comm")], outs[("pass_q", "stream", "comm")]
+        if a.numel():
+            agree = 8 * torch.finfo(torch.float32).eps if dtype == torch.float32 else torch.finfo(dtype).eps * 2
+            diff = ((a.double() - b.double()).abs() / (1 + b.double().abs())).max().item()
+            results.append((f"{name} pass_kv vs pass_q", diff, agree))
+    return results
+
+
+def _ring_errors(ctx):
+    """Bad input raises on every rank, and the communicator stays usable."""
+    rank, n = ctx.rank, ctx.world_size
+    cu = [0, 8 * n]
+    sh = cp.shard(cu, n, rank)
+    q = torch.randn(sh.index.numel(), 4, 16)
+    k = torch.randn(sh.index.numel(), 2, 16)
+    msgs = []
+
+    def expect(exc, fn):
+        try:
+            fn()
+        except exc as e:  # noqa: PERF203
+            msgs.append(str(e))
+            return
+        raise AssertionError("no error raised")
+
+    expect(ValueError, lambda: cp.ring_attention(ctx.comm, q, k, k, cu_seqlens_q=cu, mode="pass_x"))
+    expect(ValueError, lambda: cp.ring_attention(ctx.comm, q, k[:, :1].expand(-1, 3, -1), k[:, :1].expand(-1, 3, -1),
+                                                 cu_seqlens_q=cu))
+    expect(TypeError, lambda: cp.ring_attention(ctx.comm, q.int(), k, k, cu_seqlens_q=cu))
+    expect(ValueError, lambda: cp.ring_attention(ctx.comm, q[1:], k[1:], k[1:], cu_seqlens_q=cu))
+    # Ranks disagreeing: modes, then sequence layouts.
+    expect(ValueError, lambda: cp.ring_attention(ctx.comm, q, k, k, cu_seqlens_q=cu,
+                                                 mode="pass_kv" if rank == 0 else "pass_q"))
+    cu_bad = [0, 8 * n] if rank == 0 else [0, 4 * n, 8 * n]
+    sh_bad = cp.shard(cu_bad, n, rank)
+    expect(ValueError, lambda: cp.ring_attention(ctx.comm, q[:sh_bad.index.numel()], k[:sh_bad.index.numel()],
+                                                 k[:sh_bad.index.numel()], cu_seqlens_q=cu_bad))
+    # Still usable.
+    out = cp.ring_attention(ctx.comm, q, k, k, cu_seqlens_q=cu)
+    assert torch.isfinite(out).all()
+    return msgs
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ring_attention(ranks, world_size):
+    pool = ranks(world_size)
+    per_rank = pool.run(_ring_cases, timeout=900)
+    bad = [(r, label, err, t) for r, res in enumerate(per_rank) for label, err, t in res if not err <= t]
+    assert not bad, "\n".join(f"rank {r}: {label}: error {err:.3g} > {t:.3g}" for r, label, err, t in bad[:20])
+    assert len(per_rank[0]) >= len(CASES) * len(MODES_TRANSPORTS) * 2
+
+
+@pytest.mark.parametrize("world_size", [3])
+def test_ring_attention_errors(ranks, world_size):
+    msgs = ranks(world_size).run(_ring_errors)
+    for m in msgs:
+        assert "mode 'pass_x' not supported; supported: auto, pass_kv, pass_q" in m[0]
+        assert "num_q_heads 4 is not a multiple of num_kv_heads 3" in m[1]
+        assert "q has dtype torch.int32; supported: float32, float16, bfloat16, float64" in m[2]
+        assert "q has" in m[3] and "pass this rank's shard" in m[3]
+        assert "ranks disagree on mode: rank 0: pass_kv, rank 1: pass_q" in m[4]
+        assert "ranks disagree on batch size" in m[5]
+
+
+def test_tuned_constants_reach_select_mode(tmp_path, monkeypatch):
+    from commlib import tune
+    path = tmp_path / "tune.json"
+    monkeypatch.setenv("COMMLIB_TUNE_FILE", str(path))
+    entry = tune.tune_cp("cpu", 2)
+    assert entry["bw_bytes_per_s"] > 0 and entry["attn_flops_per_s"] > 0
+    assert cp.machine_constants("cpu", 2) == (entry["bw_bytes_per_s"], entry["attn_flops_per_s"])
+    # A machine whose link is slow against its compute: pass-Q at 1% new tokens; fast: pass-KV.
+    data = tune.read_file()
+    for bw, want in ((1e3, "pass_q"), (1e20, "pass_kv")):
+        data["cp"][0].update(bw_bytes_per_s=bw, attn_flops_per_s=1e12)
+        path.write_text(__import__("json").dumps(data))
+        cp._tuned.clear()
+        assert cp.select_mode(1000, 99_000, 2, 8, 2, 64, torch.float32, device_type="cpu") == want
+    cp._tuned.clear()
+
+
+def test_perf_ring_attention_rows():
+    """commlib-perf ring_attention on 2 CPU processes: the CLI checks each result against the
+    1-process attention on the whole sequence; a planted wrong element must be reported."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    args = [sys.executable, "-m", "commlib.perf", "ring_attention", "-np", "2", "--seqlens", "33", "--cp-mode",
+            "pass_q", "--backend", "ddacomm", "gloo", "-n", "1", "-w", "1", "-d", "float"]
+    ok = subprocess.run(args, capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    rows = [line.split() for line in ok.stdout.splitlines() if line.strip() and not line.startswith("#")]
+    assert {r[0] for r in rows} == {"ddacomm", "gloo"}, ok.stdout
+    assert "Out of bounds values : 0 OK" in ok.stdout
+    bad = subprocess.run(args + ["--corrupt-rank", "1"], capture_output=True, text=True, env=env, cwd=root,
+                         timeout=300)
+    assert bad.returncode != 0 and "Out of bounds values : 0 OK" not in bad.stdout, bad.stdout
