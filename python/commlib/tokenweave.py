@@ -195,7 +195,7 @@ def find_wave_step(tokens: Sequence[int], times: Sequence[float], granule: int =
     most half the largest count) whose model ``t = a + b * ceil(T / w)`` fits the measured
     ``times`` at ``tokens`` best in least squares (a w that is too small predicts steps that are
     not there, one too large misses steps). A curve without steps (linear in T) gives ``granule``.
-    Ties within 0.1% of the best residual go to the larger w."""
+    Near-ties (within 5% of the best residual) go to the larger w."""
     if len(tokens) != len(times) or len(tokens) < 4:
         raise ValueError(f"find_wave_step: need >= 4 (tokens, time) points of equal count; got {len(tokens)} "
                          f"token counts and {len(times)} times")
@@ -216,7 +216,7 @@ def find_wave_step(tokens: Sequence[int], times: Sequence[float], granule: int =
     if not fits:
         return granule
     best = min(r for r, _ in fits)
-    return max(w for r, w in fits if r <= best + 1e-3)
+    return max(w for r, w in fits if r <= best * 1.05 + 1e-12)
 
 
 def measure_gemm_times(shape: GemmShape, tokens: Iterable[int], dtype: torch.dtype = torch.bfloat16,
