@@ -308,3 +308,32 @@ def _empty_batch(ctx):
 
 def test_layer_empty_batch(ranks):
     assert all(ranks(2).run(_empty_batch))
+
+
+# ---------------------------------------------------------------------------------------------
+# commlib-perf tp_layer on CPU (the small layer): every mode's output checked against the fp64
+# layer (nocomm: against the rank's own shards as a layer); a planted wrong element must fail it.
+
+def _perf(*args):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root / "python")}
+    return subprocess.run([sys.executable, "-m", "commlib.perf", "tp_layer", "--tokens", "1,45", "-n", "2", "-w", "1",
+                           "-d", "bfloat16", *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.mark.parametrize("mode", ["tokenweave", "split", "fused", "nocomm"])
+def test_perf_tp_layer(mode):
+    r = _perf("-np", "2", "--tp-mode", mode, "--backend", "ddacomm", "gloo")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Out of bounds values : 0 OK" in r.stdout
+    assert sum(1 for line in r.stdout.splitlines() if line.strip().startswith(("ddacomm", "gloo"))) == 4
+
+
+def test_perf_tp_layer_detects_wrong_output():
+    r = _perf("-np", "3", "--tp-mode", "split", "--backend", "ddacomm", "--corrupt-rank", "2")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "FAILED" in r.stdout

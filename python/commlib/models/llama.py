@@ -131,27 +131,46 @@ def shard_weights(config: LlamaConfig, world_size: int, rank: int, seed: int = 0
     return w
 
 
-def full_weights(config: LlamaConfig, world_size: int, seed: int = 0) -> Dict[str, torch.Tensor]:
-    """The whole layer (fp64, CPU) whose shards ``shard_weights`` gives at this world size:
-    q, k, v [heads * head_dim, hidden], o, gate, up, down, and the norm weights."""
-    parts = [shard_weights(config, world_size, r, seed) for r in range(world_size)]
+def full_weights(config: LlamaConfig, world_size: int, seed: int = 0, device=torch.device("cpu"),
+                 dtype: torch.dtype = torch.float64) -> Dict[str, torch.Tensor]:
+    """The whole layer (``dtype``, fp64 by default) whose shards ``shard_weights(..., device)`` gives
+    at this world size: q, k, v [heads * head_dim, hidden], o, gate, up, down, and the norm weights.
+    ``device`` is where the shards are generated (a layer built with the same ``init_device``)."""
+    parts = [shard_weights(config, world_size, r, seed, device) for r in range(world_size)]
     q = config.num_heads // world_size * config.head_dim
     kv = config.num_kv_heads // world_size * config.head_dim
     f = config.ffn // world_size
-    cat0 = lambda key, lo, hi: torch.cat([p[key][lo:hi] for p in parts]).double()  # noqa: E731
+    cat0 = lambda key, lo, hi: torch.cat([p[key][lo:hi] for p in parts]).to(dtype)  # noqa: E731
     return {"q": cat0("qkv", 0, q), "k": cat0("qkv", q, q + kv), "v": cat0("qkv", q + kv, q + 2 * kv),
-            "o": torch.cat([p["o"] for p in parts], dim=1).double(),
+            "o": torch.cat([p["o"] for p in parts], dim=1).to(dtype),
             "gate": cat0("gate_up", 0, f), "up": cat0("gate_up", f, 2 * f),
-            "down": torch.cat([p["down"] for p in parts], dim=1).double(),
-            **{k: parts[0][k].double() for k in ("norm_in", "norm_post", "norm_out")}}
+            "down": torch.cat([p["down"] for p in parts], dim=1).to(dtype),
+            **{k: parts[0][k].to(dtype) for k in ("norm_in", "norm_post", "norm_out")}}
+
+
+def shard_as_layer(config: LlamaConfig, world_size: int, rank: int, seed: int = 0, device=torch.device("cpu"),
+                   dtype: torch.dtype = torch.float64) -> Tuple[LlamaConfig, Dict[str, torch.Tensor]]:
+    """Rank ``rank``'s shards as a layer of their own (its heads and FFN slice; ``full_weights``'
+    layout): what the layer computes on that rank with the all-reduces removed (``nocomm``)."""
+    c, n = config, world_size
+    part = shard_weights(config, n, rank, seed, device)
+    q, kv, f = c.num_heads // n * c.head_dim, c.num_kv_heads // n * c.head_dim, c.ffn // n
+    sub = LlamaConfig(c.hidden, c.num_heads // n, c.num_kv_heads // n, c.head_dim, f, c.eps)
+    w = {"q": part["qkv"][:q], "k": part["qkv"][q:q + kv], "v": part["qkv"][q + kv:], "o": part["o"],
+         "gate": part["gate_up"][:f], "up": part["gate_up"][f:], "down": part["down"],
+         **{k: part[k] for k in ("norm_in", "norm_post", "norm_out")}}
+    return sub, {k: v.to(dtype) for k, v in w.items()}
 
 
 def reference_forward(config: LlamaConfig, w: Dict[str, torch.Tensor], hidden: torch.Tensor,
                       residual: Optional[torch.Tensor] = None,
                       seq_ids: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The layer in fp64 on CPU from ``full_weights`` (no sharding, no rounding): (out, residual)."""
+    """The layer from ``full_weights`` (no sharding; in the weights' dtype and on their device: fp64
+    on CPU by default, so no rounding to speak of): (out, residual). Attention runs one KV head's
+    group of query heads at a time, so the scores never hold more than heads / kv_heads x T x T."""
     c = config
-    x = hidden.double().cpu()
+    dt, dev = w["q"].dtype, w["q"].device
+    x = hidden.to(dev, dt)
     T = x.shape[0]
 
     def norm(v, weight):
@@ -160,18 +179,20 @@ def reference_forward(config: LlamaConfig, w: Dict[str, torch.Tensor], hidden: t
     if residual is None:
         res, h = x.clone(), norm(x, w["norm_in"])
     else:
-        res, h = residual.double().cpu().clone(), x
-    seq = seq_ids.cpu() if seq_ids is not None else torch.zeros(T, dtype=torch.int64)
-    idx = torch.arange(T)
+        res, h = residual.to(dev, dt).clone(), x
+    seq = seq_ids.to(dev) if seq_ids is not None else torch.zeros(T, dtype=torch.int64, device=dev)
+    idx = torch.arange(T, device=dev)
     mask = (seq[:, None] == seq[None, :]) & (idx[None, :] <= idx[:, None])
     q = (h @ w["q"].t()).view(T, c.num_heads, c.head_dim).transpose(0, 1)
     k = (h @ w["k"].t()).view(T, c.num_kv_heads, c.head_dim).transpose(0, 1)
     v = (h @ w["v"].t()).view(T, c.num_kv_heads, c.head_dim).transpose(0, 1)
     rep = c.num_heads // c.num_kv_heads
-    k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
-    scores = (q @ k.transpose(1, 2)) / math.sqrt(c.head_dim)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    a = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).reshape(T, c.num_heads * c.head_dim)
+    a = torch.empty(c.num_heads, T, c.head_dim, device=dev, dtype=dt)
+    for j in range(c.num_kv_heads):
+        scores = (q[j * rep:(j + 1) * rep] @ k[j].t()) / math.sqrt(c.head_dim)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        a[j * rep:(j + 1) * rep] = torch.softmax(scores, dim=-1) @ v[j]
+    a = a.transpose(0, 1).reshape(T, c.num_heads * c.head_dim)
     res = res + a @ w["o"].t()
     h2 = norm(res, w["norm_post"])
     m = F.silu(h2 @ w["gate"].t()) * (h2 @ w["up"].t())
@@ -210,13 +231,17 @@ class TPDecoderLayer:
     ``torch.distributed`` process group for ``sequential`` (NCCL / gloo); None: the communicator's
     ``all_reduce_``. ``num_sms``: the fused op's CTAs while it overlaps compute (tokenweave; default
     the tuned value, else ``tokenweave.DEFAULT_NUM_SMS``); the unsplit fused op uses its own
-    default. ``seed``: the weights' seed (``shard_weights``); ``dtype``: bfloat16 (default),
-    float16, or float32 (CPU only: the fused GPU op takes 16-bit types).
+    default. ``seed``: the weights' seed (``shard_weights``, generated on ``init_device``: CPU by
+    default, or the layer's GPU for speed; ``full_weights`` with the same device gives the whole
+    layer); ``dtype``: bfloat16 (default), float16, or float32 (CPU only: the fused GPU op takes
+    16-bit types). ``split_min_tokens``, ``wave_steps``: the policy's crossover and wave steps
+    (default: tuned, else built-in; ``commlib.tokenweave``).
     """
 
     def __init__(self, config: LlamaConfig, comm, *, mode: str = "tokenweave", dtype: torch.dtype = torch.bfloat16,
                  device=None, seed: int = 0, group: Optional[dist.ProcessGroup] = None,
-                 num_sms: Optional[int] = None, split_min_tokens: Optional[int] = None, wave_steps=None):
+                 num_sms: Optional[int] = None, split_min_tokens: Optional[int] = None, wave_steps=None,
+                 init_device=torch.device("cpu")):
         what = "TPDecoderLayer"
         if mode not in MODES:
             raise ValueError(f"{what}: mode '{mode}' not supported; supported: {', '.join(MODES)}")
@@ -240,7 +265,7 @@ class TPDecoderLayer:
         self.kv_dim = config.num_kv_heads // n * config.head_dim
         self.ffn = config.ffn // n
         self.heads, self.kv_heads = config.num_heads // n, config.num_kv_heads // n
-        w = shard_weights(config, n, self.rank, seed)
+        w = shard_weights(config, n, self.rank, seed, init_device)
         self.weights = {k: v.to(self.device, dtype) for k, v in w.items()}
         # [in, out] views of the [out, in] weights: torch.matmul(x, w_t, out=rows) writes a row slice in place.
         self._t = {k: self.weights[k].t() for k in ("qkv", "o", "gate_up", "down")}
@@ -467,4 +492,4 @@ class CapturedLayer:
 
 
 __all__ = ["LlamaConfig", "TPDecoderLayer", "CapturedLayer", "MODES", "seq_ids_from_lens", "shard_weights",
-           "full_weights", "reference_forward"]
+           "full_weights", "shard_as_layer", "reference_forward"]
