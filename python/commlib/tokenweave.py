@@ -23,7 +23,6 @@ these pieces; see docs/tokenweave.md.
 from __future__ import annotations
 
 import functools
-import math
 import statistics
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union

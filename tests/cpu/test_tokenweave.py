@@ -281,7 +281,8 @@ def _bad_inputs(ctx):
     kv = 4 if ctx.world_size == 3 else 3
     expect(ValueError, f"config.num_kv_heads {kv} does not shard over world size {ctx.world_size}",
            lambda: TPDecoderLayer(LlamaConfig(96, 12, kv, 8, 192), ctx.comm, device="cpu"))
-    expect(ValueError, "num_sms 0 must be a positive int", lambda: TPDecoderLayer(cfg, ctx.comm, device="cpu", num_sms=0))
+    expect(ValueError, "num_sms 0 must be a positive int",
+           lambda: TPDecoderLayer(cfg, ctx.comm, device="cpu", num_sms=0))
     expect(ValueError, "sequence lengths must be >= 0", lambda: seq_ids_from_lens([3, -1]))
     # Errors are raised before any communication: the communicator and the layer still work.
     out, res = layer(hidden, residual.clone(), mode="tokenweave")

@@ -402,7 +402,8 @@ class TPDecoderLayer:
         if not isinstance(hidden, torch.Tensor):
             raise TypeError(f"{what}: hidden must be a torch.Tensor, got {type(hidden).__name__}")
         if hidden.dim() != 2 or hidden.shape[1] != self.config.hidden:
-            raise ValueError(f"{what}: hidden must have shape [tokens, {self.config.hidden}]; got {tuple(hidden.shape)}")
+            raise ValueError(f"{what}: hidden must have shape [tokens, {self.config.hidden}]; "
+                             f"got {tuple(hidden.shape)}")
         if hidden.dtype != self.dtype:
             raise TypeError(f"{what}: hidden has dtype {hidden.dtype} but the layer is {self.dtype}")
         if hidden.device != self.device:
@@ -415,7 +416,8 @@ class TPDecoderLayer:
                 raise TypeError(f"{what}: residual must be a torch.Tensor or None, got {type(residual).__name__}")
             if residual.shape != hidden.shape or residual.dtype != hidden.dtype or residual.device != hidden.device:
                 raise ValueError(f"{what}: residual must match hidden ({tuple(hidden.shape)}, {hidden.dtype}, "
-                                 f"{hidden.device}); got ({tuple(residual.shape)}, {residual.dtype}, {residual.device})")
+                                 f"{hidden.device}); got ({tuple(residual.shape)}, {residual.dtype}, "
+                                 f"{residual.device})")
             if not residual.is_contiguous() or residual.data_ptr() == hidden.data_ptr() and T:
                 raise ValueError(f"{what}: residual must be contiguous and must not alias hidden")
         if seq_ids is not None:
@@ -450,7 +452,8 @@ class CapturedLayer:
         self._graphs = {}
         dev, dt, H = layer.device, layer.dtype, layer.config.hidden
         for T in sizes:
-            st = {"hidden": torch.zeros(T, H, device=dev, dtype=dt), "residual": torch.zeros(T, H, device=dev, dtype=dt),
+            st = {"hidden": torch.zeros(T, H, device=dev, dtype=dt),
+                  "residual": torch.zeros(T, H, device=dev, dtype=dt),
                   "seq": torch.zeros(T, dtype=torch.int64, device=dev)}
             res0 = st["residual"].clone()
             side = torch.cuda.Stream(dev)

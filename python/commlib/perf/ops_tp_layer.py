@@ -33,7 +33,7 @@ import json
 import os
 import statistics
 import sys
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -228,9 +228,11 @@ def sweep(tokens: List[int], model: str = "llama-70b", iters: int = 5, replays: 
     p = (lambda line: print(line, file=out, flush=True)) if rank == 0 else (lambda line: None)
     p(f"# tp_layer sweep: {model} (hidden {cfg.hidden}, {cfg.num_heads}/{cfg.num_kv_heads} heads of {cfg.head_dim}, "
       f"ffn {cfg.ffn}), bf16, world {world}, {torch.cuda.get_device_name(device)}")
-    p(f"# sequential all_reduce: {'NCCL (torch.distributed)' if group is not None else 'commlib all_reduce_ (world 1: local)'}")
-    p(f"# tokenweave params ({params.source}): wave steps {layer.wave_steps}, split_min_tokens {layer.split_min_tokens}, "
-      f"fused op SM budget {layer.num_sms}; CUDA graph of {iters} layers x {replays} replays, median, slowest rank")
+    engine = "NCCL (torch.distributed)" if group is not None else "commlib all_reduce_ (world 1: local)"
+    p(f"# sequential all_reduce: {engine}")
+    p(f"# tokenweave params ({params.source}): wave steps {layer.wave_steps}, "
+      f"split_min_tokens {layer.split_min_tokens}, fused op SM budget {layer.num_sms}; "
+      f"CUDA graph of {iters} layers x {replays} replays, median, slowest rank")
     p(f"# {'tokens':>6} {'seq us':>10} {'fused us':>10} {'tw us':>10} {'split us':>10} {'floor us':>10} "
       f"{'fused x':>8} {'tw x':>8} {'tw/floor':>8} {'split':>6} {'best':>6} {'best us':>10}")
     results = []
