@@ -197,6 +197,43 @@ def _time_graph(fn, device, iters: int, replays: int) -> float:
     return statistics.median(samples)
 
 
+def overlap_cost(layer, x: torch.Tensor, residual: torch.Tensor, device, iters: int, replays: int) -> dict:
+    """What running the fused op beside a GEMM costs: half the batch's gate/up GEMM alone, the fused
+    op (the layer's SM budget) on the other half alone, and both at once on two streams. At world
+    1 the fused op is local, a stand-in of the communication with the same SM budget.
+    ``gemm_loss`` = (both - gemm) / gemm: an upper bound on the GEMM's slow-down (it includes any
+    part of the fused op that did not fit under the GEMM)."""
+    half = max(1, x.shape[0] // 2)
+    a, b = x[:half], x[half:2 * half] if x.shape[0] >= 2 else x[:half]
+    gu = torch.empty(half, 2 * layer.ffn, device=device, dtype=x.dtype)
+    out = torch.empty_like(b)
+    res = residual[half:2 * half].clone() if x.shape[0] >= 2 else residual[:half].clone()
+    weight, eps = layer.weights["norm_post"], layer.config.eps
+    side = layer.schedule.comm_stream
+
+    def gemm():
+        torch.matmul(a, layer._t["gate_up"], out=gu)
+
+    def fused():
+        layer.comm.fused_allreduce_rmsnorm(b, res, weight, eps, out=out, num_sms=layer.num_sms)
+
+    def both():
+        if side is None:  # CPU: no streams
+            fused()
+            gemm()
+            return
+        cur = torch.cuda.current_stream(device)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            fused()
+        gemm()
+        cur.wait_stream(side)
+
+    t = {name: _max_over_ranks(_time_graph(fn, device, iters, replays), device)
+         for name, fn in (("gemm", gemm), ("fused", fused), ("both", both))}
+    return {"tokens": half, **t, "gemm_loss": (t["both"] - t["gemm"]) / t["gemm"]}
+
+
 def _max_over_ranks(t: float, device) -> float:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return t
@@ -206,7 +243,7 @@ def _max_over_ranks(t: float, device) -> float:
 
 
 def sweep(tokens: List[int], model: str = "llama-70b", iters: int = 5, replays: int = 10,
-          split_step: int = 64, num_sms: Optional[int] = None, out=sys.stdout) -> List[dict]:
+          split_step: int = 64, num_sms: Optional[int] = None, out=sys.stdout, device=None) -> List[dict]:
     """The sweep report on this process's GPU (world: torch.distributed's, else 1). One row per
     token count: µs per layer in every mode, ratios vs sequential, the floor, the chosen split and
     the best of the forced splits (multiples of ``split_step``)."""
@@ -219,7 +256,7 @@ def sweep(tokens: List[int], model: str = "llama-70b", iters: int = 5, replays: 
     else:
         rank, world = 0, 1
         store = dist.HashStore()
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     comm = commlib.Communicator(dist.PrefixStore("tp-layer-sweep", store), rank, world, "tp-layer-sweep")
     cfg = CONFIGS[model]
     group = dist.new_group(backend="nccl") if dist.is_initialized() else None
@@ -227,7 +264,8 @@ def sweep(tokens: List[int], model: str = "llama-70b", iters: int = 5, replays: 
     params = tokenweave.tuned_params(world)
     p = (lambda line: print(line, file=out, flush=True)) if rank == 0 else (lambda line: None)
     p(f"# tp_layer sweep: {model} (hidden {cfg.hidden}, {cfg.num_heads}/{cfg.num_kv_heads} heads of {cfg.head_dim}, "
-      f"ffn {cfg.ffn}), bf16, world {world}, {torch.cuda.get_device_name(device)}")
+      f"ffn {cfg.ffn}), bf16, world {world}, "
+      f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}")
     engine = "NCCL (torch.distributed)" if group is not None else "commlib all_reduce_ (world 1: local)"
     p(f"# sequential all_reduce: {engine}")
     p(f"# tokenweave params ({params.source}): wave steps {layer.wave_steps}, "
@@ -260,12 +298,17 @@ def sweep(tokens: List[int], model: str = "llama-70b", iters: int = 5, replays: 
         row["swept"] = swept
         best = min(swept, key=swept.get) if swept else None
         row["best_split"], row["best_split_us"] = best, swept.get(best)
+        row["overlap"] = overlap_cost(layer, x, res, device, iters, replays)
         results.append(row)
         fmt = lambda v: f"{v:10.1f}" if v else f"{'-':>10}"  # noqa: E731
         p(f"  {T:>6d} {fmt(row['sequential'])} {fmt(row['fused'])} {fmt(row['tokenweave'])} {fmt(row['split'])} "
           f"{fmt(row['nocomm'])} {row['sequential'] / row['fused']:8.3f} {row['sequential'] / row['tokenweave']:8.3f} "
           f"{row['tokenweave'] / row['nocomm']:8.3f} {row['wave_split'] or '-':>6} {best or '-':>6} "
           f"{fmt(row['best_split_us'])}")
+        ov = row["overlap"]
+        p(f"  {'':>6} overlap at {ov['tokens']} + {ov['tokens']} tokens: gate/up GEMM {ov['gemm']:.1f} us alone, "
+          f"fused op ({layer.num_sms} CTAs) {ov['fused']:.1f} us alone, both on two streams {ov['both']:.1f} us "
+          f"(GEMM slowed by at most {ov['gemm_loss']:.1%})")
     p("# x = time(sequential) / time(mode); tw = tokenweave (the policy: split at 'split' only when tokens >= "
       "split_min_tokens); split = the wave-aware split always; floor = nocomm (all-reduces removed); best = the "
       f"fastest forced split (multiples of {split_step})")
