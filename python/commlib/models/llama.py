@@ -19,8 +19,9 @@ layer i + 1's input norm, which is why a layer called with a residual takes its 
 normalised). Modes:
 
 * ``sequential``: what engines do today: ``all_reduce`` + residual add + ``rms_norm`` as three
-  ops. The all-reduce is ``torch.distributed.all_reduce`` on ``group`` when the layer has one (NCCL
-  for CUDA tensors, gloo for CPU tensors), else the communicator's ``all_reduce_``.
+  ops. The all-reduce is the layer's ``all_reduce`` function when given, else
+  ``torch.distributed.all_reduce`` on ``group`` when the layer has one (NCCL for CUDA tensors, gloo
+  for CPU tensors), else the communicator's ``all_reduce_``.
 * ``fused``: commlib's fused all-reduce + residual + RMSNorm over the whole batch, no split.
 * ``tokenweave``: the batch split in two token groups (``commlib.tokenweave``): the fused op of
   one group on a communication stream on ``num_sms`` SMs while the other group computes. Batches
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -235,13 +236,14 @@ class TPDecoderLayer:
     default, or the layer's GPU for speed; ``full_weights`` with the same device gives the whole
     layer); ``dtype``: bfloat16 (default), float16, or float32 (CPU only: the fused GPU op takes
     16-bit types). ``split_min_tokens``, ``wave_steps``: the policy's crossover and wave steps
-    (default: tuned, else built-in; ``commlib.tokenweave``).
+    (default: tuned, else built-in; ``commlib.tokenweave``). ``all_reduce``: an in-place sum
+    ``fn(tensor)`` for ``sequential`` instead of ``group`` (an engine's own all-reduce).
     """
 
     def __init__(self, config: LlamaConfig, comm, *, mode: str = "tokenweave", dtype: torch.dtype = torch.bfloat16,
                  device=None, seed: int = 0, group: Optional[dist.ProcessGroup] = None,
                  num_sms: Optional[int] = None, split_min_tokens: Optional[int] = None, wave_steps=None,
-                 init_device=torch.device("cpu")):
+                 init_device=torch.device("cpu"), all_reduce: Optional[Callable[[torch.Tensor], None]] = None):
         what = "TPDecoderLayer"
         if mode not in MODES:
             raise ValueError(f"{what}: mode '{mode}' not supported; supported: {', '.join(MODES)}")
@@ -259,6 +261,7 @@ class TPDecoderLayer:
         if self.device.type == "cuda" and dtype == torch.float32:
             raise TypeError(f"{what}: dtype float32 not supported on CUDA; supported: bfloat16, float16")
         self.config, self.comm, self.mode, self.dtype, self.group = config, comm, mode, dtype, group
+        self.all_reduce = all_reduce
         self.seed = seed
         n = self.world_size
         self.q_dim = config.num_heads // n * config.head_dim
@@ -388,7 +391,9 @@ class TPDecoderLayer:
             self.comm.fused_allreduce_rmsnorm(x, residual, weight, eps, out=out, num_sms=num_sms)
             return
         if mode == "sequential":
-            if self.group is not None:
+            if self.all_reduce is not None:
+                self.all_reduce(x)
+            elif self.group is not None:
                 dist.all_reduce(x, group=self.group)
             else:
                 self.comm.all_reduce_(x)

@@ -6,8 +6,8 @@ In the commlib-perf table (``commlib-perf tp_layer --tokens 256,1024,4096 -d bfl
 * ``ddacomm``: the layer in ``--tp-mode`` (default ``tokenweave``: the adaptive policy; ``split``:
   always the wave-aware split; ``fused``; ``nocomm``: the all-reduces removed, the floor), over
   commlib's communicator.
-* ``nccl`` / ``gloo``: the layer in ``sequential`` mode with that backend's ``all_reduce`` (what
-  engines do today), so the ratio column is the speed-up over sequential.
+* ``nccl`` / ``gloo`` / ``symm``: the layer in ``sequential`` mode with that backend's
+  ``all_reduce`` (what engines do today), so the ratio column is the speed-up over sequential.
 
 Size = tokens x hidden x element size (``--tokens``); busbw counts the layer's two all-reduces of
 [tokens, hidden]. Out-of-place only. Inputs: hidden and residual random (normal, seeded per size),
@@ -94,11 +94,10 @@ def _layer(backend, case: Case):
         if backend.name == "ddacomm":
             layer = TPDecoderLayer(cfg, backend.comm, dtype=case.dtype, device=case.device, seed=SEED,
                                    num_sms=case.options.get("tp_num_sms"), init_device=case.device)
-        elif hasattr(backend, "group"):
+        else:  # the baseline: sequential with the backend's own all_reduce
             layer = TPDecoderLayer(cfg, _GroupInfo(case.rank, case.world_size), mode="sequential", dtype=case.dtype,
-                                   device=case.device, seed=SEED, group=backend.group, init_device=case.device)
-        else:
-            raise Unsupported(f"{backend.name}: {NAME} needs an all_reduce on a process group")
+                                   device=case.device, seed=SEED, init_device=case.device,
+                                   all_reduce=lambda t: backend.all_reduce(t, "sum"))
         backend.resources[key] = layer
     return layer
 
