@@ -338,3 +338,29 @@ def test_perf_tp_layer_detects_wrong_output():
     r = _perf("-np", "3", "--tp-mode", "split", "--backend", "ddacomm", "--corrupt-rank", "2")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "FAILED" in r.stdout
+
+
+def _stack(ctx):
+    """run_layers: three layers as one schedule (layer i's last collective beside layer i + 1's
+    first compute) give the bits of the layers run one by one, unsplit."""
+    from commlib.models.llama import LlamaConfig, TPDecoderLayer, run_layers, seq_ids_from_lens
+    cfg = LlamaConfig.small()
+    layers = [TPDecoderLayer(cfg, ctx.comm, device="cpu", seed=20 + i, split_min_tokens=16, wave_steps=8)
+              for i in range(3)]
+    seq = seq_ids_from_lens([30, 41])
+    hidden, residual0 = _inputs(71, cfg.hidden, 9)
+    x, res = hidden, None
+    for layer in layers:
+        x, res = layer(x, res, seq_ids=seq, mode="fused")
+    for split in (None, 33, 64):
+        with _PoisonEmpty():
+            out, res2 = run_layers(layers, hidden, None, seq_ids=seq, mode="tokenweave", split=split)
+        assert torch.equal(out, x) and torch.equal(res2, res), f"rank {ctx.rank}: stack split {split} differs"
+    with pytest.raises(ValueError, match="run_layers: no layers"):
+        run_layers([], hidden)
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_layer_stack_one_schedule(ranks, world_size):
+    assert all(ranks(world_size).run(_stack))

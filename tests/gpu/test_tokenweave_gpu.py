@@ -158,3 +158,30 @@ def _llama70b_world1(ctx):
 @pytest.mark.parametrize("world_size", [1])
 def test_tp_layer_llama70b_shapes(ranks, world_size):
     print(ranks(world_size).run(_llama70b_world1)[0])
+
+
+def _stack_gpu(ctx):
+    """run_layers: two layers as one two-stream schedule against the layers run one by one (fused)."""
+    from commlib.models.llama import TPDecoderLayer, run_layers, seq_ids_from_lens
+    dev = torch.device("cuda", ctx.device)
+    cfg = _config()
+    layers = [TPDecoderLayer(cfg, ctx.comm, device=dev, seed=30 + i, split_min_tokens=16, wave_steps=32, num_sms=8)
+              for i in range(2)]
+    seq = seq_ids_from_lens([120, 180], dev)
+    hidden, _ = _inputs(300, cfg.hidden, 4, dev)
+    x, res = hidden, None
+    for layer in layers:
+        x, res = layer(x, res, seq_ids=seq, mode="fused")
+    with _PoisonEmpty():
+        out, res2 = run_layers(layers, hidden, None, seq_ids=seq, mode="tokenweave")
+    torch.cuda.synchronize(dev)
+    ok, worst = _close(out, x)
+    ok_r, worst_r = _close(res2, res)
+    assert ok and ok_r, f"rank {ctx.rank}: stack vs layers one by one: out {worst:.3g}, residual {worst_r:.3g}"
+    ctx.comm.check_gpu_error()
+    return worst
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_tp_layer_stack(ranks, world_size):
+    print("stack vs one by one, max diff:", ranks(world_size).run(_stack_gpu))

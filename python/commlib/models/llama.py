@@ -305,23 +305,23 @@ class TPDecoderLayer:
         policy, ``split_for``; 0: unsplit; else 1..tokens-1). Under CUDA-graph capture pass
         ``split`` or rely on the policy, which is host arithmetic on the shape only.
         """
-        mode = mode or self.mode
-        T = self._check(hidden, residual, seq_ids, mode)
+        return run_layers([self], hidden, residual, seq_ids=seq_ids, mode=mode, split=split)
+
+    def _resolve_split(self, mode: str, split, T: int) -> int:
         if mode == "tokenweave":
             split = self.split_for(T) if split is None else split
             if isinstance(split, bool) or not isinstance(split, int) or not (split == 0 or 0 < split < T):
                 raise ValueError(f"TPDecoderLayer: split {split!r} out of range; valid: 0 (unsplit) or "
                                  f"1..{T - 1} for {T} tokens")
-        elif split not in (None, 0):
+            return split
+        if split not in (None, 0):
             raise ValueError(f"TPDecoderLayer: split {split!r} applies to mode 'tokenweave' only; mode is '{mode}'")
+        return 0
+
+    def _plan(self, mode: str, x: torch.Tensor, residual: torch.Tensor, seq_ids: torch.Tensor, split: int):
+        """This layer's steps over ``x`` (normalised input) and ``residual``, and its output buffer."""
         c, dev, dt = self.config, self.device, self.dtype
-        if residual is None:
-            residual = hidden.clone()
-            x = F.rms_norm(hidden, (c.hidden,), self.weights["norm_in"], c.eps)
-        else:
-            x = hidden
-        if seq_ids is None:
-            seq_ids = torch.zeros(T, dtype=torch.int64, device=dev)
+        T = x.shape[0]
         buf = {"qkv": torch.empty(T, self.q_dim + 2 * self.kv_dim, device=dev, dtype=dt),
                "attn": torch.empty(T, self.q_dim, device=dev, dtype=dt),
                "o": torch.empty(T, c.hidden, device=dev, dtype=dt),
@@ -330,22 +330,11 @@ class TPDecoderLayer:
                "down": torch.empty(T, c.hidden, device=dev, dtype=dt),
                "out": torch.empty(T, c.hidden, device=dev, dtype=dt),
                "idx": torch.arange(T, device=dev), "seq": seq_ids}
-        if T == 0:
-            return buf["out"], residual
-        if mode == "tokenweave" and split:
-            groups = tokenweave.group_ranges(T, split)
-            buf["qkv"][split:].zero_()  # Note [split and attention]
-            num_sms = self.num_sms
+        if split:
+            groups, num_sms = tokenweave.group_ranges(T, split), self.num_sms
         else:
             groups, num_sms = ((0, T),), None
-        steps = self._steps(mode, groups, x, residual, buf, num_sms)
-        if len(groups) == 2:
-            self.schedule.run(steps)
-        else:
-            for step in steps:
-                step.compute(0)
-                step.comm(0)
-        return buf["out"], residual
+        return self._steps(mode, groups, x, residual, buf, num_sms), buf["out"]
 
     def _steps(self, mode: str, groups, x, residual, buf, num_sms) -> List[tokenweave.Step]:
         c = self.config
@@ -353,6 +342,8 @@ class TPDecoderLayer:
         def attention_block(g):
             b, e = groups[g]
             T = buf["qkv"].shape[0]
+            if g == 0 and len(groups) == 2:
+                buf["qkv"][e:].zero_()  # group B's rows, read as masked keys by A: Note [split and attention]
             torch.matmul(x[b:e], self._t["qkv"], out=buf["qkv"][b:e])
             qkv = buf["qkv"]
             q = qkv[b:e, :self.q_dim].view(e - b, self.heads, c.head_dim).transpose(0, 1)
@@ -435,6 +426,47 @@ class TPDecoderLayer:
         return T
 
 
+def run_layers(layers: Sequence[TPDecoderLayer], hidden: torch.Tensor, residual: Optional[torch.Tensor] = None, *,
+               seq_ids: Optional[torch.Tensor] = None, mode: Optional[str] = None,
+               split: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Runs ``layers`` one after the other (layer i's ``out`` is layer i + 1's input; the residual is
+    shared) as ONE schedule: in ``tokenweave`` mode the last collective of layer i (group B's) then
+    overlaps layer i + 1's first compute (group A's attention), so only the stack's last collective
+    is exposed. Arguments as ``TPDecoderLayer.forward`` (``mode`` and ``split``: every layer's; the
+    split is the first layer's policy when None). Collective. Returns ``(out, residual)``."""
+    if not layers:
+        raise ValueError("run_layers: no layers")
+    first = layers[0]
+    mode = mode or first.mode
+    T = first._check(hidden, residual, seq_ids, mode)
+    for layer in layers[1:]:
+        if (layer.device, layer.dtype, layer.config.hidden, layer.comm) != (first.device, first.dtype,
+                                                                          first.config.hidden, first.comm):
+            raise ValueError("run_layers: the layers must share device, dtype, hidden size and communicator")
+    split = first._resolve_split(mode, split, T)
+    c = first.config
+    if residual is None:
+        residual = hidden.clone()
+        x = F.rms_norm(hidden, (c.hidden,), first.weights["norm_in"], c.eps)
+    else:
+        x = hidden
+    if seq_ids is None:
+        seq_ids = torch.zeros(T, dtype=torch.int64, device=first.device)
+    steps: List[tokenweave.Step] = []
+    for layer in layers:
+        layer_steps, x = layer._plan(mode, x, residual, seq_ids, split)
+        steps += layer_steps
+    if T == 0:
+        return x, residual
+    if split:
+        first.schedule.run(steps)
+    else:
+        for step in steps:
+            step.compute(0)
+            step.comm(0)
+    return x, residual
+
+
 class CapturedLayer:
     """A ``TPDecoderLayer`` captured in CUDA graphs for token counts up to ``max(buckets)``.
 
@@ -499,5 +531,5 @@ class CapturedLayer:
         return st["out"][:t].clone(), st["residual"][:t].clone()
 
 
-__all__ = ["LlamaConfig", "TPDecoderLayer", "CapturedLayer", "MODES", "seq_ids_from_lens", "shard_weights",
-           "full_weights", "shard_as_layer", "reference_forward"]
+__all__ = ["LlamaConfig", "TPDecoderLayer", "CapturedLayer", "run_layers", "MODES", "seq_ids_from_lens",
+           "shard_weights", "full_weights", "shard_as_layer", "reference_forward"]
