@@ -122,7 +122,10 @@ def _setup(case: Case) -> Buffers:
 def _run(backend, b: Buffers, case: Case) -> None:
     if case.in_place:
         raise Unsupported(f"{NAME} has no in-place form")
-    layer = _layer(backend, case)
+    try:
+        layer = _layer(backend, case)
+    except TypeError as err:  # e.g. float32 on CUDA: the fused GPU op takes 16-bit types
+        raise Unsupported(f"{backend.name}: {err}") from err
     if backend.name == "ddacomm":
         mode = case.options.get("tp_mode") or "tokenweave"
     else:
