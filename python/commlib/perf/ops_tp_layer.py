@@ -245,7 +245,8 @@ def _max_over_ranks(t: float, device) -> float:
 
 
 def sweep(tokens: List[int], model: str = "llama-70b", iters: int = 5, replays: int = 10,
-          split_step: int = 64, num_sms: Optional[int] = None, out=sys.stdout, device=None) -> List[dict]:
+          split_step: int = 64, num_sms: Optional[int] = None, out=sys.stdout, device=None,
+          measure_waves: bool = False) -> List[dict]:
     """The sweep report on this process's GPU (world: torch.distributed's, else 1). One row per
     token count: µs per layer in every mode, ratios vs sequential, the floor, the chosen split and
     the best of the forced splits (multiples of ``split_step``)."""
@@ -265,6 +266,10 @@ def sweep(tokens: List[int], model: str = "llama-70b", iters: int = 5, replays: 
     layer = TPDecoderLayer(cfg, comm, device=device, seed=SEED, group=group, num_sms=num_sms, init_device=device)
     params = tokenweave.tuned_params(world)
     p = (lambda line: print(line, file=out, flush=True)) if rank == 0 else (lambda line: None)
+    if measure_waves:  # this GPU's wave steps for this world's shapes, used by the policy below
+        layer.wave_steps = tokenweave.measure_wave_steps(layer.gemm_shapes, layer.dtype, device)
+        params = tokenweave.TokenWeaveParams(layer.wave_steps, layer.split_min_tokens, layer.num_sms,
+                                             "wave steps measured now")
     p(f"# tp_layer sweep: {model} (hidden {cfg.hidden}, {cfg.num_heads}/{cfg.num_kv_heads} heads of {cfg.head_dim}, "
       f"ffn {cfg.ffn}), bf16, world {world}, "
       f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}")
@@ -327,6 +332,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("-G", "--replays", type=int, default=10)
     ap.add_argument("--split-step", type=int, default=128, help="the forced splits' spacing in tokens")
     ap.add_argument("--num-sms", type=int, default=None, help="the fused op's CTAs beside compute")
+    ap.add_argument("--measure-wave-steps", action="store_true",
+                    help="measure the GEMMs' wave steps on this GPU first and use them (not written to the tune file)")
     ap.add_argument("--json", default=None)
     opts = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -336,7 +343,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         torch.cuda.set_device(local)
         dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     tokens = [int(t) for t in opts.tokens.split(",")]
-    results = sweep(tokens, opts.model, opts.iters, opts.replays, opts.split_step, opts.num_sms)
+    results = sweep(tokens, opts.model, opts.iters, opts.replays, opts.split_step, opts.num_sms,
+                    measure_waves=opts.measure_wave_steps)
     if opts.json and (not dist.is_initialized() or dist.get_rank() == 0):
         with open(opts.json, "w") as f:
             json.dump({"model": opts.model, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
