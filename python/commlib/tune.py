@@ -262,6 +262,115 @@ def measure_fused_num_sms(np_: int, iters: int, counts=FUSED_NUM_SMS_CANDIDATES,
     return times
 
 
+# ---------------------------------------------------------------------------------------------
+# TokenWeave (commlib.tokenweave): GEMM wave steps, the split crossover, the overlap's SM budget.
+# Stored apart from the entries, in the top-level list "tokenweave", one record per (GPU, world
+# size): {"device", "world_size", "wave_steps": {"NxK": tokens}, "split_min_tokens", "num_sms"}.
+
+TOKENWEAVE_TOKENS = (256, 512, 1024, 2048, 4096)
+TOKENWEAVE_NUM_SMS_CANDIDATES = (4, 8, 16, 32)
+TOKENWEAVE_NUM_SMS_TOKENS = 2048
+
+
+def tokenweave_tuned(world_size: Optional[int] = None, path: Optional[str] = None) -> Optional[dict]:
+    """The ``tokenweave`` record of this GPU for ``world_size`` (else any record of this GPU, whose
+    wave steps still apply: they depend on the GEMM shapes, not on the world size; its crossover
+    and SM budget are then dropped), or None. A malformed file is ignored with a warning."""
+    try:
+        import torch
+        device = torch.cuda.get_device_name(0)
+        records = [r for r in read_file(path).get("tokenweave") or [] if isinstance(r, dict)
+                   and r.get("device") == device]
+    except (ValueError, OSError, RuntimeError) as e:
+        print(f"commlib: ignoring tune file's tokenweave values: {e}", file=sys.stderr)
+        return None
+    for r in records:
+        if world_size is not None and r.get("world_size") == int(world_size):
+            return r
+    if records:
+        return {"wave_steps": records[-1].get("wave_steps") or {}}
+    return None
+
+
+def save_tokenweave(record: dict, path: Optional[str] = None) -> Path:
+    """Adds ``record`` to the top-level ``tokenweave`` list, replacing the one of the same device
+    and world size; the entries and the lists derived from them are kept as they are."""
+    p = cache_path(path)
+    data = read_file(path)
+    keep = [r for r in data.get("tokenweave") or []
+            if (r.get("device"), r.get("world_size")) != (record["device"], record["world_size"])]
+    data["tokenweave"] = keep + [record]
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tune-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, p)
+    return p
+
+
+def split_crossover(tokens: List[int], unsplit: List[Optional[float]], split: List[Optional[float]]) -> int:
+    """``split_min_tokens`` from the layer's times unsplit (fused) and split (tokenweave) per token
+    count: the single threshold that fits all counts best (``_threshold``); past the largest count
+    when splitting never pays."""
+    if not tokens:
+        raise ValueError("split_crossover: no token counts measured")
+    below = _threshold(tokens, unsplit, split)
+    if below == 0:
+        return int(tokens[0])
+    later = [t for t in tokens if t > below]
+    return int(later[0]) if later else int(tokens[-1]) + 1
+
+
+def _tp_layer_times(np_: int, iters: int, tokens, mode: str, num_sms: Optional[int] = None) -> Dict[int, float]:
+    argv = ["tp_layer", "--tokens", ",".join(str(t) for t in tokens), "-d", "bfloat16", "-n", str(iters), "-w", "3",
+            "-G", "5", "-np", str(np_), "--device", "cuda", "--backend", "ddacomm", "--tp-mode", mode, "-c", "0"]
+    if num_sms is not None:
+        argv += ["--tp-num-sms", str(num_sms)]
+    result = _run_perf(argv)
+    out = {}
+    for r in result["results"]:
+        t = (r.get("oop") or {}).get("time_us")
+        if r["backend"] == "ddacomm" and t:
+            out[int(r["count"]) // int(r.get("hidden") or 8192)] = t
+    return out
+
+
+def tokenweave_main(np_: int, iters: int, path: Optional[str] = None) -> int:
+    """commlib-tune --tokenweave: measures on this machine (GPU) the wave steps of the Llama-70B
+    layer's GEMMs at ``np_`` ranks (in this process, GPU 0), the fused op's SM budget beside the
+    split layer, and the crossover (``commlib-perf tp_layer`` fused vs split); writes the record."""
+    import torch
+    from . import tokenweave
+    from .perf.ops_tp_layer import CONFIGS
+    cfg = CONFIGS["llama-70b"]
+    shapes = tokenweave.layer_gemm_shapes(cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn, np_)
+    steps = tokenweave.measure_wave_steps(shapes, torch.bfloat16, torch.device("cuda", 0), iters=iters)
+    print("# wave steps (tokens): " + ", ".join(f"{k} {w}" for k, w in steps.items()))
+    record = {"device": torch.cuda.get_device_name(0), "world_size": int(np_), "wave_steps": steps,
+              "split_min_tokens": None, "num_sms": None}
+    try:
+        by_sms = {k: _tp_layer_times(np_, iters, [TOKENWEAVE_NUM_SMS_TOKENS], "split", k).get(
+            TOKENWEAVE_NUM_SMS_TOKENS) for k in TOKENWEAVE_NUM_SMS_CANDIDATES}
+        print("# split layer at %d tokens: " % TOKENWEAVE_NUM_SMS_TOKENS
+              + ", ".join(f"{k} CTAs {t:.1f} us" if t else f"{k} CTAs n/a" for k, t in by_sms.items()))
+        measured = {k: t for k, t in by_sms.items() if t}
+        record["num_sms"] = min(measured, key=lambda k: (measured[k], k)) if measured else None
+        unsplit = _tp_layer_times(np_, iters, TOKENWEAVE_TOKENS, "fused")
+        split = _tp_layer_times(np_, iters, TOKENWEAVE_TOKENS, "split", record["num_sms"])
+        tokens = [t for t in TOKENWEAVE_TOKENS if t in unsplit and t in split]
+        for t in tokens:
+            print(f"  {t:>6d} tokens: fused {unsplit[t]:10.1f} us, split {split[t]:10.1f} us")
+        if tokens:
+            record["split_min_tokens"] = split_crossover(tokens, [unsplit[t] for t in tokens],
+                                                         [split[t] for t in tokens])
+    except RuntimeError as e:  # keep the wave steps; the policy then keeps its built-in crossover
+        print(f"commlib-tune: tokenweave crossover not measured: {e}", file=sys.stderr)
+    written = save_tokenweave(record, path)
+    print(f"# wrote {written}: {json.dumps(record)}")
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="commlib-tune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -275,12 +384,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--cp", action="store_true", help="also measure ring attention's BW and C (commlib.cp.select_mode)")
     p.add_argument("--no-fused", dest="fused", action="store_false",
                    help="GPU: skip the fused kernel's CTA-count sweep (fused_num_sms stays null)")
+    p.add_argument("--tokenweave", action="store_true",
+                   help="GPU: measure only TokenWeave's wave steps, SM budget and split crossover (tokenweave_main)")
     opts = p.parse_args(argv)
     if opts.show:
         print(json.dumps(read_file(opts.file), indent=1))
         return 0
     from .perf.__main__ import _num_gpus
     gpus = _num_gpus()
+    if opts.tokenweave:
+        return tokenweave_main(opts.np or max(1, gpus), opts.iters, opts.file)
     device = opts.device or ("cuda" if gpus >= 2 else "cpu")
     np_ = opts.np or (gpus if device == "cuda" else 2)
     sizes, times = measure(device, np_, opts.minbytes, opts.maxbytes, opts.iters)

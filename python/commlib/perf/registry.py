@@ -41,6 +41,7 @@ PLUGIN_MODULES = (
     "commlib.perf.ops_fused",    # fused_allreduce_rmsnorm (tokens x hidden)
     "commlib.perf.ops_ep",       # ep_dispatch_combine (expert-parallel dispatch + combine)
     "commlib.perf.ops_cp",       # ring_attention (context-parallel prefill, commlib.cp)
+    "commlib.perf.ops_tp_layer",  # tp_layer (a TP decoder layer: sequential / fused / tokenweave)
 )
 
 DTYPES: Dict[str, torch.dtype] = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16}
