@@ -13,7 +13,6 @@
 #include "transport/multicast_guard.hpp"
 #include "transport/cuda_multicast.hpp"
 #include "transport/host_shm.hpp"
-#include "host/p2p.hpp"
 
 namespace commlib {
 
@@ -97,7 +96,7 @@ void Communicator::close() {
   multicast_.reset();  // unbinds memory that cuda_ owns
   cuda_.reset();
   host_.reset();
-  host_p2p_.reset();
+  host_p2p_.reset();  // shared_ptr: the host layer defines HostP2p
 }
 
 void Communicator::check_open(const char* what) const {
@@ -123,12 +122,6 @@ HostShm& Communicator::host() {
 const CommConfig& Communicator::config() {
   if (!config_) config_ = std::make_shared<const CommConfig>(world_size_);
   return *config_;
-}
-
-HostP2p& Communicator::host_p2p() {
-  check_open("host p2p");
-  if (!host_p2p_) host_p2p_ = std::make_unique<HostP2p>(*store_, prefix_, rank_, world_size_, options_.timeout, peer_pids_);
-  return *host_p2p_;
 }
 
 CudaComm& Communicator::cuda(int device) {

@@ -1,6 +1,8 @@
 // Note [host p2p] (p2p.hpp).
 #include "host/p2p.hpp"
 
+#include "commlib/communicator.hpp"
+
 #include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
@@ -401,6 +403,13 @@ void HostP2p::wait(const Handle& request, const char* what) {
     }
   }
   raise_if_failed(*request);
+}
+
+// A Communicator member, defined in the host layer that owns HostP2p (the core may not include it).
+HostP2p& Communicator::host_p2p() {
+  check_open("host p2p");
+  if (!host_p2p_) host_p2p_ = std::make_shared<HostP2p>(*store_, prefix_, rank_, world_size_, options_.timeout, peer_pids_);
+  return *host_p2p_;
 }
 
 }  // namespace commlib

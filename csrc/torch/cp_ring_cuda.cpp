@@ -7,7 +7,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "core/cuda_comm.hpp"
-#include "core/cuda_driver.hpp"
+#include "transport/cuda_driver.hpp"
 #include "torch/bindings.hpp"
 
 namespace py = pybind11;

@@ -104,7 +104,7 @@ class Communicator {
   int multicast_attempts_ = 0;  // store keys of each multicast workspace attempt
   std::unique_ptr<HostShm> host_;
   std::shared_ptr<const CommConfig> config_;
-  std::unique_ptr<HostP2p> host_p2p_;
+  std::shared_ptr<HostP2p> host_p2p_;  // shared_ptr: HostP2p is incomplete here
   std::unique_ptr<CudaComm, void (*)(CudaComm*)> cuda_;
   std::unique_ptr<MulticastWorkspace, void (*)(MulticastWorkspace*)> multicast_;  // released before cuda_
 };
