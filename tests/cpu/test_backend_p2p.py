@@ -214,7 +214,7 @@ def _dead_peer(ctx):
 
 def test_p2p_dead_peer_raises(ranks):
     from conftest import RankFailure
-    pool = ranks(2, env={"COMMLIB_TEST_POOL": "p2p-dead-peer"})
+    pool = ranks(2, env={"P2P_DEAD_PEER_POOL": "1"})  # a pool of its own: rank 1 exits
     with pytest.raises(RankFailure) as info:
         pool.run(_dead_peer, timeout=120)
     assert set(info.value.errors) == {1}, info.value.errors  # rank 0 answered: it saw the exit

@@ -26,7 +26,7 @@ def _dtype_errors(ctx):
     inputs = [torch.Generator().manual_seed(100 + r) for r in range(ctx.world_size)]
     data = [torch.randn(1001, generator=g, dtype=torch.float64) for g in inputs]
     t = data[ctx.rank].to(torch.float32)
-    comm.all_reduce(t)
+    comm.all_reduce_(t)
     expected = torch.stack(data).sum(0)
     torch.testing.assert_close(t.double(), expected, rtol=1e-5, atol=1e-5)
     return True

@@ -292,7 +292,7 @@ def _auto_refuses_bad_tune_file(ctx, path):
             with pytest.raises(ValueError, match=re.escape(f"COMMLIB_TUNE_FILE: cannot read '{path}'")):
                 call()
         x = torch.ones(8)
-        comm.all_reduce(x, algo="flat")  # an explicit algorithm needs no tune file; still usable
+        comm.all_reduce_(x, algo="flat")  # an explicit algorithm needs no tune file; still usable
         assert torch.equal(x, torch.full((8,), float(ctx.world_size)))
         return True
     finally:
