@@ -773,16 +773,20 @@ def _timeouts(ctx, device):
     return True
 
 
+# COMMLIB_TIMEOUT_MS, when set, overrides every group's timeout: these tests need the group's own.
+GROUP_TIMEOUT_ONLY = {"COMMLIB_TIMEOUT_MS": "0"}
+
+
 def test_group_timeout_bounds_every_wait(ranks):
     """A 1 s group whose rank 1 never calls: the first call (transport set-up), a later call and a
     barrier raise DistBackendError "Timed out" naming operation, ranks and phase, on rank 0."""
-    ranks(2).run(_timeouts, "cpu")
+    ranks(2, env=GROUP_TIMEOUT_ONLY).run(_timeouts, "cpu")
 
 
 @pytest.mark.gpu
 def test_group_timeout_bounds_every_wait_cuda(ranks):
     """The same on CUDA tensors: set-up of the GPU transport, a GPU wait, a barrier."""
-    ranks(2).run(_timeouts, "cuda")
+    ranks(2, env=GROUP_TIMEOUT_ONLY).run(_timeouts, "cuda")
 
 
 # ---------------------------------------------------------------------------------------------
