@@ -23,7 +23,6 @@ these pieces; see docs/tokenweave.md.
 from __future__ import annotations
 
 import functools
-import statistics
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -230,31 +229,13 @@ def measure_gemm_times(shape: GemmShape, tokens: Iterable[int], dtype: torch.dty
     weight = torch.randn(shape.n, shape.k, device=device, dtype=torch.float32, generator=g).to(dtype)
     x_max = torch.randn(max(tokens), shape.k, device=device, dtype=torch.float32, generator=g).to(dtype)
     out_max = torch.empty(max(tokens), shape.n, device=device, dtype=dtype)
+    from commlib.perf import harness  # the one CUDA-graph timer
+
     times = []
     for n in tokens:
         x, out = x_max[:n], out_max[:n]
         fn = lambda: torch.matmul(x, weight.t(), out=out)  # noqa: E731
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(iters):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize(device)
-        samples = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3 / iters)
-        times.append(statistics.median(samples))
-        del graph
+        times.append(harness.cuda_graph_us(fn, iters, repeats, device))
     return times
 
 

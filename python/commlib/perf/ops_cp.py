@@ -38,22 +38,13 @@ import torch.distributed as dist
 from .. import cp
 from . import registry
 from .registry import Buffers, Case, Collective, Unsupported
+from .rows import _int_list
 
 NAME = "ring_attention"
 GPU_SHAPE = (64, 8, 128)  # q heads, kv heads, head_dim
 CPU_SHAPE = (8, 2, 64)
 CP_MODES = {"pass_kv": ("pass_kv", "stream"), "pass_q": ("pass_q", "stream"),
             "pass_q_a2a": ("pass_q", "all_to_all"), "auto": ("auto", "stream")}
-
-
-def _int_list(text: str) -> List[int]:
-    try:
-        values = [int(v) for v in text.replace(",", " ").split()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"'{text}': every value must be an integer >= 1")
-    return values
 
 
 def _add(group: argparse._ArgumentGroup) -> None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from typing import List, Optional
 
@@ -39,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..models.llama import LlamaConfig
-from . import registry, rows
+from . import harness, registry, rows
 from .registry import Buffers, Case, Collective, Unsupported
 
 NAME = "tp_layer"
@@ -175,28 +174,7 @@ registry.register(Collective(
 
 def _time_graph(fn, device, iters: int, replays: int) -> float:
     """µs per call: ``iters`` calls in one CUDA graph, median of ``replays`` replays."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize(device)
-    samples = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / iters)
-    del graph
-    return statistics.median(samples)
+    return harness.cuda_graph_us(fn, iters, replays, device)
 
 
 def overlap_cost(layer, x: torch.Tensor, residual: torch.Tensor, device, iters: int, replays: int) -> dict:
