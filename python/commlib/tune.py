@@ -139,6 +139,16 @@ def read_file(path: Optional[str] = None) -> dict:
     return _validate(data, p)
 
 
+def _write(p: Path, data: dict) -> None:
+    """Writes the tune file atomically (a reader never sees half a file)."""
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tune-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, p)
+
+
 def load(key: dict, path: Optional[str] = None) -> Optional[dict]:
     """The cached entry whose key equals ``key`` (see ``make_key``), or None."""
     for entry in read_file(path)["entries"]:
@@ -166,12 +176,7 @@ def save(entry: dict, path: Optional[str] = None) -> Path:
     data["host_all_reduce"] = [{"world_size": e["key"]["world_size"],
                                 "flat_max_bytes": e["all_reduce"]["flat_max_bytes"]}
                                for e in data["entries"] if e["key"].get("link") == "shm"]
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tune-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, p)
+    _write(p, data)
     return p
 
 
@@ -300,12 +305,7 @@ def save_tokenweave(record: dict, path: Optional[str] = None) -> Path:
     keep = [r for r in data.get("tokenweave") or []
             if (r.get("device"), r.get("world_size")) != (record["device"], record["world_size"])]
     data["tokenweave"] = keep + [record]
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tune-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, p)
+    _write(p, data)
     return p
 
 
@@ -495,12 +495,7 @@ def tune_cp(device_type: str, world_size: int, path: Optional[str] = None) -> di
     p = cache_path(path)
     data = read_file(path)
     data["cp"] = [e for e in _cp_entries(data) if e.get("key") != entry["key"]] + [entry]
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tune-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, p)
+    _write(p, data)
     return entry
 
 

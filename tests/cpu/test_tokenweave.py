@@ -13,6 +13,8 @@ import math
 import pytest
 import torch
 
+import layer_checks
+
 from commlib import tokenweave as tw
 from commlib.tokenweave import GemmShape
 
@@ -138,25 +140,7 @@ def _close(got, ref, tol=BF16_TOL):
     """(ok, worst): every element within tol * (1 + |ref|) of ref. The outputs are normalised rows
     (|x| ~ 1): the layer rounds to bf16 (2^-8 relative) after each of ~10 ops, and GEMMs over up to
     192 terms and two norms amplify those roundings by a small factor: 0.08 is about 20 roundings."""
-    diff = (got.double() - ref.double()).abs()
-    bound = tol * (1 + ref.double().abs())
-    return bool((diff <= bound).all()), float(diff.max()) if diff.numel() else 0.0
-
-
-class _PoisonEmpty:
-    """While active, torch.empty returns NaN-filled tensors (floating dtypes)."""
-
-    def __enter__(self):
-        self.real = torch.empty
-
-        def empty(*args, **kwargs):
-            t = self.real(*args, **kwargs)
-            return t.fill_(float("nan")) if t.is_floating_point() else t
-        torch.empty = empty
-        return self
-
-    def __exit__(self, *exc):
-        torch.empty = self.real
+    return layer_checks.close(got, ref, tol)
 
 
 def _inputs(T, hidden, seed):
@@ -197,7 +181,7 @@ def _layer_modes(ctx, dtype_name):
             def run(mode, split=None):
                 r = None if first else residual0.clone()
                 h = hidden.clone()
-                with _PoisonEmpty():
+                with layer_checks.PoisonEmpty():
                     out, new_res = layer(h, r, seq_ids=seq, mode=mode, split=split)
                 assert torch.equal(h, hidden), f"{where}: {mode} modified hidden"
                 assert not out.isnan().any() and not new_res.isnan().any(), f"{where}: {mode} left NaN"
@@ -353,7 +337,7 @@ def _stack(ctx):
     for layer in layers:
         x, res = layer(x, res, seq_ids=seq, mode="fused")
     for split in (None, 33, 64):
-        with _PoisonEmpty():
+        with layer_checks.PoisonEmpty():
             out, res2 = run_layers(layers, hidden, None, seq_ids=seq, mode="tokenweave", split=split)
         assert torch.equal(out, x) and torch.equal(res2, res), f"rank {ctx.rank}: stack split {split} differs"
     with pytest.raises(ValueError, match="run_layers: no layers"):

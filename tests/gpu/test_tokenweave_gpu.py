@@ -12,29 +12,15 @@ same padded batch, bit for bit. Intermediate buffers are NaN-poisoned.
 import pytest
 import torch
 
+import layer_checks
+
 pytestmark = pytest.mark.gpu
 
 TOL = 0.1  # |got - ref| <= TOL * (1 + |ref|): ~10 bf16 roundings in the layer (tests/cpu/test_tokenweave.py)
 
 
 def _close(got, ref, tol=TOL):
-    diff = (got.double().cpu() - ref.double().cpu()).abs()
-    ok = bool((diff <= tol * (1 + ref.double().cpu().abs())).all())
-    return ok, float(diff.max()) if diff.numel() else 0.0
-
-
-class _PoisonEmpty:
-    def __enter__(self):
-        self.real = torch.empty
-
-        def empty(*args, **kwargs):
-            t = self.real(*args, **kwargs)
-            return t.fill_(float("nan")) if t.is_floating_point() else t
-        torch.empty = empty
-        return self
-
-    def __exit__(self, *exc):
-        torch.empty = self.real
+    return layer_checks.close(got, ref, tol)
 
 
 def _config():
@@ -66,7 +52,7 @@ def _eager_modes(ctx):
         splits = sorted({layer.split_for(T), T // 3, T - 1} - {0}) if T > 1 else []
         for mode, split in [("fused", None), ("sequential", None)] + [("tokenweave", s) for s in splits]:
             res = residual0.clone()
-            with _PoisonEmpty():
+            with layer_checks.PoisonEmpty():
                 out, res = layer(hidden, res, seq_ids=seq, mode=mode, split=split)
             torch.cuda.synchronize(dev)
             assert not out.isnan().any() and not res.isnan().any(), f"{where}: {mode} split {split} left NaN"
@@ -172,7 +158,7 @@ def _stack_gpu(ctx):
     x, res = hidden, None
     for layer in layers:
         x, res = layer(x, res, seq_ids=seq, mode="fused")
-    with _PoisonEmpty():
+    with layer_checks.PoisonEmpty():
         out, res2 = run_layers(layers, hidden, None, seq_ids=seq, mode="tokenweave")
     torch.cuda.synchronize(dev)
     ok, worst = _close(out, x)
