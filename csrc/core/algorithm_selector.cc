@@ -139,11 +139,19 @@ struct HostTuneEntry {
   int64_t flat_max_bytes;
 };
 
+struct HierTuneEntry {
+  std::string op;
+  int num_hosts;
+  int local_size;
+  size_t min_bytes;
+};
+
 // What this process needs from one tune file (Note [tune file format]).
 struct TuneFile {
   std::vector<TuneEntry> all_reduce;
   std::vector<FusedTuneEntry> fused_num_sms;
   std::vector<HostTuneEntry> host_all_reduce;
+  std::vector<HierTuneEntry> hierarchical;
 };
 
 // A list-valued top-level section, or nullptr when the file has none.
@@ -200,6 +208,17 @@ TuneFile load_tune_file(const std::string& path) {
     for (const Json& e : list->array) {
       file.host_all_reduce.push_back({static_cast<int>(number_field(e, "host_all_reduce", "world_size", path)),
                                       static_cast<int64_t>(number_field(e, "host_all_reduce", "flat_max_bytes", path))});
+    }
+  }
+  if (const Json* list = section(root, "hierarchical", path)) {
+    for (const Json& e : list->array) {
+      auto op = e.object.find("op");
+      COMMLIB_CHECK(op != e.object.end() && op->second.kind == Json::Kind::kString, InvalidArgument,
+                    "COMMLIB_TUNE_FILE: '", path, "': a hierarchical entry lacks a string \"op\"");
+      file.hierarchical.push_back({op->second.string,
+                                   static_cast<int>(number_field(e, "hierarchical", "num_hosts", path)),
+                                   static_cast<int>(number_field(e, "hierarchical", "local_size", path)),
+                                   static_cast<size_t>(number_field(e, "hierarchical", "min_bytes", path))});
     }
   }
   return file;
@@ -392,6 +411,43 @@ CommConfig::CommConfig(int world_size_in)
   k.order = all_reduce.order;
   ep.want_ll = env::get_bool("COMMLIB_EP_LL");
   ep.order = all_reduce.order;
+}
+
+const char* hier_op_name(HierOp op) {
+  switch (op) {
+    case HierOp::kAllReduce: return "all_reduce";
+    case HierOp::kReduceScatter: return "reduce_scatter";
+    case HierOp::kAllGather: return "all_gather";
+    case HierOp::kBroadcast: return "broadcast";
+    case HierOp::kBarrier: return "barrier";
+    case HierOp::kCount: break;
+  }
+  return "unknown";
+}
+
+HierarchicalSelector::HierarchicalSelector(int num_hosts, int local_size) {
+  for (size_t& m : min_bytes_) m = 0;  // built-in: two-level for every size (Note [hierarchical crossover])
+  const std::string path = tune_file_path();
+  if (!path.empty()) {
+    for (const HierTuneEntry& e : tune_file(path).hierarchical) {
+      if (e.num_hosts != num_hosts || e.local_size != local_size) continue;
+      bool known = false;
+      for (int i = 0; i < static_cast<int>(HierOp::kCount); ++i) {
+        if (e.op == hier_op_name(static_cast<HierOp>(i))) {
+          min_bytes_[i] = e.min_bytes;
+          known = true;
+        }
+      }
+      COMMLIB_CHECK(known, InvalidArgument, "COMMLIB_TUNE_FILE: '", path, "': hierarchical entry has op '", e.op,
+                    "'; valid: all_reduce, reduce_scatter, all_gather, broadcast, barrier");
+    }
+  }
+  const std::string forced = env::get("COMMLIB_HIER_ALGO");
+  COMMLIB_CHECK(forced == "auto" || forced == "hier" || forced == "flat", InvalidArgument, "COMMLIB_HIER_ALGO='",
+                forced, "' not supported; supported: auto, hier, flat");
+  if (forced != "auto") {
+    for (size_t& m : min_bytes_) m = forced == "hier" ? 0 : kNever;
+  }
 }
 
 }  // namespace commlib

@@ -16,13 +16,17 @@
 //      {"world_size": 2, "dtype": "bfloat16", "flat_max_bytes": 131072, "tree_max_bytes": 67108864},
 //      {"world_size": 4, "flat_max_bytes": 65536, "tree_max_bytes": 33554432}, ...]}
 //    "fused_num_sms": [{"world_size": 2, "num_sms": 16}, ...],
-//    "host_all_reduce": [{"world_size": 2, "flat_max_bytes": 65536}, ...]}
+//    "host_all_reduce": [{"world_size": 2, "flat_max_bytes": 65536}, ...],
+//    "hierarchical": [{"op": "all_gather", "num_hosts": 2, "local_size": 8, "min_bytes": 65536}, ...]}
 // An all_reduce entry applies to its world_size and, if "dtype" is present ("float32", "float16",
 // "bfloat16"), to that dtype only; a dtype-specific entry wins over a generic one. A fused_num_sms
 // entry gives, for its world_size, the CTA count commlib-tune measured for the fused all-reduce +
 // RMSNorm P2P kernel (tuned_fused_num_sms below); the last entry for a world size wins. A
 // host_all_reduce entry gives the CPU all-reduce's flat limit for its world size (the last wins;
-// resolve_host_all_reduce below). Unknown
+// resolve_host_all_reduce below). A hierarchical entry gives, for a multi-host group of num_hosts
+// hosts with local_size ranks each, the smallest message of `op` (all_reduce, reduce_scatter,
+// all_gather, broadcast, barrier) that takes the two-level path (Note [hierarchical crossover]);
+// the last matching entry wins. Unknown
 // keys are ignored (other collectives may add their own sections). A file that cannot be read or
 // parsed raises InvalidArgument naming the path. Files are read once per path per process.
 #pragma once
@@ -120,5 +124,29 @@ struct CommConfig {
   HostAllReduceConfig host;
 };
 
+// Note [hierarchical crossover]
+// A "ddacomm" group spanning several hosts runs all_reduce, reduce_scatter, all_gather, broadcast
+// and barrier either flat (the group's inner gloo / NCCL backend) or two-level (commlib inside each
+// host, gloo / NCCL between the hosts; Note [hierarchical collectives] in csrc/torch/hierarchy.hpp).
+// Per op, messages of at least min_bytes go two-level, smaller ones flat. Precedence (highest
+// first): COMMLIB_HIER_ALGO=hier|flat forces every op; the tune file's "hierarchical" entries for
+// (num_hosts, local_size); the built-in limits: two-level from 0 bytes for every op. The built-in
+// table is not measured across hosts (no multi-node machine has run it): two-level sends each
+// element over the network once per host instead of once per rank for the reductions, and keeps the
+// intra-host legs on shared memory / NVLink; commlib-tune --hierarchical measures a real group.
+// Same inputs on every rank give the same choice on every rank (the route must agree).
+enum class HierOp : int { kAllReduce = 0, kReduceScatter, kAllGather, kBroadcast, kBarrier, kCount };
+const char* hier_op_name(HierOp op);
+
+class HierarchicalSelector {
+ public:
+  HierarchicalSelector(int num_hosts, int local_size);  // reads the environment and the tune file
+  bool use_two_level(HierOp op, size_t bytes) const { return bytes >= min_bytes_[static_cast<int>(op)]; }
+  size_t min_bytes(HierOp op) const { return min_bytes_[static_cast<int>(op)]; }
+
+ private:
+  static constexpr size_t kNever = ~size_t{0};
+  size_t min_bytes_[static_cast<int>(HierOp::kCount)];
+};
 
 }  // namespace commlib

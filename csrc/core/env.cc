@@ -51,6 +51,11 @@ const std::vector<Knob>& knobs() {
        "COMMLIB_DISABLE_MULTICAST=1, NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 or "
        "NVSHMEM_DISABLE_NVLS=1 is set."},
       {"COMMLIB_DISABLE_MULTICAST", "0", KnobCategory::kRuntime, "Kill switch: refuse every NVLink multicast path."},
+      {"COMMLIB_HIER_ALGO", "auto", KnobCategory::kRuntime,
+       "A \"ddacomm\" group spanning several hosts: auto: all_reduce, reduce_scatter, all_gather, broadcast "
+       "and barrier run two-level (commlib inside each host, gloo / NCCL between hosts) from the tune file's "
+       "or the built-in crossover on (Note [hierarchical crossover]); hier: always two-level; flat: always "
+       "the group's inner gloo / NCCL. Read once per group."},
       {"COMMLIB_HOST_TREE_THRESHOLD", "262144", KnobCategory::kTuning,
        "CPU all_reduce: messages of at least this many bytes use tree (reduce-scatter + "
        "all-gather), smaller ones flat."},
@@ -109,6 +114,10 @@ const std::vector<Knob>& knobs() {
       {"COMMLIB_TEST_SHARE_GPUS", "0", KnobCategory::kTestOnly,
        "tests/conftest.py: 1 lets a test's ranks share the GPUs there are (rank r on GPU r mod count), "
        "so world sizes above the GPU count run on one machine; 0: such tests skip."},
+      {"COMMLIB_TEST_HOST_ID", "", KnobCategory::kTestOnly,
+       "Testing only: when set, a \"ddacomm\" group takes this string as the host of the calling rank "
+       "instead of the host name and boot id (python/commlib/backend_registration.py), so that ranks on "
+       "one machine can act as several hosts (the hierarchical paths); empty: the real host."},
       {"COMMLIB_TEST_PROGRESS", "0", KnobCategory::kTestOnly,
        "tests/conftest.py: 1 makes rank 0 print each test step with the time (run pytest with -s)."},
       {"COMMLIB_NO_CUDA", "0", KnobCategory::kBuild,

@@ -19,6 +19,9 @@
 //   CUDA: all_reduce (sum/avg, float32/float16/bfloat16, contiguous, where the selector picks
 //         flat or tree for the byte count) -> torch_layer::all_reduce_cuda; everything else
 //         (including sizes where the selector picks "nccl") -> NCCL.
+//   Several hosts (no communicator): all_reduce / reduce_scatter / all_gather / broadcast / barrier
+//         of one dense tensor -> two-level (Note [hierarchical collectives]) when the hosts are of
+//         equal size and the crossover admits the byte count; the rest -> gloo / NCCL of the group.
 #include "torch/backend.hpp"
 
 #include <c10/util/Exception.h>
@@ -201,6 +204,7 @@ c10::intrusive_ptr<c10d::Backend::Options> DdaBackend::getBackendOptions() {
 
 void DdaBackend::setTimeout(std::chrono::milliseconds timeout) {
   config_.timeout = timeout;
+  if (hier_) hier_->set_timeout(timeout);
   gloo_->setTimeout(timeout);
   if (nccl_) nccl_->setTimeout(timeout);
 }
@@ -215,6 +219,7 @@ void DdaBackend::shutdown() {
   shut_down_ = true;
   // Closing the communicator is local (never waits for peers), so destroy_process_group is prompt.
   if (comm_) comm_->close();
+  if (hier_) hier_->shutdown();
   if (nccl_) nccl_->shutdown();
   gloo_->shutdown();
 }
@@ -222,8 +227,43 @@ void DdaBackend::shutdown() {
 void DdaBackend::abort() {
   shut_down_ = true;
   if (comm_) comm_->close();
+  if (hier_) hier_->abort();
   if (nccl_) nccl_->abort();
   gloo_->abort();
+}
+
+void DdaBackend::attach_hierarchy(std::unique_ptr<Hierarchy> hierarchy) {
+  TORCH_CHECK_VALUE(!comm_ && !hier_, "ddacomm: a hierarchy is attached once, to a group spanning several hosts");
+  TORCH_CHECK_VALUE(hierarchy && hierarchy->layout().world_size() == getSize(), "ddacomm: the hierarchy covers ",
+                    hierarchy ? hierarchy->layout().world_size() : 0, " ranks but the group has ", getSize());
+  hier_ = std::move(hierarchy);
+}
+
+bool DdaBackend::two_level(HierOp op, const std::vector<at::Tensor>& tensors, size_t bytes) const {
+  if (!hier_ || shut_down_ || tensors.empty()) return false;
+  for (const auto& t : tensors) {
+    if (!t.defined() || t.layout() != at::kStrided || t.device().type() != tensors[0].device().type() ||
+        !(t.device().is_cpu() || t.device().is_cuda())) {
+      return false;
+    }
+  }
+  return hier_->two_level(op, bytes);
+}
+
+c10::intrusive_ptr<c10d::Work> DdaBackend::run_two_level(c10d::OpType op, const at::Device& device,
+                                                         std::vector<at::Tensor> outputs,
+                                                         const std::function<void()>& body) {
+  if (device.is_cuda()) {
+    cuda_used_ = true;
+#if defined(COMMLIB_TORCH_CUDA)
+    c10::cuda::CUDAGuard device_guard(device.index());
+    body();
+    return c10::make_intrusive<CudaWork>(getRank(), op, std::move(outputs),
+                                         c10::cuda::getCurrentCUDAStream(device.index()));
+#endif
+  }
+  body();
+  return c10::make_intrusive<CompletedWork>(getRank(), op, std::move(outputs));
 }
 
 c10d::Backend& DdaBackend::nccl(const char* what) {
@@ -322,6 +362,12 @@ bool DdaBackend::cpu_reduction(const char* what, c10d::OpType kind, const std::v
 
 c10::intrusive_ptr<c10d::Work> DdaBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                      const c10d::AllreduceOptions& opts) {
+  if (tensors.size() == 1 && Hierarchy::splits(opts.reduceOp, tensors[0].scalar_type()) &&
+      two_level(HierOp::kAllReduce, tensors, tensors[0].numel() * tensors[0].element_size())) {
+    if (auto op = to_reduce_op(opts.reduceOp)) check_reduction("allreduce", tensors[0].scalar_type(), *op);
+    return run_two_level(c10d::OpType::ALLREDUCE, tensors[0].device(), tensors,
+                         [&] { hier_->all_reduce(tensors[0], opts.reduceOp); });
+  }
   if (tensors.size() == 1 && cpu_fast(tensors) &&
       cpu_reduction("allreduce", c10d::OpType::ALLREDUCE, tensors, opts.reduceOp)) {
     at::Tensor& t = tensors[0];
@@ -421,6 +467,10 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::reduce(std::vector<at::Tensor>& tenso
 
 c10::intrusive_ptr<c10d::Work> DdaBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                      const c10d::BroadcastOptions& opts) {
+  if (tensors.size() == 1 && two_level(HierOp::kBroadcast, tensors, tensors[0].numel() * tensors[0].element_size())) {
+    return run_two_level(c10d::OpType::BROADCAST, tensors[0].device(), tensors,
+                         [&] { hier_->broadcast(tensors[0], static_cast<int>(opts.rootRank)); });
+  }
   if (tensors.size() == 1 && cpu_fast(tensors) && all_of(tensors, is_movable_type)) {
     TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < getSize(), "broadcast: root rank ", opts.rootRank,
                       " out of range; valid: 0..", getSize() - 1);
@@ -433,6 +483,18 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::broadcast(std::vector<at::Tensor>& te
 c10::intrusive_ptr<c10d::Work> DdaBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                      std::vector<at::Tensor>& inputs,
                                                      const c10d::AllgatherOptions& opts) {
+  if (inputs.size() == 1 && outputs.size() == 1 &&
+      two_level(HierOp::kAllGather, inputs, inputs[0].numel() * inputs[0].element_size())) {
+    std::vector<at::Tensor>& outs = outputs[0];
+    TORCH_CHECK_VALUE(static_cast<int>(outs.size()) == getSize(), "allgather: got ", outs.size(),
+                      " output tensors; expected world_size = ", getSize());
+    check_gather_list("allgather", outs, inputs[0]);
+    return run_two_level(c10d::OpType::ALLGATHER, inputs[0].device(), outs, [&] {
+      at::Tensor flat = at::empty({getSize(), inputs[0].numel()}, inputs[0].options());
+      hier_->all_gather(flat, inputs[0]);
+      for (int r = 0; r < getSize(); ++r) outs[r].copy_(flat[r].view(outs[r].sizes()));
+    });
+  }
   if (inputs.size() == 1 && outputs.size() == 1 && cpu_fast(inputs) && cpu_fast(outputs[0]) &&
       all_of(inputs, is_movable_type)) {
     const at::Tensor& in = inputs[0];
@@ -458,6 +520,10 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::allgather(std::vector<std::vector<at:
 c10::intrusive_ptr<c10d::Work> DdaBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                            const c10d::AllgatherOptions& opts) {
   std::vector<at::Tensor> both{output, input};
+  if (two_level(HierOp::kAllGather, both, input.numel() * input.element_size())) {
+    return run_two_level(c10d::OpType::_ALLGATHER_BASE, input.device(), {output},
+                         [&] { hier_->all_gather(output, input); });
+  }
   if (cpu_fast(both) && all_of(both, is_movable_type)) {
     run_fast("all_gather_into_tensor", [&] { all_gather(*comm_, output, input); });
     return completed(c10d::OpType::_ALLGATHER_BASE, {output});
@@ -585,6 +651,17 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::scatter(std::vector<at::Tensor>& outp
 c10::intrusive_ptr<c10d::Work> DdaBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                           std::vector<std::vector<at::Tensor>>& inputs,
                                                           const c10d::ReduceScatterOptions& opts) {
+  if (outputs.size() == 1 && inputs.size() == 1 && Hierarchy::splits(opts.reduceOp, outputs[0].scalar_type()) &&
+      two_level(HierOp::kReduceScatter, outputs, outputs[0].numel() * outputs[0].element_size())) {
+    at::Tensor& out = outputs[0];
+    check_gather_list("reduce_scatter", inputs[0], out);
+    if (auto op = to_reduce_op(opts.reduceOp)) check_reduction("reduce_scatter", out.scalar_type(), *op);
+    return run_two_level(c10d::OpType::REDUCE_SCATTER, out.device(), outputs, [&] {
+      std::vector<at::Tensor> flat;
+      for (const auto& t : inputs[0]) flat.push_back(t.reshape({-1}));
+      hier_->reduce_scatter(out, at::cat(flat), opts.reduceOp);
+    });
+  }
   if (outputs.size() == 1 && inputs.size() == 1 && cpu_fast(outputs) && cpu_fast(inputs[0]) &&
       cpu_reduction("reduce_scatter", c10d::OpType::REDUCE_SCATTER, outputs, opts.reduceOp)) {
     at::Tensor& out = outputs[0];
@@ -613,6 +690,12 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::reduce_scatter(std::vector<at::Tensor
 c10::intrusive_ptr<c10d::Work> DdaBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                 const c10d::ReduceScatterOptions& opts) {
   std::vector<at::Tensor> both{output, input};
+  if (Hierarchy::splits(opts.reduceOp, output.scalar_type()) &&
+      two_level(HierOp::kReduceScatter, both, output.numel() * output.element_size())) {
+    if (auto op = to_reduce_op(opts.reduceOp)) check_reduction("reduce_scatter_tensor", output.scalar_type(), *op);
+    return run_two_level(c10d::OpType::_REDUCE_SCATTER_BASE, input.device(), {output},
+                         [&] { hier_->reduce_scatter(output, input, opts.reduceOp); });
+  }
   if (cpu_fast(both) &&
       cpu_reduction("reduce_scatter_tensor", c10d::OpType::_REDUCE_SCATTER_BASE, both, opts.reduceOp)) {
     run_fast("reduce_scatter_tensor", [&] {
@@ -727,6 +810,13 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::recvAnysource(std::vector<at::Tensor>
 
 c10::intrusive_ptr<c10d::Work> DdaBackend::barrier(const c10d::BarrierOptions& opts) {
   TORCH_CHECK(!shut_down_, "barrier: the ddacomm process group was shut down");
+  if (hier_ && hier_->two_level(HierOp::kBarrier, 0)) {
+#if defined(COMMLIB_TORCH_CUDA)
+    if (cuda_used_) c10::cuda::device_synchronize();  // as below: queued GPU work is done after it
+#endif
+    hier_->barrier();
+    return completed(c10d::OpType::BARRIER, {});
+  }
   if (!comm_) return fallback(gloo_->barrier(opts));
 #if defined(COMMLIB_TORCH_CUDA)
   // Like NCCL's barrier, the GPU work this rank queued before the barrier is finished after it.
@@ -784,7 +874,39 @@ void bind_backend(py::module_& m) {
       .def_property_readonly("has_fast_path", &DdaBackend::has_fast_path)
       .def_property_readonly("nccl_created", &DdaBackend::nccl_created)
       .def_property_readonly("num_fast_calls", &DdaBackend::num_fast_calls)
-      .def_property_readonly("num_fallback_calls", &DdaBackend::num_fallback_calls);
+      .def_property_readonly("num_fallback_calls", &DdaBackend::num_fallback_calls)
+      .def(
+          "_attach_hierarchy",
+          [](DdaBackend& self, int num_hosts, int local_size, int host_index, int local_rank, std::vector<int> rank_of,
+             const c10::intrusive_ptr<c10d::Backend>& intra, const c10::intrusive_ptr<c10d::Backend>& inter_gloo,
+             py::object inter_nccl_factory, std::chrono::milliseconds timeout) {
+            HostLayout layout{num_hosts, local_size, host_index, local_rank, std::move(rank_of)};
+            self.attach_hierarchy(std::make_unique<Hierarchy>(std::move(layout), intra, inter_gloo,
+                                                              python_factory(std::move(inter_nccl_factory)), timeout));
+          },
+          py::arg("num_hosts"), py::arg("local_size"), py::arg("host_index"), py::arg("local_rank"),
+          py::arg("rank_of"), py::arg("intra"), py::arg("inter_gloo"), py::arg("inter_nccl_factory"),
+          py::arg("timeout"),
+          "Makes this multi-host group run two-level collectives (Note [hierarchical collectives]); "
+          "backend_registration calls it once, at group creation.")
+      .def(
+          "_inter_host_backend",
+          [](DdaBackend& self, const at::Device& device) {
+            TORCH_CHECK_VALUE(self.hierarchy() != nullptr, "ddacomm: this group has no hierarchy");
+            return self.hierarchy()->inter(device, "inter-host backend");
+          },
+          py::arg("device"), "The inter-host gloo (cpu) or NCCL (cuda) backend of a multi-host group.")
+      .def_property_readonly("hierarchical", [](const DdaBackend& self) { return self.hierarchy() != nullptr; })
+      .def_property_readonly("host_layout",
+                             [](const DdaBackend& self) -> py::object {
+                               const Hierarchy* h = self.hierarchy();
+                               if (h == nullptr) return py::none();
+                               const HostLayout& l = h->layout();
+                               return py::make_tuple(l.num_hosts, l.local_size, l.host_index, l.local_rank);
+                             })
+      .def_property_readonly("num_hierarchical_calls", [](const DdaBackend& self) -> int64_t {
+        return self.hierarchy() ? self.hierarchy()->num_calls() : 0;
+      });
 }
 
 BindingRegistrar registrar("backend", bind_backend);

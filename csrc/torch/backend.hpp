@@ -28,6 +28,7 @@
 
 #include "commlib/communicator.hpp"
 #include "core/algorithm_selector.hpp"
+#include "torch/hierarchy.hpp"
 #include "torch/p2p.hpp"
 
 namespace commlib::torch_layer {
@@ -63,6 +64,10 @@ class DdaBackend final : public c10d::Backend {
   // Number of calls served by commlib / by an inner backend (for tests of the routing rules).
   int64_t num_fast_calls() const { return num_fast_calls_; }
   int64_t num_fallback_calls() const { return num_fallback_calls_; }
+  // A group spanning several hosts of equal size: its two-level paths (Note [hierarchical
+  // collectives]); attached once, right after construction, before any call.
+  void attach_hierarchy(std::unique_ptr<Hierarchy> hierarchy);
+  Hierarchy* hierarchy() const { return hier_.get(); }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
@@ -136,7 +141,14 @@ class DdaBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> route_cuda_all_reduce(std::vector<at::Tensor>& tensors,
                                                        const c10d::AllreduceOptions& opts);
 
+  // True when a call of `op` on `tensors` (`bytes` per rank) takes the two-level path.
+  bool two_level(HierOp op, const std::vector<at::Tensor>& tensors, size_t bytes) const;
+  // Runs a two-level call and returns its Work (completed on CPU; on the current stream on CUDA).
+  c10::intrusive_ptr<c10d::Work> run_two_level(c10d::OpType op, const at::Device& device,
+                                               std::vector<at::Tensor> outputs, const std::function<void()>& body);
+
   std::shared_ptr<Communicator> comm_;
+  std::unique_ptr<Hierarchy> hier_;
   c10::intrusive_ptr<c10d::Backend> gloo_;
   c10::intrusive_ptr<c10d::Backend> nccl_;
   InnerFactory nccl_factory_;

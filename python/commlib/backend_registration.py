@@ -7,6 +7,10 @@ For each process group the creator builds, from the group's store:
   * a commlib communicator (CPU shared-memory collectives, GPU fast paths) when every rank of the
     group is on this host (decided collectively through the store), else none; torch.ops.commlib
     ops name it ``"ddacomm-" + group_name`` (docs/ops.md);
+  * when the ranks span several hosts with the same number of ranks each: a hierarchy (an intra-host
+    "ddacomm" backend over this host's ranks and an inter-host gloo / NCCL group of the ranks with
+    this local index) for the two-level collectives (csrc/torch/hierarchy.hpp, Note [hierarchical
+    collectives]; docs/multinode.md);
   * an inner gloo backend for the CPU calls commlib does not take;
   * an inner NCCL backend for the CUDA calls it does not take, created on first CUDA use only
     (a CPU-only process never touches NCCL).
@@ -23,6 +27,9 @@ _registered = False
 
 
 def _host_id() -> str:
+    override = os.environ.get("COMMLIB_TEST_HOST_ID", "")
+    if override:  # tests: ranks of one machine act as several hosts
+        return override
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -31,8 +38,8 @@ def _host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _single_host(store, rank: int, world_size: int, timeout: timedelta) -> bool:
-    """True when every rank of the group runs on this host (collective over the store).
+def _host_ids(store, rank: int, world_size: int, timeout: timedelta) -> list:
+    """Every rank's host id, in group-rank order (collective over the store).
 
     Waits at most the group's ``timeout`` (not the store's own) for the other ranks."""
     import torch.distributed as dist
@@ -45,7 +52,42 @@ def _single_host(store, rank: int, world_size: int, timeout: timedelta) -> bool:
             raise dist.DistBackendError(
                 f"ddacomm group creation: Timed out after {timeout.total_seconds() * 1000:.0f} ms: rank {rank} "
                 f"waiting for rank {r} at set-up phase 'host' ({e})") from e
-    return all(store.get(f"host/{r}").decode() == mine for r in range(world_size))
+    return [store.get(f"host/{r}").decode() for r in range(world_size)]
+
+
+class HostLayout:
+    """The group's ranks by host: hosts numbered in the order of their lowest rank, a rank's local
+    index its order among its host's ranks (Note [hierarchical collectives])."""
+
+    def __init__(self, host_ids, rank: int):
+        order = []
+        members = {}
+        for r, h in enumerate(host_ids):
+            if h not in members:
+                order.append(h)
+                members[h] = []
+            members[h].append(r)
+        self.hosts = [members[h] for h in order]  # group ranks of each host
+        self.sizes = [len(m) for m in self.hosts]
+        self.num_hosts = len(self.hosts)
+        self.host_index = order.index(host_ids[rank])
+        self.local_rank = self.hosts[self.host_index].index(rank)
+
+    @property
+    def uniform(self) -> bool:
+        return len(set(self.sizes)) == 1
+
+    @property
+    def local_size(self) -> int:
+        return self.sizes[self.host_index]
+
+    def rank_of(self) -> list:
+        """Group rank of local index l on host h at [h * local_size + l] (uniform layouts)."""
+        return [r for host in self.hosts for r in host]
+
+    def peers(self) -> list:
+        """Group ranks with this rank's local index, in host order (the inter-host group)."""
+        return [host[self.local_rank] for host in self.hosts]
 
 
 def _group_token(store, rank: int, timeout: timedelta) -> str:
@@ -107,7 +149,8 @@ def _create_backend(dist_opts, backend_options=None):
     global_ranks = list(dist_opts.global_ranks_in_group) or list(range(world_size))
 
     comm = None
-    if _single_host(dist.PrefixStore("ddacomm/", store), rank, world_size, timeout):
+    layout = HostLayout(_host_ids(dist.PrefixStore("ddacomm/", store), rank, world_size, timeout), rank)
+    if layout.num_hosts == 1:
         # A name no other communicator of this process has: the core numbers communicators of one
         # name in creation order, and a rank creates only the subgroups it belongs to, so a name
         # reused per group id ("2") would number differently on different ranks.
@@ -118,7 +161,63 @@ def _create_backend(dist_opts, backend_options=None):
     gloo = _make_gloo(dist.PrefixStore("ddacomm/gloo/", store), rank, world_size, timeout, group_name, global_ranks)
     nccl = _nccl_factory(dist.PrefixStore("ddacomm/nccl/", store), rank, world_size, timeout, group_name,
                          global_ranks, backend_options)
-    return _C.DdaBackend(rank, world_size, comm, gloo, nccl, timeout, group_name, global_ranks)
+    backend = _C.DdaBackend(rank, world_size, comm, gloo, nccl, timeout, group_name, global_ranks)
+    if layout.num_hosts > 1 and layout.uniform:
+        _attach_hierarchy(backend, layout, store, rank, timeout, group_name, global_ranks, backend_options)
+    return backend
+
+
+def _attach_hierarchy(backend, layout: HostLayout, store, rank: int, timeout: timedelta, group_name: str,
+                      global_ranks, backend_options) -> None:
+    """Gives a multi-host group its intra-host backend and inter-host groups (built from the group's
+    store, under per-host and per-local-index prefixes)."""
+    import torch.distributed as dist
+
+    from . import _C
+    h, l, size = layout.host_index, layout.local_rank, layout.local_size
+    host_ranks = [global_ranks[r] for r in layout.hosts[h]]
+    intra_store = dist.PrefixStore(f"ddacomm/host{h}/", store)
+    token = _group_token(store, rank, timeout)
+    intra_comm = _C.Communicator(dist.PrefixStore("commlib/", intra_store), l, size,
+                                 f"ddacomm-{group_name}-host{h}-{token}", timeout.total_seconds())
+    intra_name = f"{group_name}/host{h}"
+    intra = _C.DdaBackend(l, size, intra_comm,
+                          _make_gloo(dist.PrefixStore("gloo/", intra_store), l, size, timeout, intra_name, host_ranks),
+                          _nccl_factory(dist.PrefixStore("nccl/", intra_store), l, size, timeout, intra_name,
+                                        host_ranks, backend_options),
+                          timeout, intra_name, host_ranks)
+    peer_ranks = [global_ranks[r] for r in layout.peers()]
+    inter_store = dist.PrefixStore(f"ddacomm/local{l}/", store)
+    inter_name = f"{group_name}/local{l}"
+    inter_gloo = _make_gloo(dist.PrefixStore("gloo/", inter_store), h, layout.num_hosts, timeout, inter_name,
+                            peer_ranks)
+    inter_nccl = _nccl_factory(dist.PrefixStore("nccl/", inter_store), h, layout.num_hosts, timeout, inter_name,
+                               peer_ranks, backend_options)
+    backend._attach_hierarchy(layout.num_hosts, size, h, l, layout.rank_of(), intra, inter_gloo, inter_nccl, timeout)
+    _hierarchies[group_name] = Hierarchy(layout, intra, intra_comm, inter_gloo, backend, store, timeout)
+
+
+class Hierarchy:
+    """Python's view of a multi-host group's hierarchy (the fused all-reduce + RMSNorm runs its legs
+    here: commlib.hierarchy)."""
+
+    def __init__(self, layout: HostLayout, intra, intra_comm, inter_gloo, backend, store, timeout: timedelta):
+        self.layout = layout
+        self.intra = intra            # DdaBackend over this host's ranks
+        self.intra_comm = intra_comm  # its commlib communicator
+        self.inter_gloo = inter_gloo
+        self.backend = backend        # the group's DdaBackend (its inter NCCL is created there)
+        self.store = store
+        self.timeout = timeout
+        self.self_comm = None         # a world-1 communicator for the norm of the reduced shard
+
+
+_hierarchies: dict = {}
+
+
+def hierarchy_of(group_name: str):
+    """The Hierarchy of the "ddacomm" group named ``group_name``, or None (one host, or uneven hosts)."""
+    return _hierarchies.get(str(group_name))
 
 
 def register_backend() -> bool:

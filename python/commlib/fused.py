@@ -80,6 +80,9 @@ def fused_allreduce_rmsnorm(comm, x: torch.Tensor, residual: torch.Tensor, weigh
                             algo: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
     """``residual += all_reduce(x); out = rms_norm(residual) * weight``. Collective.
 
+    ``comm``: a ``commlib.Communicator``, or a "ddacomm" process group (one host: its communicator;
+    several hosts: the two-level path of ``commlib.hierarchy``, residual_mode "replicated" only).
+
     x, residual: [tokens, hidden] (hidden a multiple of 8, at most 16384); weight: [hidden]; one
     dtype (bfloat16, float16; float32 on CPU). ``residual_mode``:
 
@@ -111,7 +114,16 @@ def fused_allreduce_rmsnorm(comm, x: torch.Tensor, residual: torch.Tensor, weigh
         raise ValueError(f"fused_allreduce_rmsnorm: num_sms {num_sms!r} must be a positive int or None")
     if out is not None and not isinstance(out, torch.Tensor):
         raise TypeError(f"fused_allreduce_rmsnorm: out must be a torch.Tensor, got {type(out).__name__}")
-    args = (x, residual, weight, float(eps), comm.group_name, residual_mode, int(num_sms or 0), algo)
+    group_name = comm.group_name
+    if isinstance(comm, dist.ProcessGroup):  # a "ddacomm" group: its communicator, or its hierarchy
+        from .backend_registration import hierarchy_of
+        h = hierarchy_of(comm.group_name)
+        if h is not None:
+            from . import hierarchy
+            return hierarchy.fused_allreduce_rmsnorm(h, x, residual, weight, eps, residual_mode, out,
+                                                     int(num_sms or 0), algo)
+        group_name = "ddacomm-" + comm.group_name
+    args = (x, residual, weight, float(eps), group_name, residual_mode, int(num_sms or 0), algo)
     if torch.compiler.is_compiling():
         if out is None:
             return torch.ops.commlib.fused_allreduce_rmsnorm(*args), residual

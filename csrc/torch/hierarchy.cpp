@@ -1,0 +1,215 @@
+// Hierarchy (csrc/torch/hierarchy.hpp): the legs of the two-level collectives, each a call on an
+// inner c10d backend (Note [hierarchical collectives]).
+#include "torch/hierarchy.hpp"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <algorithm>
+
+namespace commlib::torch_layer {
+namespace {
+
+// Waits for a leg: a CPU leg has finished after it; a CUDA leg's stream precedes the current one.
+void finish(const c10::intrusive_ptr<c10d::Work>& work) {
+  if (work) work->wait();
+}
+
+c10d::ReduceOp leg_op(const c10d::ReduceOp& op) {
+  return op.op_ == c10d::ReduceOp::AVG ? c10d::ReduceOp(c10d::ReduceOp::SUM) : op;
+}
+
+template <typename Options>
+Options leg_options(std::chrono::milliseconds timeout) {
+  Options o;
+  o.timeout = timeout;
+  o.asyncOp = false;
+  return o;
+}
+
+}  // namespace
+
+Hierarchy::Hierarchy(HostLayout layout, c10::intrusive_ptr<c10d::Backend> intra,
+                     c10::intrusive_ptr<c10d::Backend> inter_gloo, InnerFactory inter_nccl_factory,
+                     std::chrono::milliseconds timeout)
+    : layout_(std::move(layout)),
+      intra_(std::move(intra)),
+      inter_gloo_(std::move(inter_gloo)),
+      inter_nccl_factory_(std::move(inter_nccl_factory)),
+      timeout_(timeout),
+      selector_(layout_.num_hosts, layout_.local_size) {
+  const HostLayout& l = layout_;
+  TORCH_CHECK_VALUE(l.num_hosts >= 1 && l.local_size >= 1 && l.host_index >= 0 && l.host_index < l.num_hosts &&
+                        l.local_rank >= 0 && l.local_rank < l.local_size &&
+                        static_cast<int>(l.rank_of.size()) == l.world_size(),
+                    "ddacomm hierarchy: inconsistent layout: ", l.num_hosts, " hosts x ", l.local_size,
+                    " ranks, host ", l.host_index, ", local rank ", l.local_rank, ", ", l.rank_of.size(), " ranks");
+  TORCH_CHECK_VALUE(intra_ && intra_->getSize() == l.local_size && intra_->getRank() == l.local_rank,
+                    "ddacomm hierarchy: the intra-host backend must be rank ", l.local_rank, " of ", l.local_size);
+  TORCH_CHECK_VALUE(inter_gloo_ && inter_gloo_->getSize() == l.num_hosts && inter_gloo_->getRank() == l.host_index,
+                    "ddacomm hierarchy: the inter-host backend must be rank ", l.host_index, " of ", l.num_hosts);
+}
+
+bool Hierarchy::splits(const c10d::ReduceOp& op, at::ScalarType dtype) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM: case c10d::ReduceOp::PRODUCT: case c10d::ReduceOp::MIN: case c10d::ReduceOp::MAX:
+    case c10d::ReduceOp::BAND: case c10d::ReduceOp::BOR: case c10d::ReduceOp::BXOR:
+      return true;
+    case c10d::ReduceOp::AVG:  // SUM in the legs, one division at the end: floating types only
+      return at::isFloatingType(dtype);
+    default:
+      return false;
+  }
+}
+
+const c10::intrusive_ptr<c10d::Backend>& Hierarchy::inter(const at::Device& device, const char* what) {
+  if (device.is_cpu()) return inter_gloo_;
+  TORCH_CHECK_TYPE(device.is_cuda(), what, ": tensors on device ", device.str(),
+                   " are not supported; supported: cpu, cuda");
+  std::lock_guard<std::mutex> lock(nccl_mutex_);
+  if (!inter_nccl_) {
+    TORCH_CHECK_TYPE(static_cast<bool>(inter_nccl_factory_), what,
+                     ": CUDA tensors need the NCCL backend, which this torch build or machine lacks; "
+                     "supported here: cpu tensors");
+    inter_nccl_ = inter_nccl_factory_();
+    TORCH_CHECK(inter_nccl_, what, ": creating the inter-host NCCL backend failed");
+  }
+  return inter_nccl_;
+}
+
+at::Tensor Hierarchy::local_major_ranks(const at::Device& device) const {
+  const int H = layout_.num_hosts, L = layout_.local_size;
+  std::vector<int64_t> ranks(static_cast<size_t>(H) * L);
+  for (int l = 0; l < L; ++l) {
+    for (int h = 0; h < H; ++h) ranks[static_cast<size_t>(l) * H + h] = layout_.rank_of[static_cast<size_t>(h) * L + l];
+  }
+  return at::tensor(ranks, at::TensorOptions().dtype(at::kLong)).to(device);
+}
+
+void Hierarchy::all_reduce(at::Tensor& tensor, const c10d::ReduceOp& op) {
+  ++num_calls_;
+  const int64_t n = tensor.numel();
+  if (n == 0) return;
+  const int L = layout_.local_size;
+  const c10d::ReduceOp legs = leg_op(op);
+  const int64_t shard_numel = (n + L - 1) / L;
+  // Zero padding: its results are dropped, and every reduction is defined on zeros.
+  at::Tensor padded = at::zeros({shard_numel * L}, tensor.options().memory_format(at::MemoryFormat::Contiguous));
+  padded.narrow(0, 0, n).copy_(tensor.reshape({-1}));
+  at::Tensor shard = L == 1 ? padded : at::empty({shard_numel}, padded.options());
+  if (L > 1) {
+    auto o = leg_options<c10d::ReduceScatterOptions>(timeout_);
+    o.reduceOp = legs;
+    finish(intra_->_reduce_scatter_base(shard, padded, o));
+  }
+  {
+    auto o = leg_options<c10d::AllreduceOptions>(timeout_);
+    o.reduceOp = legs;
+    std::vector<at::Tensor> one{shard};
+    finish(inter(tensor.device(), "allreduce")->allreduce(one, o));
+  }
+  if (op.op_ == c10d::ReduceOp::AVG) shard.div_(layout_.world_size());
+  if (L > 1) finish(intra_->_allgather_base(padded, shard, leg_options<c10d::AllgatherOptions>(timeout_)));
+  tensor.copy_(padded.narrow(0, 0, n).view(tensor.sizes()));
+}
+
+void Hierarchy::reduce_scatter(at::Tensor& output, const at::Tensor& input, const c10d::ReduceOp& op) {
+  ++num_calls_;
+  const int W = layout_.world_size(), H = layout_.num_hosts, L = layout_.local_size;
+  TORCH_CHECK_TYPE(input.scalar_type() == output.scalar_type(), "reduce_scatter_tensor: input is ",
+                   input.scalar_type(), " but output is ", output.scalar_type(), "; both must have the same dtype");
+  TORCH_CHECK_VALUE(input.numel() == output.numel() * W, "reduce_scatter_tensor: input has ", input.numel(),
+                    " elements but must have world_size (", W, ") x output (", output.numel(), ") = ",
+                    output.numel() * W);
+  const int64_t n = output.numel();
+  if (n == 0) return;
+  const c10d::ReduceOp legs = leg_op(op);
+  // Blocks in [local index][host] order: the intra leg hands local index l the blocks of the ranks
+  // with local index l, one per host, in host order (the inter leg's rank order).
+  at::Tensor arranged = input.reshape({W, n}).index_select(0, local_major_ranks(input.device())).reshape({-1});
+  at::Tensor mine = L == 1 ? arranged : at::empty({static_cast<int64_t>(H) * n}, arranged.options());
+  if (L > 1) {
+    auto o = leg_options<c10d::ReduceScatterOptions>(timeout_);
+    o.reduceOp = legs;
+    finish(intra_->_reduce_scatter_base(mine, arranged, o));
+  }
+  at::Tensor result = at::empty({n}, mine.options());
+  {
+    auto o = leg_options<c10d::ReduceScatterOptions>(timeout_);
+    o.reduceOp = legs;
+    finish(inter(input.device(), "reduce_scatter_tensor")->_reduce_scatter_base(result, mine, o));
+  }
+  if (op.op_ == c10d::ReduceOp::AVG) result.div_(W);
+  output.copy_(result.view(output.sizes()));
+}
+
+void Hierarchy::all_gather(at::Tensor& output, const at::Tensor& input) {
+  ++num_calls_;
+  const int W = layout_.world_size(), H = layout_.num_hosts, L = layout_.local_size;
+  TORCH_CHECK_TYPE(input.scalar_type() == output.scalar_type(), "all_gather_into_tensor: input is ",
+                   input.scalar_type(), " but output is ", output.scalar_type(), "; both must have the same dtype");
+  TORCH_CHECK_VALUE(output.numel() == input.numel() * W, "all_gather_into_tensor: output has ", output.numel(),
+                    " elements but must have world_size (", W, ") x input (", input.numel(), ") = ",
+                    input.numel() * W);
+  const int64_t n = input.numel();
+  if (n == 0) return;
+  const at::Tensor in = input.contiguous().reshape({-1});
+  at::Tensor per_host = at::empty({static_cast<int64_t>(H) * n}, in.options());
+  finish(inter(input.device(), "all_gather_into_tensor")
+             ->_allgather_base(per_host, const_cast<at::Tensor&>(in), leg_options<c10d::AllgatherOptions>(timeout_)));
+  at::Tensor gathered = L == 1 ? per_host : at::empty({static_cast<int64_t>(W) * n}, in.options());
+  if (L > 1) finish(intra_->_allgather_base(gathered, per_host, leg_options<c10d::AllgatherOptions>(timeout_)));
+  // gathered is in [local index][host] order; the output is in group-rank order.
+  at::Tensor ordered = at::empty({W, n}, in.options());
+  ordered.index_copy_(0, local_major_ranks(input.device()), gathered.view({W, n}));
+  output.copy_(ordered.view(output.sizes()));
+}
+
+void Hierarchy::broadcast(at::Tensor& tensor, int root) {
+  ++num_calls_;
+  const int W = layout_.world_size(), L = layout_.local_size;
+  TORCH_CHECK_VALUE(root >= 0 && root < W, "broadcast: root rank ", root, " out of range; valid: 0..", W - 1);
+  const auto at = std::find(layout_.rank_of.begin(), layout_.rank_of.end(), root) - layout_.rank_of.begin();
+  const int root_host = static_cast<int>(at / L), root_local = static_cast<int>(at % L);
+  std::vector<at::Tensor> one{tensor.is_contiguous() ? tensor : tensor.contiguous()};
+  if (layout_.local_rank == root_local) {
+    auto o = leg_options<c10d::BroadcastOptions>(timeout_);
+    o.rootRank = root_host;
+    finish(inter(tensor.device(), "broadcast")->broadcast(one, o));
+  }
+  if (L > 1) {
+    auto o = leg_options<c10d::BroadcastOptions>(timeout_);
+    o.rootRank = root_local;
+    finish(intra_->broadcast(one, o));
+  }
+  if (!one[0].is_same(tensor)) tensor.copy_(one[0]);
+}
+
+void Hierarchy::barrier() {
+  ++num_calls_;
+  // Every rank of this host has arrived; then every host's; then every rank leaves together.
+  if (layout_.local_size > 1) finish(intra_->barrier(leg_options<c10d::BarrierOptions>(timeout_)));
+  finish(inter_gloo_->barrier(leg_options<c10d::BarrierOptions>(timeout_)));
+  if (layout_.local_size > 1) finish(intra_->barrier(leg_options<c10d::BarrierOptions>(timeout_)));
+}
+
+void Hierarchy::set_timeout(std::chrono::milliseconds timeout) {
+  timeout_ = timeout;
+  intra_->setTimeout(timeout);
+  inter_gloo_->setTimeout(timeout);
+  if (inter_nccl_) inter_nccl_->setTimeout(timeout);
+}
+
+void Hierarchy::shutdown() {
+  intra_->shutdown();
+  if (inter_nccl_) inter_nccl_->shutdown();
+  inter_gloo_->shutdown();
+}
+
+void Hierarchy::abort() {
+  intra_->abort();
+  if (inter_nccl_) inter_nccl_->abort();
+  inter_gloo_->abort();
+}
+
+}  // namespace commlib::torch_layer
