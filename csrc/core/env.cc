@@ -118,6 +118,10 @@ const std::vector<Knob>& knobs() {
        "Testing only: when set, a \"ddacomm\" group takes this string as the host of the calling rank "
        "instead of the host name and boot id (python/commlib/backend_registration.py), so that ranks on "
        "one machine can act as several hosts (the hierarchical paths); empty: the real host."},
+      {"COMMLIB_TEST_HIER_INTER_GLOO", "0", KnobCategory::kTestOnly,
+       "Testing only: 1 makes a multi-host \"ddacomm\" group carry the inter-host leg of CUDA tensors on its "
+       "gloo group (through host copies) instead of NCCL, which refuses two ranks on one GPU "
+       "(tests/gpu/test_hierarchy_gpu.py with COMMLIB_TEST_SHARE_GPUS=1); 0: NCCL."},
       {"COMMLIB_TEST_PROGRESS", "0", KnobCategory::kTestOnly,
        "tests/conftest.py: 1 makes rank 0 print each test step with the time (run pytest with -s)."},
       {"COMMLIB_NO_CUDA", "0", KnobCategory::kBuild,

@@ -879,23 +879,26 @@ void bind_backend(py::module_& m) {
           "_attach_hierarchy",
           [](DdaBackend& self, int num_hosts, int local_size, int host_index, int local_rank, std::vector<int> rank_of,
              const c10::intrusive_ptr<c10d::Backend>& intra, const c10::intrusive_ptr<c10d::Backend>& inter_gloo,
-             py::object inter_nccl_factory, std::chrono::milliseconds timeout) {
+             py::object inter_nccl_factory, std::chrono::milliseconds timeout, bool inter_cuda_via_host) {
             HostLayout layout{num_hosts, local_size, host_index, local_rank, std::move(rank_of)};
-            self.attach_hierarchy(std::make_unique<Hierarchy>(std::move(layout), intra, inter_gloo,
-                                                              python_factory(std::move(inter_nccl_factory)), timeout));
+            self.attach_hierarchy(std::make_unique<Hierarchy>(
+                std::move(layout), intra, inter_gloo, python_factory(std::move(inter_nccl_factory)), timeout,
+                inter_cuda_via_host ? Hierarchy::InterCuda::kGlooViaHost : Hierarchy::InterCuda::kNccl));
           },
           py::arg("num_hosts"), py::arg("local_size"), py::arg("host_index"), py::arg("local_rank"),
           py::arg("rank_of"), py::arg("intra"), py::arg("inter_gloo"), py::arg("inter_nccl_factory"),
-          py::arg("timeout"),
+          py::arg("timeout"), py::arg("inter_cuda_via_host") = false,
           "Makes this multi-host group run two-level collectives (Note [hierarchical collectives]); "
           "backend_registration calls it once, at group creation.")
       .def(
-          "_inter_host_backend",
-          [](DdaBackend& self, const at::Device& device) {
+          "_inter_host_all_reduce",
+          [](DdaBackend& self, at::Tensor tensor) {
             TORCH_CHECK_VALUE(self.hierarchy() != nullptr, "ddacomm: this group has no hierarchy");
-            return self.hierarchy()->inter(device, "inter-host backend");
+            self.hierarchy()->inter_all_reduce(tensor, c10d::ReduceOp(c10d::ReduceOp::SUM));
           },
-          py::arg("device"), "The inter-host gloo (cpu) or NCCL (cuda) backend of a multi-host group.")
+          py::arg("tensor"),
+          "Sums `tensor` in place over the ranks of the other hosts with this rank's local index (the "
+          "inter-host leg of a two-level all-reduce); blocking on CPU, on the current stream on CUDA.")
       .def_property_readonly("hierarchical", [](const DdaBackend& self) { return self.hierarchy() != nullptr; })
       .def_property_readonly("host_layout",
                              [](const DdaBackend& self) -> py::object {

@@ -31,12 +31,13 @@ Options leg_options(std::chrono::milliseconds timeout) {
 
 Hierarchy::Hierarchy(HostLayout layout, c10::intrusive_ptr<c10d::Backend> intra,
                      c10::intrusive_ptr<c10d::Backend> inter_gloo, InnerFactory inter_nccl_factory,
-                     std::chrono::milliseconds timeout)
+                     std::chrono::milliseconds timeout, InterCuda inter_cuda)
     : layout_(std::move(layout)),
       intra_(std::move(intra)),
       inter_gloo_(std::move(inter_gloo)),
       inter_nccl_factory_(std::move(inter_nccl_factory)),
       timeout_(timeout),
+      inter_cuda_(inter_cuda),
       selector_(layout_.num_hosts, layout_.local_size) {
   const HostLayout& l = layout_;
   TORCH_CHECK_VALUE(l.num_hosts >= 1 && l.local_size >= 1 && l.host_index >= 0 && l.host_index < l.num_hosts &&
@@ -63,7 +64,7 @@ bool Hierarchy::splits(const c10d::ReduceOp& op, at::ScalarType dtype) {
 }
 
 const c10::intrusive_ptr<c10d::Backend>& Hierarchy::inter(const at::Device& device, const char* what) {
-  if (device.is_cpu()) return inter_gloo_;
+  if (device.is_cpu() || (device.is_cuda() && inter_cuda_ == InterCuda::kGlooViaHost)) return inter_gloo_;
   TORCH_CHECK_TYPE(device.is_cuda(), what, ": tensors on device ", device.str(),
                    " are not supported; supported: cpu, cuda");
   std::lock_guard<std::mutex> lock(nccl_mutex_);
@@ -86,6 +87,27 @@ at::Tensor Hierarchy::local_major_ranks(const at::Device& device) const {
   return at::tensor(ranks, at::TensorOptions().dtype(at::kLong)).to(device);
 }
 
+template <typename F>
+void Hierarchy::inter_leg(const char* what, at::Tensor& out, const at::Tensor& in, F&& call) {
+  if (in.is_cuda() && inter_cuda_ == InterCuda::kGlooViaHost) {
+    at::Tensor host_in = in.cpu();
+    at::Tensor host_out = out.is_same(in) ? host_in : at::empty(out.sizes(), host_in.options());
+    call(*inter_gloo_, host_in, host_out);
+    out.copy_(host_out);
+    return;
+  }
+  call(*inter(in.device(), what), const_cast<at::Tensor&>(in), out);
+}
+
+void Hierarchy::inter_all_reduce(at::Tensor& tensor, const c10d::ReduceOp& op) {
+  auto o = leg_options<c10d::AllreduceOptions>(timeout_);
+  o.reduceOp = op;
+  inter_leg("allreduce", tensor, tensor, [&](c10d::Backend& b, at::Tensor& in, at::Tensor&) {
+    std::vector<at::Tensor> one{in};
+    finish(b.allreduce(one, o));
+  });
+}
+
 void Hierarchy::all_reduce(at::Tensor& tensor, const c10d::ReduceOp& op) {
   ++num_calls_;
   const int64_t n = tensor.numel();
@@ -102,12 +124,7 @@ void Hierarchy::all_reduce(at::Tensor& tensor, const c10d::ReduceOp& op) {
     o.reduceOp = legs;
     finish(intra_->_reduce_scatter_base(shard, padded, o));
   }
-  {
-    auto o = leg_options<c10d::AllreduceOptions>(timeout_);
-    o.reduceOp = legs;
-    std::vector<at::Tensor> one{shard};
-    finish(inter(tensor.device(), "allreduce")->allreduce(one, o));
-  }
+  inter_all_reduce(shard, legs);
   if (op.op_ == c10d::ReduceOp::AVG) shard.div_(layout_.world_size());
   if (L > 1) finish(intra_->_allgather_base(padded, shard, leg_options<c10d::AllgatherOptions>(timeout_)));
   tensor.copy_(padded.narrow(0, 0, n).view(tensor.sizes()));
@@ -137,7 +154,9 @@ void Hierarchy::reduce_scatter(at::Tensor& output, const at::Tensor& input, cons
   {
     auto o = leg_options<c10d::ReduceScatterOptions>(timeout_);
     o.reduceOp = legs;
-    finish(inter(input.device(), "reduce_scatter_tensor")->_reduce_scatter_base(result, mine, o));
+    inter_leg("reduce_scatter_tensor", result, mine, [&](c10d::Backend& b, at::Tensor& in, at::Tensor& out) {
+      finish(b._reduce_scatter_base(out, in, o));
+    });
   }
   if (op.op_ == c10d::ReduceOp::AVG) result.div_(W);
   output.copy_(result.view(output.sizes()));
@@ -155,8 +174,9 @@ void Hierarchy::all_gather(at::Tensor& output, const at::Tensor& input) {
   if (n == 0) return;
   const at::Tensor in = input.contiguous().reshape({-1});
   at::Tensor per_host = at::empty({static_cast<int64_t>(H) * n}, in.options());
-  finish(inter(input.device(), "all_gather_into_tensor")
-             ->_allgather_base(per_host, const_cast<at::Tensor&>(in), leg_options<c10d::AllgatherOptions>(timeout_)));
+  inter_leg("all_gather_into_tensor", per_host, in, [&](c10d::Backend& b, at::Tensor& i, at::Tensor& out) {
+    finish(b._allgather_base(out, i, leg_options<c10d::AllgatherOptions>(timeout_)));
+  });
   at::Tensor gathered = L == 1 ? per_host : at::empty({static_cast<int64_t>(W) * n}, in.options());
   if (L > 1) finish(intra_->_allgather_base(gathered, per_host, leg_options<c10d::AllgatherOptions>(timeout_)));
   // gathered is in [local index][host] order; the output is in group-rank order.
@@ -175,7 +195,10 @@ void Hierarchy::broadcast(at::Tensor& tensor, int root) {
   if (layout_.local_rank == root_local) {
     auto o = leg_options<c10d::BroadcastOptions>(timeout_);
     o.rootRank = root_host;
-    finish(inter(tensor.device(), "broadcast")->broadcast(one, o));
+    inter_leg("broadcast", one[0], one[0], [&](c10d::Backend& b, at::Tensor& in, at::Tensor&) {
+      std::vector<at::Tensor> v{in};
+      finish(b.broadcast(v, o));
+    });
   }
   if (L > 1) {
     auto o = leg_options<c10d::BroadcastOptions>(timeout_);

@@ -65,10 +65,14 @@ class Hierarchy {
  public:
   using InnerFactory = std::function<c10::intrusive_ptr<c10d::Backend>()>;
 
+  // How CUDA tensors cross hosts: NCCL, or (tests whose ranks share one GPU, which NCCL refuses)
+  // host copies over the inter-host gloo group.
+  enum class InterCuda { kNccl, kGlooViaHost };
+
   // `intra` serves this host's local_size ranks, `inter_gloo` the num_hosts ranks with this local
   // index; `inter_nccl_factory` may be empty (no CUDA). Throws ValueError on an inconsistent layout.
   Hierarchy(HostLayout layout, c10::intrusive_ptr<c10d::Backend> intra, c10::intrusive_ptr<c10d::Backend> inter_gloo,
-            InnerFactory inter_nccl_factory, std::chrono::milliseconds timeout);
+            InnerFactory inter_nccl_factory, std::chrono::milliseconds timeout, InterCuda inter_cuda = InterCuda::kNccl);
 
   const HostLayout& layout() const { return layout_; }
   // Whether a call of `op` over `bytes` goes two-level (Note [hierarchical crossover]).
@@ -84,6 +88,9 @@ class Hierarchy {
   void broadcast(at::Tensor& tensor, int root);
   void barrier();
 
+  // The inter-host leg of an all-reduce alone (the fused all-reduce + RMSNorm's middle step).
+  void inter_all_reduce(at::Tensor& tensor, const c10d::ReduceOp& op);
+
   c10d::Backend& intra() { return *intra_; }
   // The inter-host backend for tensors on `device` (NCCL created on first CUDA use).
   const c10::intrusive_ptr<c10d::Backend>& inter(const at::Device& device, const char* what);
@@ -96,6 +103,10 @@ class Hierarchy {
  private:
   // Group ranks in [local index][host] order (the layout the legs produce and consume).
   at::Tensor local_major_ranks(const at::Device& device) const;
+  // Runs an inter-host leg: `call(backend, in, out)`; CUDA tensors go through host copies when
+  // inter_cuda_ is kGlooViaHost. `out` may be `in`.
+  template <typename F>
+  void inter_leg(const char* what, at::Tensor& out, const at::Tensor& in, F&& call);
 
   HostLayout layout_;
   c10::intrusive_ptr<c10d::Backend> intra_;
@@ -104,6 +115,7 @@ class Hierarchy {
   InnerFactory inter_nccl_factory_;
   std::mutex nccl_mutex_;
   std::chrono::milliseconds timeout_;
+  InterCuda inter_cuda_;
   HierarchicalSelector selector_;
   int64_t num_calls_ = 0;
 };

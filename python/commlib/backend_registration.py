@@ -193,7 +193,10 @@ def _attach_hierarchy(backend, layout: HostLayout, store, rank: int, timeout: ti
                             peer_ranks)
     inter_nccl = _nccl_factory(dist.PrefixStore("nccl/", inter_store), h, layout.num_hosts, timeout, inter_name,
                                peer_ranks, backend_options)
-    backend._attach_hierarchy(layout.num_hosts, size, h, l, layout.rank_of(), intra, inter_gloo, inter_nccl, timeout)
+    # Tests whose ranks share one GPU (NCCL refuses them): CUDA tensors cross "hosts" through gloo.
+    via_host = os.environ.get("COMMLIB_TEST_HIER_INTER_GLOO", "0") == "1"
+    backend._attach_hierarchy(layout.num_hosts, size, h, l, layout.rank_of(), intra, inter_gloo, inter_nccl, timeout,
+                              inter_cuda_via_host=via_host)
     _hierarchies[group_name] = Hierarchy(layout, intra, intra_comm, inter_gloo, backend, store, timeout)
 
 

@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceScatterOptions
+from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions
 
 from . import _C
 from .backend_registration import Hierarchy
@@ -79,9 +79,7 @@ def fused_allreduce_rmsnorm(h: Hierarchy, x: torch.Tensor, residual: torch.Tenso
     sum_rs.reduceOp = dist.ReduceOp.SUM
     if size > 1:
         h.intra._reduce_scatter_base(shard, padded, sum_rs).wait()
-    sum_ar = AllreduceOptions()
-    sum_ar.reduceOp = dist.ReduceOp.SUM
-    h.backend._inter_host_backend(x.device).allreduce([shard], sum_ar).wait()
+    h.backend._inter_host_all_reduce(shard)
     begin, end = min(tokens, local * rows), min(tokens, (local + 1) * rows)
     # Columns [0, hidden): the normalised rows; [hidden, 2 hidden): the updated residual rows.
     packed = torch.zeros(rows, 2 * hidden, dtype=x.dtype, device=x.device)

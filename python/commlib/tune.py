@@ -3,6 +3,7 @@ CTA count) and caches them.
 
     commlib-tune                 # CPU: flat vs tree over shared memory, 2 processes
     commlib-tune -np 2 --device cuda   # GPU: flat vs tree vs NCCL, and fused_allreduce_rmsnorm's num_sms
+    torchrun --nnodes=N ... -m commlib.tune --hierarchical   # a multi-node job: two-level vs flat
 
 The cache (``COMMLIB_TUNE_FILE``, default ``~/.cache/commlib/tune.json``) holds one entry per
 (device model, world size, link type, library version)::
@@ -386,7 +387,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="GPU: skip the fused kernel's CTA-count sweep (fused_num_sms stays null)")
     p.add_argument("--tokenweave", action="store_true",
                    help="GPU: measure only TokenWeave's wave steps, SM budget and split crossover (tokenweave_main)")
+    p.add_argument("--hierarchical", action="store_true",
+                   help="run under torchrun on every node of a multi-node job: measures the two-level "
+                        "crossover of this job's host layout (measure_hierarchical) and writes it on each host")
     opts = p.parse_args(argv)
+    if opts.hierarchical:
+        return hierarchical_main(opts.iters, opts.device, opts.file)
     if opts.show:
         print(json.dumps(read_file(opts.file), indent=1))
         return 0
@@ -501,3 +507,127 @@ def tune_cp(device_type: str, world_size: int, path: Optional[str] = None) -> di
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ---- the two-level crossover of multi-host "ddacomm" groups (Note [hierarchical crossover]) ----
+HIER_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier")
+HIER_SIZES = tuple(1 << k for k in range(10, 27, 2))  # 1 KiB .. 64 MiB per rank
+
+
+def hierarchical_min_bytes(sizes: List[int], flat: list, two_level: list) -> int:
+    """The smallest message that should go two-level: flat up to the fitted threshold (``_threshold``),
+    two-level past it; 0 when two-level wins everywhere."""
+    t = _threshold(sizes, flat, two_level)
+    return 0 if t == 0 else int(t) + 1
+
+
+def measure_hierarchical(sizes=HIER_SIZES, iters: int = 10, device: Optional[str] = None) -> List[dict]:
+    """Collective over the default process group of a job spanning several hosts (e.g. under
+    torchrun): times each of HIER_OPS on two "ddacomm" groups of all ranks, one forced flat and one
+    forced two-level (COMMLIB_HIER_ALGO), takes the slowest rank's median per size (so every rank
+    gets the same answer) and returns the tune file's ``hierarchical`` entries for this layout
+    (save them with ``save_hierarchical``). Raises ValueError when the group does not run two-level
+    (one host, or hosts of unequal size)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from . import backend_registration  # noqa: F401  (registers "ddacomm")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    groups = {}
+    before = os.environ.get("COMMLIB_HIER_ALGO")
+    try:
+        for mode in ("flat", "hier"):
+            os.environ["COMMLIB_HIER_ALGO"] = mode
+            groups[mode] = dist.new_group(backend="ddacomm")
+    finally:
+        if before is None:
+            os.environ.pop("COMMLIB_HIER_ALGO", None)
+        else:
+            os.environ["COMMLIB_HIER_ALGO"] = before
+    layout = groups["hier"]._get_backend(torch.device("cpu")).host_layout
+    if layout is None:
+        raise ValueError("commlib.tune.measure_hierarchical: the default group does not run two-level "
+                         "collectives (one host, or hosts of unequal size)")
+    num_hosts, local_size = layout[0], layout[1]
+    world = dist.get_world_size()
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def call(op, group, n):
+        if op == "all_reduce":
+            t = torch.ones(n, dtype=torch.float32, device=dev)
+            return lambda: dist.all_reduce(t, group=group)
+        if op == "reduce_scatter":
+            out, inp = torch.empty(n, device=dev), torch.ones(n * world, device=dev)
+            return lambda: dist.reduce_scatter_tensor(out, inp, group=group)
+        if op == "all_gather":
+            out, inp = torch.empty(n * world, device=dev), torch.ones(n, device=dev)
+            return lambda: dist.all_gather_into_tensor(out, inp, group=group)
+        if op == "broadcast":
+            t = torch.ones(n, device=dev)
+            return lambda: dist.broadcast(t, src=0, group=group)
+        return lambda: dist.barrier(group=group)
+
+    entries = []
+    for op in HIER_OPS:
+        op_sizes = [0] if op == "barrier" else [int(s) for s in sizes]
+        times = {"flat": [], "hier": []}
+        for nbytes in op_sizes:
+            for mode, group in groups.items():
+                fn = call(op, group, max(nbytes // 4, 1))
+                fn()  # warm-up (lazy set-up)
+                sync()
+                samples = []
+                for _ in range(iters):
+                    dist.barrier(group=groups["flat"])
+                    start = time.perf_counter()
+                    fn()
+                    sync()
+                    samples.append(time.perf_counter() - start)
+                slowest = torch.tensor([sorted(samples)[len(samples) // 2]], dtype=torch.float64)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=groups["flat"])
+                times[mode].append(float(slowest))
+        if op == "barrier":  # no size: 0 takes the two-level barrier, 1 never does
+            min_bytes = 0 if times["hier"][0] <= times["flat"][0] else 1
+        else:
+            min_bytes = hierarchical_min_bytes(op_sizes, times["flat"], times["hier"])
+        entries.append({"op": op, "num_hosts": num_hosts, "local_size": local_size, "min_bytes": min_bytes})
+    for group in groups.values():
+        dist.destroy_process_group(group)
+    return entries
+
+
+def hierarchical_main(iters: int, device: Optional[str], path: Optional[str]) -> int:
+    """``commlib-tune --hierarchical`` under torchrun: one process per GPU (or CPU rank) per node."""
+    import torch
+    import torch.distributed as dist
+
+    from . import backend_registration
+    backend_registration.register_backend()
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("gloo")
+    try:
+        entries = measure_hierarchical(iters=iters, device=device)
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            print(f"# {os.uname().nodename}: wrote {save_hierarchical(entries, path)}: {json.dumps(entries)}")
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def save_hierarchical(entries: List[dict], path: Optional[str] = None) -> Path:
+    """Puts ``entries`` in the top-level ``hierarchical`` list, replacing those of the same op and
+    layout (Note [tune file format]). Every host reads its own file: write it on each host."""
+    p = cache_path(path)
+    data = read_file(path)
+    new = {(e["op"], e["num_hosts"], e["local_size"]) for e in entries}
+    keep = [e for e in data.get("hierarchical") or [] if (e.get("op"), e.get("num_hosts"), e.get("local_size")) not in new]
+    data["hierarchical"] = keep + list(entries)
+    _write(p, data)
+    return p

@@ -275,3 +275,49 @@ def test_fused_allreduce_rmsnorm_two_level(ranks, hosts):
     gather): bitwise against reference_rmsnorm of the exact sum, bf16 / fp16 / fp32, 0 / 1 / odd
     token counts; random inputs same on every rank and close to fp64; sharded mode refused."""
     ranks(len(hosts)).run(_fused, list(hosts))
+
+
+# ---------------------------------------------------------------------------------------------
+def _crossover(ctx, tmpdir):
+    import json
+
+    import torch.distributed as dist
+
+    from commlib import tune
+    me = ctx.rank
+    path = os.path.join(tmpdir, f"tune-{me}.json")
+    with as_hosts(me // 2), ddacomm_world(ctx) as (world, gloo):
+        # measured on this group's layout: one entry per op, every rank the same answer
+        entries = tune.measure_hierarchical(sizes=(1024, 65536), iters=2, device="cpu")
+        assert [e["op"] for e in entries] == list(tune.HIER_OPS)
+        assert all((e["num_hosts"], e["local_size"]) == (2, 2) and e["min_bytes"] >= 0 for e in entries)
+        answers = [None] * ctx.world_size
+        dist.all_gather_object(answers, entries, group=gloo)
+        assert all(a == entries for a in answers), "ranks measured different crossovers"
+        tune.save_hierarchical(entries, path)
+        tune.save_hierarchical([{"op": "all_reduce", "num_hosts": 2, "local_size": 2, "min_bytes": 4096},
+                                {"op": "barrier", "num_hosts": 2, "local_size": 2, "min_bytes": 1}], path)
+        saved = json.loads(open(path).read())["hierarchical"]
+        assert sorted(e["op"] for e in saved) == sorted(tune.HIER_OPS)
+        # a group created with that file: all_reduce below 4096 bytes and barrier flat, the rest two-level
+        os.environ["COMMLIB_TUNE_FILE"] = path
+        try:
+            group = dist.new_group(backend="ddacomm")
+        finally:
+            os.environ.pop("COMMLIB_TUNE_FILE", None)
+        backend = backend_of(group)
+        h0, f0 = backend.num_hierarchical_calls, backend.num_fallback_calls
+        small, large = torch.full((1023,), float(me)), torch.full((1024,), float(me))
+        dist.all_reduce(small, group=group)
+        dist.barrier(group=group)
+        assert (backend.num_hierarchical_calls, backend.num_fallback_calls) == (h0, f0 + 2)
+        dist.all_reduce(large, group=group)
+        assert (backend.num_hierarchical_calls, backend.num_fallback_calls) == (h0 + 1, f0 + 2)
+        assert torch.equal(small, torch.full((1023,), 6.0)) and torch.equal(large, torch.full((1024,), 6.0))
+    return True
+
+
+def test_tuned_crossover(ranks, tmp_path):
+    """commlib.tune.measure_hierarchical on a 2 x 2 group (same answer on every rank), save_hierarchical,
+    and a group reading that file: all_reduce under min_bytes and the barrier run flat, larger two-level."""
+    ranks(4).run(_crossover, str(tmp_path))

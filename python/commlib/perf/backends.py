@@ -8,6 +8,10 @@
 * ``dist-ddacomm``: ``torch.distributed`` on a process group of commlib's ``"ddacomm"`` backend (the
   drop-in): beside ``ddacomm`` it shows what the c10d layer costs per call (eager) and that a
   graph-replayed ``dist.all_reduce`` runs the same kernels.
+* ``dist-ddacomm-hier``: ``dist-ddacomm`` on a group whose ranks act as 2 hosts (the first half and
+  the second half of the ranks, through the test override COMMLIB_TEST_HOST_ID): the two-level
+  collectives of a multi-node group (docs/multinode.md), run on one machine. It times the legs
+  (intra-host commlib, inter-host gloo / NCCL over local links), not a network. Even world sizes.
 * ``symm``: torch symmetric memory (CUDA, all_reduce sum only): the input is copied into a
   symmetric buffer, then one-shot (``--algo flat``) or two-shot (``tree``; ``auto`` picks by size).
   Never the multimem (NVLink multicast) variants.
@@ -25,7 +29,7 @@ import torch.distributed as dist
 
 from .registry import Unsupported
 
-BACKENDS = ("ddacomm", "nccl", "gloo", "symm", "dist-ddacomm")
+BACKENDS = ("ddacomm", "nccl", "gloo", "symm", "dist-ddacomm", "dist-ddacomm-hier")
 
 _DIST_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "max": dist.ReduceOp.MAX,
              "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.AVG}
@@ -127,9 +131,12 @@ class TorchDist(Backend):
         super().__init__()
         self.name = name
         self.capturable = name in ("nccl", "dist-ddacomm")
-        if name == "dist-ddacomm":
+        if name.startswith("dist-ddacomm"):
             import commlib  # noqa: F401  (registers the "ddacomm" backend)
-        self.group = dist.new_group(backend="ddacomm" if name == "dist-ddacomm" else name)
+        if name == "dist-ddacomm-hier":
+            self.group = _two_host_group()
+        else:
+            self.group = dist.new_group(backend="ddacomm" if name == "dist-ddacomm" else name)
         self.world_size = dist.get_world_size(self.group)
 
     def all_reduce(self, t, redop):
@@ -155,6 +162,27 @@ class TorchDist(Backend):
 
     def broadcast(self, t, root):
         dist.broadcast(t, src=dist.get_global_rank(self.group, root), group=self.group)
+
+
+def _two_host_group():
+    """A "ddacomm" group of every rank, its first and second halves acting as two hosts."""
+    import os
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world < 2 or world % 2:
+        raise ValueError(f"commlib-perf: backend dist-ddacomm-hier needs an even world size; got {world}")
+    key = "COMMLIB_TEST_HOST_ID"
+    before = os.environ.get(key)
+    os.environ[key] = f"commlib-perf-host-{rank * 2 // world}"
+    try:
+        group = dist.new_group(backend="ddacomm")
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+    backend = group._get_backend(torch.device("cpu"))
+    assert backend.hierarchical, "commlib-perf: the two-host group did not get its hierarchy"
+    return group
 
 
 class SymmMem(Backend):
@@ -218,7 +246,7 @@ def make(spec: str, *, store, rank: int, world_size: int, algo: str, device: tor
     algo = own_algo or algo
     if name == "ddacomm":
         return DDAComm(store, rank, world_size, algo, device)
-    if name in ("gloo", "dist-ddacomm"):
+    if name in ("gloo", "dist-ddacomm", "dist-ddacomm-hier"):
         return TorchDist(name)
     if name == "nccl":
         if device.type != "cuda":
