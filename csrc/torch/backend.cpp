@@ -815,7 +815,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::barrier(const c10d::BarrierOptions& o
     if (cuda_used_) c10::cuda::device_synchronize();  // as below: queued GPU work is done after it
 #endif
     hier_->barrier();
-    return completed(c10d::OpType::BARRIER, {});
+    return c10::make_intrusive<CompletedWork>(getRank(), c10d::OpType::BARRIER, std::vector<at::Tensor>{});
   }
   if (!comm_) return fallback(gloo_->barrier(opts));
 #if defined(COMMLIB_TORCH_CUDA)

@@ -44,7 +44,8 @@ class DdaBackend final : public c10d::Backend {
     std::vector<uint64_t> global_ranks_in_group;
   };
 
-  // `comm` is null when the group spans several hosts: then every call goes to an inner backend.
+  // `comm` is null when the group spans several hosts: then every call goes to an inner backend or,
+  // once attach_hierarchy was called, two-level (Note [hierarchical collectives]).
   // `gloo` must be a backend of the same ranks; `nccl_factory` may be empty (no CUDA).
   DdaBackend(int rank, int size, std::shared_ptr<Communicator> comm, c10::intrusive_ptr<c10d::Backend> gloo,
              InnerFactory nccl_factory, Config config);

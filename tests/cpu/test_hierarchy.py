@@ -67,6 +67,7 @@ def _collectives(ctx, hosts):
         num_hosts, local_size, host_index, local_rank = backend.host_layout
         assert (num_hosts, local_size) == (len(sizes), sizes[0])
         calls0, fallback0 = backend.num_hierarchical_calls, backend.num_fallback_calls
+        assert backend.num_fast_calls == 0
         calls = 0
         dtypes = [d for d in ALL_DTYPES if d != torch.int16]  # gloo has no int16
         for dtype in dtypes:
@@ -145,7 +146,7 @@ def _collectives(ctx, hosts):
             dist.barrier()
             calls += 1
         assert backend.num_hierarchical_calls == calls0 + calls, "a call left the two-level path"
-        assert backend.num_fallback_calls == fallback0
+        assert backend.num_fallback_calls == fallback0 and backend.num_fast_calls == 0
         # Left to the group's gloo: PREMUL-free ops without a two-level shape.
         x = any_values(me, 10, torch.float32, salt=6)
         outs = [poison(x) for _ in range(n)]
