@@ -122,6 +122,11 @@ def fused_allreduce_rmsnorm(comm, x: torch.Tensor, residual: torch.Tensor, weigh
             from . import hierarchy
             return hierarchy.fused_allreduce_rmsnorm(h, x, residual, weight, eps, residual_mode, out,
                                                      int(num_sms or 0), algo)
+        backend = comm._get_backend(torch.device("cpu"))
+        if not getattr(backend, "has_fast_path", False):
+            raise ValueError("fused_allreduce_rmsnorm: the group spans hosts with different numbers of ranks "
+                             f"(or is not a \"ddacomm\" group: {type(backend).__name__}); supported: a \"ddacomm\" "
+                             "group on one host, or on hosts with the same number of ranks each")
         group_name = "ddacomm-" + comm.group_name
     args = (x, residual, weight, float(eps), group_name, residual_mode, int(num_sms or 0), algo)
     if torch.compiler.is_compiling():

@@ -192,11 +192,15 @@ def _uneven(ctx, hosts):
         assert torch.equal(flat, torch.cat([any_values(q, 7, torch.float32) for q in range(n)]))
         dist.barrier()
         assert backend.num_hierarchical_calls == 0 and backend.num_fallback_calls >= 2
+        from commlib.fused import fused_allreduce_rmsnorm
+        with pytest.raises(ValueError, match="different numbers of ranks"):
+            fused_allreduce_rmsnorm(world, torch.ones(2, 8), torch.ones(2, 8), torch.ones(8))
     return True
 
 
 def test_uneven_hosts_run_flat(ranks):
-    """Hosts of 3 and 1 ranks: no two-level path (the group's gloo takes every call), results as gloo's."""
+    """Hosts of 3 and 1 ranks: no two-level path (the group's gloo takes every call), results as gloo's;
+    the fused all-reduce + RMSNorm, which has no flat form, raises ValueError on the calling rank."""
     ranks(4).run(_uneven, [0, 0, 0, 1])
 
 
@@ -322,3 +326,26 @@ def test_tuned_crossover(ranks, tmp_path):
     """commlib.tune.measure_hierarchical on a 2 x 2 group (same answer on every rank), save_hierarchical,
     and a group reading that file: all_reduce under min_bytes and the barrier run flat, larger two-level."""
     ranks(4).run(_crossover, str(tmp_path))
+
+
+def _one_host_fused(ctx):
+    from commlib.fused import fused_allreduce_rmsnorm, reference_rmsnorm
+    n, me = ctx.world_size, ctx.rank
+    with ddacomm_world(ctx) as (world, gloo):
+        assert backend_of(world).has_fast_path and not backend_of(world).hierarchical
+        xs = [torch.randint(-8, 9, (9, 64), generator=torch.Generator().manual_seed(q)).to(torch.bfloat16)
+              for q in range(n)]
+        residual0 = torch.rand(9, 64, generator=torch.Generator().manual_seed(99)).to(torch.bfloat16)
+        weight = torch.full((64,), 1.5, dtype=torch.bfloat16)
+        residual = residual0.clone()
+        out, _ = fused_allreduce_rmsnorm(world, xs[me], residual, weight, 1e-6)
+        ref_out, ref_res = reference_rmsnorm(sum(x.double() for x in xs).to(torch.bfloat16), residual0, weight, 1e-6)
+        assert torch.equal(out.view(torch.uint8), ref_out.view(torch.uint8))
+        assert torch.equal(residual.view(torch.uint8), ref_res.view(torch.uint8))
+    return True
+
+
+def test_fused_on_a_one_host_group(ranks):
+    """fused_allreduce_rmsnorm(group, ...) on a one-host "ddacomm" group runs on the group's communicator
+    ("ddacomm-" + group name): bitwise against reference_rmsnorm."""
+    ranks(4).run(_one_host_fused)
