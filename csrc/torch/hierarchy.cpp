@@ -115,9 +115,11 @@ void Hierarchy::all_reduce(at::Tensor& tensor, const c10d::ReduceOp& op) {
   const int L = layout_.local_size;
   const c10d::ReduceOp legs = leg_op(op);
   const int64_t shard_numel = (n + L - 1) / L;
-  // Zero padding: its results are dropped, and every reduction is defined on zeros.
-  at::Tensor padded = at::zeros({shard_numel * L}, tensor.options().memory_format(at::MemoryFormat::Contiguous));
-  padded.narrow(0, 0, n).copy_(tensor.reshape({-1}));
+  // In place when the tensor splits evenly; else a zero-padded copy (its extra results are dropped,
+  // and every reduction is defined on zeros).
+  const bool in_place = tensor.is_contiguous() && n % L == 0;
+  at::Tensor padded = in_place ? tensor.view({-1}) : at::zeros({shard_numel * L}, tensor.options());
+  if (!in_place) padded.narrow(0, 0, n).copy_(tensor.reshape({-1}));
   at::Tensor shard = L == 1 ? padded : at::empty({shard_numel}, padded.options());
   if (L > 1) {
     auto o = leg_options<c10d::ReduceScatterOptions>(timeout_);
@@ -127,7 +129,7 @@ void Hierarchy::all_reduce(at::Tensor& tensor, const c10d::ReduceOp& op) {
   inter_all_reduce(shard, legs);
   if (op.op_ == c10d::ReduceOp::AVG) shard.div_(layout_.world_size());
   if (L > 1) finish(intra_->_allgather_base(padded, shard, leg_options<c10d::AllgatherOptions>(timeout_)));
-  tensor.copy_(padded.narrow(0, 0, n).view(tensor.sizes()));
+  if (!in_place) tensor.copy_(padded.narrow(0, 0, n).view(tensor.sizes()));
 }
 
 void Hierarchy::reduce_scatter(at::Tensor& output, const at::Tensor& input, const c10d::ReduceOp& op) {

@@ -148,6 +148,7 @@ def _create_backend(dist_opts, backend_options=None):
     group_name = str(dist_opts.group_id)
     global_ranks = list(dist_opts.global_ranks_in_group) or list(range(world_size))
 
+    _forget_hierarchy(group_name)  # a destroyed group's of the same name
     comm = None
     layout = HostLayout(_host_ids(dist.PrefixStore("ddacomm/", store), rank, world_size, timeout), rank)
     if layout.num_hosts == 1:
@@ -216,6 +217,14 @@ class Hierarchy:
 
 
 _hierarchies: dict = {}
+
+
+def _forget_hierarchy(group_name: str) -> None:
+    old = _hierarchies.pop(group_name, None)
+    if old is not None and old.self_comm is not None:
+        from . import _C
+        _C.unregister_group(old.self_comm.name, old.self_comm)
+        old.self_comm.close()
 
 
 def hierarchy_of(group_name: str):
