@@ -3,6 +3,8 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <cstring>
+
 #include "commlib/errors.hpp"
 #include "torch/bindings.hpp"
 #include "torch/torch_common.hpp"
@@ -126,7 +128,7 @@ namespace {
 bool direct_cuda(Communicator& comm, const at::Tensor& tensor, int peer, const char* what) {
   bool available = false;
   translate_errors([&] { available = cuda_p2p_available(comm, tensor); });
-  TORCH_CHECK_VALUE(!available || peer != HostP2p::kAnySource, what,
+  TORCH_CHECK_VALUE(!available || std::strcmp(what, "recv") != 0 || peer != HostP2p::kAnySource, what,
                     ": a receive from any source is not supported for CUDA tensors; pass src");
   return available;
 }
