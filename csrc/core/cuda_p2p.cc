@@ -144,12 +144,12 @@ void CudaP2p::send(const void* src, size_t bytes, uint32_t dtype, int dst, int64
     throw_if_error(kernels::launch_p2p_wait(p, stream));
     kernels::P2pSlotHeader* h = header(dst, rank_, lane, slot);
     if (offset == 0) {
-      // Ordered before the chunk's ready word by that write's memory barrier.
-      const unsigned relaxed = CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER;
-      write_word(stream, &h->tag, static_cast<uint32_t>(static_cast<int32_t>(tag)), relaxed, what);
-      write_word(stream, &h->bytes_lo, static_cast<uint32_t>(bytes), relaxed, what);
-      write_word(stream, &h->bytes_hi, static_cast<uint32_t>(static_cast<uint64_t>(bytes) >> 32), relaxed, what);
-      write_word(stream, &h->dtype, dtype, relaxed, what);
+      // Land before the chunk's ready word (stream order; the v2 entry points take no
+      // CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER, so each write carries its barrier).
+      write_word(stream, &h->tag, static_cast<uint32_t>(static_cast<int32_t>(tag)), 0, what);
+      write_word(stream, &h->bytes_lo, static_cast<uint32_t>(bytes), 0, what);
+      write_word(stream, &h->bytes_hi, static_cast<uint32_t>(static_cast<uint64_t>(bytes) >> 32), 0, what);
+      write_word(stream, &h->dtype, dtype, 0, what);
     }
     if (n != 0) {
       cuda_check(cudaMemcpyAsync(data(dst, rank_, lane, slot), static_cast<const uint8_t*>(src) + offset, n,

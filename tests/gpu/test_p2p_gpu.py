@@ -181,6 +181,7 @@ def test_direct_batch_ring_exchange(ranks, world_size):
 
 def _direct_graph(ctx):
     comm = ctx.new_comm("p2p-graph")
+    comm.symmetric_empty((16,), torch.float32)  # GPU state (collective) for worlds above 2
     n, r = comm.world_size, comm.rank
     nxt, prv = (r + 1) % n, (r - 1) % n
     count = slot_bytes() // 2 + 3 * 1024 + 1  # two chunks of bf16
