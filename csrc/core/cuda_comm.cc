@@ -8,6 +8,7 @@
 #include "commlib/gpu.hpp"
 #include "commlib/phase.hpp"
 #include "core/algorithm_selector.hpp"
+#include "core/cuda_p2p.hpp"
 #include "kernels/all_reduce_params.hpp"
 #include "kernels/all_to_all_v_params.hpp"
 #include "transport/cuda_ipc.hpp"
@@ -71,7 +72,6 @@ CudaComm::CudaComm(Communicator& comm, int device)
                 " out of range; valid: 0..", count - 1);
   DeviceGuard guard(device_);
   cuda_check(cudaFree(nullptr), what, "cudaFree(0) (context creation)");
-  timeout_ns_ = static_cast<uint64_t>(comm.timeout().count()) * 1000000ull;
   ipc_ = std::make_unique<CudaIpc>(comm.store(), comm.prefix(), rank_, world_size_, device_, comm.peer_pids()[0],
                                    comm.timeout());
   cuda_check(cudaMalloc(&state_, sizeof(BarrierCallState)), what, "cudaMalloc");
@@ -87,6 +87,10 @@ CudaComm::CudaComm(Communicator& comm, int device)
     COMMLIB_CHECK(ws >= (1 << 16), InvalidArgument, "COMMLIB_GPU_WORKSPACE_BYTES=", ws, " too small; minimum 65536");
     workspace_ = ipc_->allocate(static_cast<size_t>(ws), ZeroFill::kNo, what);
     ll_lines_ = ipc_->allocate(kernels::ll_buffer_bytes(world_size_, kLLBytesPerCall), ZeroFill::kYes, what);
+    const int64_t slot = env::get_int("COMMLIB_P2P_SLOT_BYTES");
+    COMMLIB_CHECK(slot >= 4096 && slot % 256 == 0, InvalidArgument, "COMMLIB_P2P_SLOT_BYTES=", slot,
+                  " not supported; valid: a multiple of 256, at least 4096");
+    p2p_ = std::make_unique<CudaP2p>(comm_, *ipc_, device_, static_cast<size_t>(slot));
   }
   cuda_check(cudaDeviceSynchronize(), what, "cudaDeviceSynchronize");
 }
@@ -95,6 +99,7 @@ CudaComm::~CudaComm() {
   DeviceGuard guard(device_);
   // In-flight kernels may still use the mappings; every wait is bounded, so this returns.
   cudaDeviceSynchronize();
+  p2p_.reset();
   user_buffers_.clear();
   a2a_control_.reset();
   ll_lines_.reset();
@@ -108,6 +113,11 @@ CudaComm::~CudaComm() {
 }
 
 bool CudaComm::p2p_ok() const { return ipc_->p2p_ok(); }
+
+CudaP2p& CudaComm::p2p() {
+  COMMLIB_CHECK(p2p_ != nullptr, PeerError, "send/recv: GPU peer memory unavailable: ", ipc_->problem());
+  return *p2p_;
+}
 const std::string& CudaComm::peer_problem() const { return ipc_->problem(); }
 
 std::shared_ptr<SymmetricBuffer> CudaComm::allocate_symmetric(size_t bytes) {
@@ -134,7 +144,8 @@ BarrierDevice CudaComm::barrier_handle() const {
   for (int r = 0; r < world_size_; ++r) bar.flags[r] = static_cast<uint64_t*>(signal_pad_->peer(r));
   bar.state = state_;
   bar.error = error_device_;
-  bar.timeout_ns = timeout_ns_;
+  // The communicator's timeout now (set_timeout may have changed it since creation).
+  bar.timeout_ns = static_cast<uint64_t>(comm_.timeout().count()) * 1000000ull;
   bar.rank = rank_;
   bar.world_size = world_size_;
   return bar;

@@ -32,6 +32,7 @@
 namespace commlib {
 
 class CudaIpc;
+class CudaP2p;
 
 class CudaComm {
  public:
@@ -72,6 +73,10 @@ class CudaComm {
 
   const CommConfig& config() const { return config_; }
 
+  // Point-to-point over peer memory (Note [cuda p2p]); its channels are allocated with the rest of
+  // the GPU state. PeerError when peer memory is unavailable (p2p_ok() false).
+  CudaP2p& p2p();
+
   // In-place or out-of-place all-reduce of `count` elements on `stream` (collective).
   // algo kAuto chooses (csrc/core/algorithm_selector.hpp); kNccl runs tree here (no NCCL engine).
   void all_reduce(const void* input, void* output, size_t count, DataType dtype, ReduceOp op, Algorithm algo,
@@ -100,7 +105,6 @@ class CudaComm {
   int device_;
   int rank_;
   int world_size_;
-  uint64_t timeout_ns_;
   std::unique_ptr<CudaIpc> ipc_;
   std::shared_ptr<SymmetricBuffer> signal_pad_;
   std::shared_ptr<SymmetricBuffer> workspace_;
@@ -114,6 +118,7 @@ class CudaComm {
   bool has_last_ = false;
   bool capturing_ = false;
   std::shared_ptr<SymmetricBuffer> a2a_control_;
+  std::unique_ptr<CudaP2p> p2p_;
 };
 
 // Sets `device` current for the scope (restores the previous one).

@@ -32,6 +32,9 @@ const std::vector<Knob>& knobs() {
        "Force the all-reduce algorithm: auto, flat, tree or nccl."},
       {"COMMLIB_GPU_WORKSPACE_BYTES", "67108864", KnobCategory::kRuntime,
        "Bytes of each rank's symmetric GPU workspace used for copy-in of non-symmetric tensors."},
+      {"COMMLIB_P2P_SLOT_BYTES", "1048576", KnobCategory::kRuntime,
+       "Bytes of each slot of the GPU send/recv channels (2 slots x 4 lanes per pair of ranks, "
+       "allocated with the GPU state); larger messages go in chunks of this size."},
       {"COMMLIB_TUNE_FILE", "", KnobCategory::kRuntime,
        "Path of the crossover cache written by commlib-tune; empty: ~/.cache/commlib/tune.json "
        "when it exists, else the built-in table."},

@@ -18,7 +18,9 @@
 #include <random>
 #include <thread>
 
+#include "commlib/env.hpp"
 #include "commlib/errors.hpp"
+#include "transport/host_shm.hpp"
 
 namespace commlib {
 
@@ -410,6 +412,16 @@ HostP2p& Communicator::host_p2p() {
   check_open("host p2p");
   if (!host_p2p_) host_p2p_ = std::make_shared<HostP2p>(*store_, prefix_, rank_, world_size_, options_.timeout, peer_pids_);
   return *host_p2p_;
+}
+
+// A Communicator member, here because it reaches the host layer's HostP2p as well as HostShm.
+void Communicator::set_timeout(std::chrono::milliseconds timeout) {
+  COMMLIB_CHECK(timeout.count() > 0, InvalidArgument, "set_timeout: timeout ", timeout.count(),
+                " ms not supported; valid: a positive number of milliseconds");
+  const int64_t forced_ms = env::get_int("COMMLIB_TIMEOUT_MS");
+  options_.timeout = forced_ms > 0 ? std::chrono::milliseconds(forced_ms) : timeout;
+  if (host_) host_->set_timeout(options_.timeout);
+  if (host_p2p_) host_p2p_->set_timeout(options_.timeout);
 }
 
 }  // namespace commlib

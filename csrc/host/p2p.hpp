@@ -74,6 +74,8 @@ class HostP2p {
   bool test(const Handle& request);
   // Makes progress until `request` is done; bounded by the timeout. `what` names the operation.
   void wait(const Handle& request, const char* what);
+  // Bounds the waits from now on (the group's timeout changed).
+  void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
 
  private:
   struct Unexpected {

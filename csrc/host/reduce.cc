@@ -171,13 +171,16 @@ void reduce_mode(void* out, void* copy, const void* const* srcs, int num_srcs, s
 // Note [host exact reduction]
 // Types without an fp32 accumulator (Note [reduction order]) reduce in their own type, like gloo:
 // float64 in float64; integers in two's complement, wrapping on overflow (computed in the unsigned
-// type, at least 32 bits wide, so no step is undefined behaviour); bool as logic (sum, max and bor
-// are or; prod, min and band are and; bxor is xor), on the bytes 0 / 1 torch stores.
+// type, at least 32 bits wide, so no step is undefined behaviour); bool on the bytes torch stores,
+// as gloo does: sum adds the bytes (wrapping, so it counts the ranks holding true: 2 at two ranks
+// where both hold true, which torch reads as true), max and bor are or, prod, min and band are and,
+// bxor is xor.
 template <typename T, ReduceOp kOp, bool kIsBool>
 COMMLIB_ALWAYS_INLINE T combine_exact(T a, T b) {
   if constexpr (kIsBool) {
     if constexpr (kOp == ReduceOp::kProd || kOp == ReduceOp::kMin || kOp == ReduceOp::kBand) return a & b;
     if constexpr (kOp == ReduceOp::kBxor) return a ^ b;
+    if constexpr (kOp == ReduceOp::kSum) return static_cast<T>(a + b);  // gloo's byte sum
     return a | b;
   } else if constexpr (std::is_floating_point_v<T>) {
     if constexpr (kOp == ReduceOp::kProd) return a * b;

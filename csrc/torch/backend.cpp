@@ -17,8 +17,10 @@
 //         check (Note [host shm protocol]), which is what catches op, dtype, size and reduction
 //         mismatches between ranks on the fast path.
 //   CUDA: all_reduce (sum/avg, float32/float16/bfloat16, contiguous, where the selector picks
-//         flat or tree for the byte count) -> torch_layer::all_reduce_cuda; everything else
-//         (including sizes where the selector picks "nccl") -> NCCL.
+//         flat or tree for the byte count) -> torch_layer::all_reduce_cuda; send / recv (and so
+//         batch_isend_irecv) of dense tensors once the GPU state exists -> peer memory (Note
+//         [cuda p2p routing]); everything else (including sizes where the selector picks "nccl",
+//         and receives from any source) -> NCCL.
 //   Several hosts (no communicator): all_reduce / reduce_scatter / all_gather / broadcast / barrier
 //         of one dense tensor -> two-level (Note [hierarchical collectives]) when the hosts are of
 //         equal size and the crossover admits the byte count; the rest -> gloo / NCCL of the group.
@@ -204,6 +206,7 @@ c10::intrusive_ptr<c10d::Backend::Options> DdaBackend::getBackendOptions() {
 
 void DdaBackend::setTimeout(std::chrono::milliseconds timeout) {
   config_.timeout = timeout;
+  if (comm_ && !comm_->closed()) translate_errors([&] { comm_->set_timeout(timeout); });
   if (hier_) hier_->set_timeout(timeout);
   gloo_->setTimeout(timeout);
   if (nccl_) nccl_->setTimeout(timeout);
@@ -785,10 +788,26 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::p2p_work(c10d::OpType op, P2pWork::It
   return work;
 }
 
+c10::intrusive_ptr<c10d::Work> DdaBackend::cuda_p2p(c10d::OpType op, P2pRequest::Kind kind,
+                                                    std::vector<at::Tensor>& tensors, int peer, int tag) {
+#if defined(COMMLIB_TORCH_CUDA)
+  if (!comm_ || shut_down_ || tensors.size() != 1 || !tensors[0].is_cuda()) return {};
+  cuda_used_ = true;
+  if (!cuda_p2p_available(*comm_, tensors[0])) return {};
+  auto work = post_cuda_p2p(comm_, op, {{kind, tensors[0], peer, tag}});
+  ++num_fast_calls_;
+  if (coalescing_) coalesced_cpu_works_.push_back(work);  // batch_isend_irecv: one work for the region
+  return work;
+#else
+  return {};
+#endif
+}
+
 c10::intrusive_ptr<c10d::Work> DdaBackend::send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) {
   if (tensors.size() == 1 && cpu_fast(tensors)) {
     return p2p_work(c10d::OpType::SEND, post_send(*comm_, tensors[0], dst_rank, tag));
   }
+  if (auto work = cuda_p2p(c10d::OpType::SEND, P2pRequest::Kind::kSend, tensors, dst_rank, tag)) return work;
   return fallback(inner(device_of(tensors, "send"), "send").send(tensors, dst_rank, tag));
 }
 
@@ -796,6 +815,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::recv(std::vector<at::Tensor>& tensors
   if (tensors.size() == 1 && cpu_fast(tensors)) {
     return p2p_work(c10d::OpType::RECV, post_recv(*comm_, tensors[0], src_rank, tag));
   }
+  if (auto work = cuda_p2p(c10d::OpType::RECV, P2pRequest::Kind::kRecv, tensors, src_rank, tag)) return work;
   return fallback(inner(device_of(tensors, "recv"), "recv").recv(tensors, src_rank, tag));
 }
 

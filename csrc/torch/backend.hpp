@@ -137,6 +137,9 @@ class DdaBackend final : public c10d::Backend {
   void check_gather_list(const char* what, const std::vector<at::Tensor>& list, const at::Tensor& one) const;
   // A send or receive on commlib's path (collected when inside a coalescing region).
   c10::intrusive_ptr<c10d::Work> p2p_work(c10d::OpType op, P2pWork::Item item);
+  // A CUDA send or receive on peer memory (Note [cuda p2p routing]), or null when it is not taken.
+  c10::intrusive_ptr<c10d::Work> cuda_p2p(c10d::OpType op, P2pRequest::Kind kind, std::vector<at::Tensor>& tensors,
+                                          int peer, int tag);
   c10::intrusive_ptr<c10d::Work> completed(c10d::OpType op, std::vector<at::Tensor> outputs);
   // The one route for CUDA all-reduce: commlib's kernels where built in and eligible, else NCCL.
   c10::intrusive_ptr<c10d::Work> route_cuda_all_reduce(std::vector<at::Tensor>& tensors,

@@ -15,21 +15,6 @@ namespace py = pybind11;
 namespace commlib::torch_layer {
 namespace {
 
-using StreamValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
-
-struct StreamMemOps {
-  StreamValue32 write;
-  StreamValue32 wait;
-};
-
-const StreamMemOps& stream_memops() {
-  // The CUDA 12 ABI of both calls (the _v2 entry points); resolved once, on first use.
-  static const StreamMemOps ops{
-      reinterpret_cast<StreamValue32>(cuda::entry_point("cuStreamWriteValue32", 12000)),
-      reinterpret_cast<StreamValue32>(cuda::entry_point("cuStreamWaitValue32", 12000))};
-  return ops;
-}
-
 // Rank r's mapping of `t` (a tensor inside this communicator's symmetric memory), for every r.
 std::vector<at::Tensor> symmetric_peer_views(Communicator& comm, const at::Tensor& t) {
   const char* what = "cp_symmetric_peer_views";
@@ -54,14 +39,13 @@ std::vector<at::Tensor> symmetric_peer_views(Communicator& comm, const at::Tenso
 }
 
 void stream_write_value32(uint64_t address, uint32_t value, uint64_t stream) {
-  cuda::check(stream_memops().write(reinterpret_cast<CUstream>(stream), static_cast<CUdeviceptr>(address), value, 0),
-              "cp ring", "cuStreamWriteValue32");
+  cuda::stream_write_value32(reinterpret_cast<CUstream>(stream), static_cast<CUdeviceptr>(address), value, 0,
+                             "cp ring");
 }
 
 void stream_wait_value32(uint64_t address, uint32_t value, uint64_t stream) {
-  cuda::check(stream_memops().wait(reinterpret_cast<CUstream>(stream), static_cast<CUdeviceptr>(address), value,
-                                   CU_STREAM_WAIT_VALUE_EQ),
-              "cp ring", "cuStreamWaitValue32");
+  cuda::stream_wait_value32(reinterpret_cast<CUstream>(stream), static_cast<CUdeviceptr>(address), value,
+                            CU_STREAM_WAIT_VALUE_EQ, "cp ring");
 }
 
 BindingRegistrar reg("cp_ring_cuda", [](py::module_& m) {

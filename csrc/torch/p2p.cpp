@@ -3,19 +3,22 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <cstring>
+
 #include "commlib/errors.hpp"
 #include "torch/bindings.hpp"
 #include "torch/torch_common.hpp"
+#include "torch/work.hpp"
 
 namespace py = pybind11;
 
 namespace commlib::torch_layer {
 // Note [host p2p of cuda tensors]
-// Until CUDA peer-memory P2P exists, the direct API moves CUDA tensors through host memory: a
-// send copies the tensor to the host when posted (after the work already queued on the current
-// stream, which it waits for), a receive lands in host memory and is copied to the tensor, on the
-// current stream, when wait() (or a completed is_completed()) finishes it. Correct, not fast: the
-// ddacomm backend sends CUDA tensors through NCCL instead.
+// Where the peer-memory path is not set up (Note [cuda p2p routing]), the direct API moves CUDA
+// tensors through host memory: a send copies the tensor to the host when posted (after the work
+// already queued on the current stream, which it waits for), a receive lands in host memory and is
+// copied to the tensor, on the current stream, when wait() (or a completed is_completed()) finishes it. Correct, not fast: the
+// ddacomm backend sends such CUDA tensors through NCCL instead.
 namespace {
 
 void check_p2p_tensor(const at::Tensor& t, const char* what) {
@@ -119,25 +122,56 @@ c10::intrusive_ptr<c10::ivalue::Future> P2pWork::getFuture() {
 
 namespace {
 
+#if defined(COMMLIB_TORCH_CUDA)
+// The direct API's CUDA tensors take peer memory where cuda_p2p_available says every rank does
+// (Note [cuda p2p routing]); else host memory (Note [host p2p of cuda tensors]).
+bool direct_cuda(Communicator& comm, const at::Tensor& tensor, int peer, const char* what) {
+  bool available = false;
+  translate_errors([&] { available = cuda_p2p_available(comm, tensor); });
+  TORCH_CHECK_VALUE(!available || std::strcmp(what, "recv") != 0 || peer != HostP2p::kAnySource, what,
+                    ": a receive from any source is not supported for CUDA tensors; pass src");
+  return available;
+}
+#endif
+
 c10::intrusive_ptr<c10d::Work> p2p_batch(const py::object& comm_obj, const py::list& ops) {
   std::shared_ptr<Communicator> comm = communicator_from_python(comm_obj);
-  std::vector<P2pWork::Item> items;
+  std::vector<std::tuple<std::string, at::Tensor, int, int64_t>> parsed;
   for (const auto& entry : ops) {
     auto op = entry.cast<py::tuple>();
     TORCH_CHECK_VALUE(op.size() == 4, "batch_isend_irecv: each op must be (kind, tensor, peer, tag)");
     const std::string kind = op[0].cast<std::string>();
-    const at::Tensor tensor = op[1].cast<at::Tensor>();
-    const int peer = op[2].cast<int>();
-    const int64_t tag = op[3].cast<int64_t>();
-    if (kind == "send") {
-      items.push_back(post_send(*comm, tensor, peer, tag));
-    } else {
-      TORCH_CHECK_VALUE(kind == "recv", "batch_isend_irecv: op kind '", kind, "' not supported; supported: send, recv");
-      items.push_back(post_recv(*comm, tensor, peer, tag));
-    }
+    TORCH_CHECK_VALUE(kind == "send" || kind == "recv", "batch_isend_irecv: op kind '", kind,
+                      "' not supported; supported: send, recv");
+    parsed.emplace_back(kind, op[1].cast<at::Tensor>(), op[2].cast<int>(), op[3].cast<int64_t>());
   }
   const int rank = comm->rank();
-  return c10::make_intrusive<P2pWork>(rank, c10d::OpType::COALESCED, std::move(comm), std::move(items));
+  // Each op takes its own path (a CUDA op's peer decides the same for the matching op).
+  std::vector<P2pWork::Item> items;
+#if defined(COMMLIB_TORCH_CUDA)
+  std::vector<CudaP2pOp> cuda_ops;
+  for (const auto& [kind, tensor, peer, tag] : parsed) {
+    const bool sending = kind == "send";
+    if (direct_cuda(*comm, tensor, peer, sending ? "send" : "recv")) {
+      cuda_ops.push_back({sending ? P2pRequest::Kind::kSend : P2pRequest::Kind::kRecv, tensor, peer, tag});
+    }
+  }
+  if (!cuda_ops.empty() && cuda_ops.size() == parsed.size()) return post_cuda_p2p(comm, c10d::OpType::COALESCED, cuda_ops);
+#endif
+  for (const auto& [kind, tensor, peer, tag] : parsed) {
+#if defined(COMMLIB_TORCH_CUDA)
+    if (!cuda_ops.empty() && cuda_p2p_available(*comm, tensor)) continue;
+#endif
+    items.push_back(kind == "send" ? post_send(*comm, tensor, peer, tag) : post_recv(*comm, tensor, peer, tag));
+  }
+  c10::intrusive_ptr<c10d::Work> host = c10::make_intrusive<P2pWork>(rank, c10d::OpType::COALESCED, comm, std::move(items));
+#if defined(COMMLIB_TORCH_CUDA)
+  if (!cuda_ops.empty()) {
+    std::vector<c10::intrusive_ptr<c10d::Work>> works{post_cuda_p2p(comm, c10d::OpType::COALESCED, cuda_ops), host};
+    return c10::make_intrusive<JoinedWork>(rank, std::move(works));
+  }
+#endif
+  return host;
 }
 
 void bind_p2p(py::module_& m) {
@@ -146,24 +180,34 @@ void bind_p2p(py::module_& m) {
       "p2p_isend",
       [](const py::object& comm_obj, const at::Tensor& tensor, int dst, int64_t tag) {
         std::shared_ptr<Communicator> comm = communicator_from_python(comm_obj);
+#if defined(COMMLIB_TORCH_CUDA)
+        if (direct_cuda(*comm, tensor, dst, "send")) {
+          return post_cuda_p2p(comm, c10d::OpType::SEND, {{P2pRequest::Kind::kSend, tensor, dst, tag}});
+        }
+#endif
         std::vector<P2pWork::Item> items{post_send(*comm, tensor, dst, tag)};
         const int rank = comm->rank();
         return c10::intrusive_ptr<c10d::Work>(
             c10::make_intrusive<P2pWork>(rank, c10d::OpType::SEND, std::move(comm), std::move(items)));
       },
       py::arg("comm"), py::arg("tensor"), py::arg("dst"), py::arg("tag"),
-      "Posts a send of a CPU tensor over shared memory; returns a torch.distributed Work.");
+      "Posts a send (CPU tensors: shared memory; CUDA: peer memory); returns a torch.distributed Work.");
   m.def(
       "p2p_irecv",
       [](const py::object& comm_obj, const at::Tensor& tensor, int src, int64_t tag) {
         std::shared_ptr<Communicator> comm = communicator_from_python(comm_obj);
+#if defined(COMMLIB_TORCH_CUDA)
+        if (direct_cuda(*comm, tensor, src, "recv")) {
+          return post_cuda_p2p(comm, c10d::OpType::RECV, {{P2pRequest::Kind::kRecv, tensor, src, tag}});
+        }
+#endif
         std::vector<P2pWork::Item> items{post_recv(*comm, tensor, src, tag)};
         const int rank = comm->rank();
         return c10::intrusive_ptr<c10d::Work>(
             c10::make_intrusive<P2pWork>(rank, c10d::OpType::RECV, std::move(comm), std::move(items)));
       },
       py::arg("comm"), py::arg("tensor"), py::arg("src"), py::arg("tag"),
-      "Posts a receive into a CPU tensor (src -1: any source); returns a torch.distributed Work.");
+      "Posts a receive (src -1: any source; not for CUDA tensors on peer memory); returns a torch.distributed Work.");
   m.def("p2p_batch", &p2p_batch, py::arg("comm"), py::arg("ops"),
         "Posts (kind, tensor, peer, tag) sends and receives together; returns one Work for all.");
 }

@@ -47,4 +47,23 @@ class P2pWork final : public c10d::Work {
 P2pWork::Item post_send(Communicator& comm, const at::Tensor& tensor, int dst, int64_t tag);
 P2pWork::Item post_recv(Communicator& comm, const at::Tensor& tensor, int src, int64_t tag);
 
+#if defined(COMMLIB_TORCH_CUDA)
+// CUDA tensors over peer memory (Note [cuda p2p], csrc/core/cuda_p2p.hpp; csrc/torch/p2p_cuda.cpp).
+struct CudaP2pOp {
+  P2pRequest::Kind kind;
+  at::Tensor tensor;
+  int peer;
+  int64_t tag;
+};
+// Whether send / recv of `tensor` take the peer-memory path: a dense CUDA tensor, and GPU state
+// with peer memory, which exists once any CUDA operation of the communicator set it up (or is set
+// up here when the group has two ranks, the pair itself). Every rank answers alike (Note [cuda p2p
+// routing], p2p_cuda.cpp).
+bool cuda_p2p_available(Communicator& comm, const at::Tensor& tensor);
+// Enqueues `ops` (NCCL's stream semantics: after the work queued on the current stream) and
+// returns one Work for all of them; its wait() makes the current stream wait.
+c10::intrusive_ptr<c10d::Work> post_cuda_p2p(const std::shared_ptr<Communicator>& comm, c10d::OpType op,
+                                             const std::vector<CudaP2pOp>& ops);
+#endif
+
 }  // namespace commlib::torch_layer

@@ -57,4 +57,30 @@ void check(CUresult result, const char* what, const char* call) {
   throw CudaError(detail::concat(what, ": ", call, " failed: ", msg, " (", static_cast<int>(result), ")"));
 }
 
+namespace {
+
+using StreamValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+struct StreamMemOps {
+  StreamValue32 write;
+  StreamValue32 wait;
+};
+
+const StreamMemOps& stream_memops() {
+  // The CUDA 12 ABI of both calls (the _v2 entry points); resolved once, on first use.
+  static const StreamMemOps ops{reinterpret_cast<StreamValue32>(entry_point("cuStreamWriteValue32", kDriverApiVersion)),
+                                reinterpret_cast<StreamValue32>(entry_point("cuStreamWaitValue32", kDriverApiVersion))};
+  return ops;
+}
+
+}  // namespace
+
+void stream_write_value32(CUstream stream, CUdeviceptr address, uint32_t value, unsigned flags, const char* what) {
+  check(stream_memops().write(stream, address, value, flags), what, "cuStreamWriteValue32");
+}
+
+void stream_wait_value32(CUstream stream, CUdeviceptr address, uint32_t value, unsigned flags, const char* what) {
+  check(stream_memops().wait(stream, address, value, flags), what, "cuStreamWaitValue32");
+}
+
 }  // namespace commlib::cuda

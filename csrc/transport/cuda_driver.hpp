@@ -6,6 +6,8 @@
 
 #include <cuda.h>
 
+#include <cstdint>
+
 namespace commlib::cuda {
 
 struct DriverApi {
@@ -31,5 +33,15 @@ void* entry_point(const char* symbol, int api_version);
 
 // Throws CudaError("<what>: <call> failed: <driver message>") unless result is CUDA_SUCCESS.
 void check(CUresult result, const char* what, const char* call);
+
+// 32-bit stream memory operations (the CUDA 12 ABI; resolved on first use), for the copy-engine
+// transports (commlib.cp's ring, CUDA point-to-point): no kernel, no SM.
+// stream_write_value32: stores `value` at `address` once the stream reaches it, the stream's
+// earlier writes visible first (flags 0: these v2 entry points refuse
+// CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER with "invalid argument").
+void stream_write_value32(CUstream stream, CUdeviceptr address, uint32_t value, unsigned flags, const char* what);
+// stream_wait_value32: the stream waits (unbounded, on the device) until the word at `address`
+// satisfies `flags` (CU_STREAM_WAIT_VALUE_EQ, _GEQ, ...) against `value`.
+void stream_wait_value32(CUstream stream, CUdeviceptr address, uint32_t value, unsigned flags, const char* what);
 
 }  // namespace commlib::cuda

@@ -128,6 +128,8 @@ class HostShm {
 
   // Throws PeerError if an earlier wait failed: the ranks' sequence numbers no longer agree.
   void check_usable(const char* what) const;
+  // Bounds the waits from now on (the group's timeout changed).
+  void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
 
  private:
   struct RankControl;

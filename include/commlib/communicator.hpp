@@ -47,6 +47,10 @@ class Communicator {
   // The store-key prefix of this communicator (unique per (store, name, creation order)).
   const std::string& prefix() const { return prefix_; }
   std::chrono::milliseconds timeout() const { return options_.timeout; }
+  // Bounds every wait from now on, set-up, host and device (a device wait reads it when enqueued),
+  // by `timeout`; COMMLIB_TIMEOUT_MS, when set, still wins. Not collective (each rank sets its
+  // own, as ProcessGroup.setTimeout does). InvalidArgument unless positive.
+  void set_timeout(std::chrono::milliseconds timeout);
   Store& store() { return *store_; }
   const std::vector<int64_t>& peer_pids() const { return peer_pids_; }
   bool closed() const { return closed_; }

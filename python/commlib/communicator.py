@@ -312,27 +312,31 @@ class Communicator:
         """Returns once every rank has entered the barrier."""
         self._comm.barrier()
 
-    # ---- point-to-point (CPU tensors, shared memory; docs/backend.md, "Point-to-point") ----
+    # ---- point-to-point (docs/backend.md, "Point-to-point") ----
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0):
         """Posts a send of ``tensor`` to rank ``dst``; returns a ``torch.distributed.Work``.
 
         Not collective: only ``dst`` takes part. ``tensor`` must not change until the work is done.
-        CUDA tensors travel through host memory for now (correct, not fast; docs/backend.md).
-        A message that fits the channel's ring (2 MiB) is on its way when this returns; a larger one
-        moves while any send or receive of this communicator is waited for."""
+        CPU tensors: shared memory; a message that fits the channel's ring (2 MiB) is on its way
+        when this returns, a larger one moves while any send or receive is waited for.
+        CUDA tensors: GPU peer memory (copy engine, stream-ordered flags) once the communicator has
+        GPU state (a collective CUDA call or ``symmetric_empty``; at two ranks the first send/recv
+        sets it up), else through host memory. Stream-ordered like NCCL: enqueued after the current
+        stream's work; ``Work.wait()`` makes the current stream wait; graph-capturable."""
         from . import _C
         return _C.p2p_isend(self._comm, tensor, int(dst), int(tag))
 
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0):
         """Posts a receive into ``tensor`` from rank ``src`` (``None``: any rank; the work's
-        ``_source_rank()`` tells which) of a message with ``tag``; returns a ``torch.distributed.Work``.
-        The message must have ``tensor``'s dtype and number of elements (else ``DistBackendError``
-        "ranks disagree" at ``wait()``, and the message is dropped)."""
+        ``_source_rank()`` tells which; CPU tensors only) of a message with ``tag``; returns a
+        ``torch.distributed.Work``. The message must have ``tensor``'s dtype and number of elements
+        (else ``DistBackendError`` "ranks disagree" at ``wait()``; on CPU the message is dropped)."""
         from . import _C
         return _C.p2p_irecv(self._comm, tensor, -1 if src is None else int(src), int(tag))
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
-        """Sends ``tensor`` to rank ``dst`` and returns once it has left this rank."""
+        """Sends ``tensor`` to rank ``dst``: on CPU returns once it has left this rank; on CUDA once
+        the current stream is ordered after it."""
         self.isend(tensor, dst, tag).wait()
 
     def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> int:

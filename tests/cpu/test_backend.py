@@ -417,8 +417,10 @@ def exact_reference(op, xs):
     dtype = xs[0].dtype
     acc = xs[0].clone()
     for x in xs[1:]:
-        if dtype == torch.bool:
-            acc = {"SUM": acc | x, "MAX": acc | x, "BOR": acc | x, "PRODUCT": acc & x, "MIN": acc & x,
+        if dtype == torch.bool and op == "SUM":  # gloo adds the bytes (wrapping): counts the trues
+            acc = (acc.view(torch.uint8) + x.view(torch.uint8)).view(torch.bool)
+        elif dtype == torch.bool:
+            acc = {"MAX": acc | x, "BOR": acc | x, "PRODUCT": acc & x, "MIN": acc & x,
                    "BAND": acc & x, "BXOR": acc ^ x}[op]
         else:
             a, b = acc.long(), x.long()
@@ -462,14 +464,11 @@ def _every_dtype_and_reduction(ctx, counts):
                         ref = xs[ctx.rank].clone()
                         dist.all_reduce(ref, op=op, group=gloo)
                         if not dtype.is_floating_point:
-                            assert torch.equal(ref, exact_reference(name, xs)), f"{what}: gloo disagrees"
+                            assert torch.equal(ref.view(torch.uint8), exact_reference(name, xs).view(torch.uint8)), \
+                                f"{what}: gloo disagrees"
                     if dtype.is_floating_point and n > 2:  # gloo adds in another order past 2 ranks
                         assert_close(ours, ref, dtype, what)
-                    elif dtype == torch.bool:
-                        # gloo (and NCCL) add bool bytes, leaving 2 in a bool tensor; commlib writes the
-                        # logical or (0 / 1 bytes, Note [host exact reduction]): equal as truth values.
-                        assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8).ne(0).view(torch.uint8)), what
-                    else:  # bitwise, like gloo
+                    else:  # bitwise, like gloo (bool SUM included: the byte sum, 2 where two ranks hold true)
                         assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8)), what
             # reduce_scatter_tensor and reduce of each dtype
             count = counts[-1]
@@ -488,7 +487,7 @@ def _every_dtype_and_reduction(ctx, counts):
                         assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8)), f"reduce_scatter {dtype}"
                 else:
                     ref = exact_reference(name, full)[ctx.rank * count:(ctx.rank + 1) * count]
-                    assert torch.equal(out, ref), f"reduce_scatter {name} {dtype}"
+                    assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8)), f"reduce_scatter {name} {dtype}"
         assert backend.num_fast_calls == fast0 + num_fast, "a reduction left commlib's path"
         assert backend.num_fallback_calls == fallback0
         # complex: torch hands the backend the real view, which commlib reduces.

@@ -197,6 +197,44 @@ def test_p2p_timeouts(ranks):
     ranks(2).run(_p2p_timeouts)
 
 
+def _set_timeout(ctx):
+    """ProcessGroup.set_timeout (torch.distributed.set_timeout; _set_default_timeout in older torch)
+    on a ddacomm group bounds commlib's waits from then on: a group created with 300 s and set to 1 s
+    raises "Timed out" for a receive and a barrier whose peer never comes, not after 300 s."""
+    import time
+
+    import torch.distributed as dist
+    n = ctx.scratch["set_timeout"] = ctx.scratch.get("set_timeout", 0) + 1
+    with ddacomm_world(ctx) as (world, gloo):
+        group = dist.new_group(backend="ddacomm", timeout=timedelta(seconds=300))
+        dist.barrier(group=group)  # the shared memory is set up under the old timeout
+        dist.send(torch.ones(3), dst=1 - ctx.rank, group=group)  # and the pair's channel
+        dist.recv(torch.empty(3), src=1 - ctx.rank, group=group)
+        if hasattr(group, "set_timeout"):
+            group.set_timeout(timedelta(seconds=1))
+        else:
+            group._set_default_timeout(timedelta(seconds=1))
+        for phase, call in (("recv", lambda: dist.recv(torch.empty(5), src=1, group=group)),
+                            ("barrier", lambda: dist.barrier(group=group))):
+            key = f"set-timeout/{n}/{phase}"
+            if ctx.rank == 1:
+                ctx.store.wait([key])
+                continue
+            t0 = time.monotonic()
+            try:
+                with pytest.raises(dist.DistBackendError, match="Timed out") as info:
+                    call()
+            finally:
+                ctx.store.set(key, b"1")
+            assert time.monotonic() - t0 < 100, "the wait was bounded by the creation timeout, not the new one"
+            assert "rank 1" in str(info.value), str(info.value)
+    return True
+
+
+def test_set_timeout_bounds_later_waits(ranks):
+    ranks(2, env={"COMMLIB_TIMEOUT_MS": "0"}).run(_set_timeout)
+
+
 def _dead_peer(ctx):
     import time
 
@@ -237,5 +275,5 @@ def _direct_cuda(ctx):
 
 @pytest.mark.gpu
 def test_direct_api_p2p_of_cuda_tensors(ranks):
-    """The direct API's ring step on CUDA tensors (through host memory), against the inputs."""
+    """The direct API's ring step on CUDA tensors (peer memory at two ranks), against the inputs."""
     ranks(2).run(_direct_cuda)
