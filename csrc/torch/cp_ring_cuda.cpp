@@ -73,10 +73,14 @@ BindingRegistrar reg("cp_ring_cuda", [](py::module_& m) {
       },
       py::arg("comm"), py::arg("tensor"),
       "Every rank's mapping of a symmetric tensor (list indexed by rank), each a tensor on this GPU.");
+  m.def(
+      "cp_comm_timeout_s",
+      [](const py::handle& comm) { return communicator_from_python(comm)->timeout().count() / 1000.0; },
+      py::arg("comm"), "The communicator's bound on a wait for a peer, in s (COMMLIB_TIMEOUT_MS applied).");
   m.def("cp_stream_write_value32", &stream_write_value32, py::arg("address"), py::arg("value"), py::arg("stream"),
         "cuStreamWriteValue32 (with its default memory barrier: earlier work on the stream is visible first).");
   m.def("cp_stream_wait_value32", &stream_wait_value32, py::arg("address"), py::arg("value"), py::arg("stream"),
-        "cuStreamWaitValue32 until the word equals value (unbounded on the device: see the host watchdog).");
+        "cuStreamWaitValue32 until the word equals value (unbounded on the device: Note [cp ring watchdog]).");
 });
 
 }  // namespace

@@ -117,6 +117,58 @@ def test_merge_attention_states(dtype):
         cp.merge_attention_states([outs[0]], [lses[0].t()])
 
 
+def merge_reference(outs, lses):
+    """fp64 merge of partial states (the inputs as given, upcast): out [T, H, D], lse [H, T]; a
+    token with no finite LSE gets out 0 and LSE -inf; an empty state's out is ignored."""
+    lse = torch.stack([x.double() for x in lses])                        # [S, H, T]
+    m = lse.max(0).values
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lse - m_safe)                                          # 0 for empty states
+    total = w.sum(0)
+    f = torch.where(total > 0, w / total, torch.zeros_like(w))           # [S, H, T]
+    o = torch.stack([x.double() for x in outs])                          # [S, T, H, D]
+    o = torch.where(f.permute(0, 2, 1).unsqueeze(-1) > 0, o, torch.zeros_like(o))
+    out = (o * f.permute(0, 2, 1).unsqueeze(-1)).sum(0)
+    return out, torch.where(total > 0, m_safe + torch.log(total), torch.full_like(total, float("-inf")))
+
+
+def merge_case(num_states, t, h, d, dtype, device="cpu", seed=0):
+    """Random partial states with a spread of LSE magnitudes, empty partials (-inf, their out
+    poisoned with NaN) and one token (if t > 1) that no partial saw."""
+    g = torch.Generator().manual_seed(seed)
+    outs = [torch.randn(t, h, d, generator=g).to(dtype) for _ in range(num_states)]
+    lses = [(torch.randn(h, t, generator=g) * 4 + 20 * s) for s in range(num_states)]
+    for s in range(num_states):
+        empty = torch.rand(h, t, generator=g) < 0.2
+        lses[s][empty] = float("-inf")
+        outs[s][empty.t()] = float("nan")
+    if t > 1:
+        for s in range(num_states):
+            lses[s][:, 1] = float("-inf")
+    return [o.to(device) for o in outs], [x.to(device) for x in lses]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_states,t,d", [(1, 5, 64), (2, 37, 128), (3, 0, 64), (9, 6, 33)])
+def test_merge_attention_states_cpu_reference(dtype, num_states, t, d):
+    outs, lses = merge_case(num_states, t, 3, d, dtype, seed=num_states * 100 + t)
+    ref, ref_lse = merge_reference(outs, lses)
+    out, lse = cp.merge_attention_states(outs, lses, out_dtype=torch.float32)
+    assert out.shape == (t, 3, d) and lse.shape == (3, t)
+    assert torch.isfinite(out).all(), "an empty partial's NaN out must not leak"
+    assert (out.double() - ref).abs().max().item() <= 64 * torch.finfo(torch.float32).eps if t else True
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    if t > 1:
+        assert (out[1] == 0).all() and (lse[:, 1] == float("-inf")).all()
+    assert (lse.double()[finite] - ref_lse[finite]).abs().max().item() <= 1e-5 if finite.any() else True
+    if t:  # a NaN LSE (a poisoned partial) makes its row NaN instead of being merged away
+        lses[0][0, 0] = float("nan")
+        out, lse = cp.merge_attention_states(outs, lses, out_dtype=torch.float32)
+        assert torch.isnan(out[0, 0]).all() and torch.isnan(lse[0, 0])
+        assert torch.isfinite(out[0, 1:]).all() and torch.isfinite(out[2:]).all()
+
+
 def test_select_mode():
     args = dict(world_size=2, num_q_heads=64, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
                 bw=3.5e11, flops=4.5e14)
@@ -268,6 +320,17 @@ def _ring_errors(ctx):
     sh_bad = cp.shard(cu_bad, n, rank)
     expect(ValueError, lambda: cp.ring_attention(ctx.comm, q[:sh_bad.index.numel()], k[:sh_bad.index.numel()],
                                                  k[:sh_bad.index.numel()], cu_seqlens_q=cu_bad))
+    # A bad argument on one rank only: that rank raises its own error, every other rank names it.
+    expect(ValueError, lambda: cp.ring_attention(ctx.comm, q, k, k, cu_seqlens_q=cu,
+                                                 mode="pass_x" if rank == 1 else "pass_kv"))
+    expect(ValueError, lambda: cp.ring_attention(ctx.comm, q[1:] if rank == 0 else q, k[1:] if rank == 0 else k,
+                                                 k[1:] if rank == 0 else k, cu_seqlens_q=cu))
+    expect(TypeError, lambda: cp.ring_attention(ctx.comm, q.int() if rank == n - 1 else q, k, k, cu_seqlens_q=cu))
+    # The same over a torch.distributed group (gloo).
+    expect(ValueError, lambda: cp.ring_attention(ctx.gloo(), q, k, k, cu_seqlens_q=cu,
+                                                 layout="zigzag" if rank == 0 else "balanced"))
+    out_g = cp.ring_attention(ctx.gloo(), q, k, k, cu_seqlens_q=cu)
+    assert torch.isfinite(out_g).all()
     # Still usable.
     out = cp.ring_attention(ctx.comm, q, k, k, cu_seqlens_q=cu)
     assert torch.isfinite(out).all()
@@ -293,6 +356,17 @@ def test_ring_attention_errors(ranks, world_size):
         assert "q has" in m[3] and "pass this rank's shard" in m[3]
         assert "ranks disagree on mode: rank 0: pass_kv, rank 1: pass_q" in m[4]
         assert "ranks disagree on batch size" in m[5]
+    n = world_size
+    for rank, m in enumerate(msgs):
+        if rank == 1:
+            assert "ring_attention: mode 'pass_x' not supported; supported: auto, pass_kv, pass_q" in m[6]
+        else:
+            assert "ring_attention: rank 1 rejected its argument mode" in m[6] and "every rank raises" in m[6]
+        assert ("pass this rank's shard" in m[7]) if rank == 0 else ("rank 0 rejected its argument q" in m[7])
+        assert ("q has dtype torch.int32" in m[8]) if rank == n - 1 else (f"rank {n - 1} rejected its argument q" in m[8])
+        assert ("layout 'zigzag' not supported; supported: balanced, round_robin" in m[9]) if rank == 0 else \
+            ("rank 0 rejected its argument layout" in m[9])
+        assert "valid num_kv_heads: 1, 2, 4" in m[1]
 
 
 def test_tuned_constants_reach_select_mode(tmp_path, monkeypatch):
