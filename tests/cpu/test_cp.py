@@ -405,3 +405,51 @@ def test_perf_ring_attention_rows():
     bad = subprocess.run(args + ["--corrupt-rank", "1"], capture_output=True, text=True, env=env, cwd=root,
                          timeout=300)
     assert bad.returncode != 0 and "Out of bounds values : 0 OK" not in bad.stdout, bad.stdout
+
+
+def _bench_rows(ctx):
+    from commlib.perf import ops_cp
+    dev, shape = torch.device("cpu"), (4, 2, 16)
+    cases = ops_cp._grid_cases("cpu", ctx.world_size, cached=[40], fractions=(0.05,), decode_batches=(3,))
+    grid = ops_cp.grid_rows(ctx.comm, dev, torch.float32, 1, shape=shape, cases=cases)
+    scaling = ops_cp.scaling_rows(ctx.comm, [24], ["pass_kv", "pass_q"], dev, torch.float32, 1, shape=shape)
+    return grid, scaling
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_perf_grid_and_scaling_rows(ranks, world_size):
+    """ops_cp's (T, P) grid and scaling rows on 2 CPU processes: one row per case, every mode
+    timed, the pick is select_mode's (pass-Q for decode), hit means the pick's time is the best."""
+    from commlib.perf import ops_cp
+    grid, scaling = ranks(world_size).run(_bench_rows)[0]
+    assert [r["kind"] for r in grid] == ["prefill", "decode"]
+    for r in grid:
+        times = {m: r[f"{m}_ms"] for m in ops_cp.GRID_MODES}
+        assert all(t > 0 for t in times.values()) and r["fastest"] == min(times, key=times.get)
+        want = "pass_q" if r["kind"] == "decode" else cp.select_mode(r["T"], r["P"], world_size, 4, 2, 16,
+                                                                     torch.float32, device_type="cpu")
+        assert r["pick"] == want
+        pick_ms = min(t for m, t in times.items() if ops_cp.CP_MODES[m][0] == want)
+        assert r["hit"] == (pick_ms <= times[r["fastest"]])
+    assert [(r["seqlen"], r["mode"]) for r in scaling] == [(24, "pass_kv"), (24, "pass_q")]
+    assert all(r["time_ms"] > 0 and r["efficiency"] > 0 for r in scaling)
+
+
+def test_perf_ops_cp_cli_world1():
+    """python -m commlib.perf.ops_cp at world 1 on CPU with the grid and the PyTorch baseline: the
+    tables print; the baseline reports why it does not run where it does not (CPU SDPA has no CP)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "commlib.perf.ops_cp", "--device", "cpu", "--seqlens", "48", "--modes",
+                        "pass_kv", "--iters", "1", "--torch-cp", "--grid", "--grid-cached", "64"],
+                       capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "pass_kv" in r.stdout and "torch_cp" in r.stdout, r.stdout
+    assert "select_mode picked the fastest mode in" in r.stdout and "(T, P) grid" in r.stdout, r.stdout
+    rows = [line.split() for line in r.stdout.splitlines() if line.startswith("  ") and line.split()[0] in
+            ("prefill", "decode")]
+    assert len(rows) == 7, r.stdout  # 4 fractions + 3 decode batch sizes

@@ -271,9 +271,13 @@ def _stuck_peer(ctx, sleep_s):
 
     import commlib
     device = torch.device("cuda", torch.cuda.current_device())
-    comm = ctx.new_comm("cp-watchdog", timeout=timedelta(seconds=3))
     case = ("causal", [64, 9], None, 8, 2, 64, torch.bfloat16, True, "balanced")
     q, k, v, cu, _, ref, _, _, dtype = _inputs(950, case, ctx.rank, ctx.world_size, device)
+    # CUDA, the attention kernels and the GPU state of a communicator are set up under the default
+    # (long) timeout first, so the 3 s communicator below times only the ring.
+    cp.ring_attention(ctx.comm, q, k, v, cu_seqlens_q=cu, mode="pass_q")
+    torch.cuda.synchronize()
+    comm = ctx.new_comm("cp-watchdog", timeout=timedelta(seconds=3))
     stalled = []
 
     def stuck_attention(*args):
