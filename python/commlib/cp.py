@@ -276,7 +276,9 @@ class _State:
     def merge(self, rows: Optional[torch.Tensor], o: torch.Tensor, lse: torch.Tensor) -> None:
         if _merge_kernel(o):
             # One fused in-place pass (Note [merge of attention states]); rows index the accumulator.
-            torch.ops.commlib.merge_attention_states_(self.out, self.lse, [o], [lse.float()], rows)
+            lse = lse.float()
+            torch.ops.commlib.merge_attention_states_(self.out, self.lse, [o if o.stride(-1) == 1 else o.contiguous()],
+                                                      [lse if lse.stride(-1) == 1 else lse.contiguous()], rows)
             return
         if rows is None:
             self.out, self.lse = _merge2(self.out, self.lse, o.float(), lse.float())
