@@ -160,9 +160,11 @@ void merge_attention_states_inplace_meta(const at::Tensor&, const at::Tensor&, a
 using namespace commlib::torch_layer;  // NOLINT: the op table below names this file's functions
 
 TORCH_LIBRARY_FRAGMENT(commlib, m) {
-  m.def("merge_attention_states(Tensor[] outs, Tensor[] lses, ScalarType? out_dtype=None) -> (Tensor, Tensor)");
+  const at::Tag pt2 = at::Tag::pt2_compliant_tag;
+  m.def("merge_attention_states(Tensor[] outs, Tensor[] lses, ScalarType? out_dtype=None) -> (Tensor, Tensor)", {pt2});
   m.def("merge_attention_states_(Tensor(a!) out, Tensor(b!) lse, Tensor[] outs, Tensor[] lses, Tensor? rows=None) "
-        "-> ()");
+        "-> ()",
+        {pt2});
 }
 
 TORCH_LIBRARY_IMPL(commlib, CUDA, m) {

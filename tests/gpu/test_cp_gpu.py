@@ -118,6 +118,15 @@ def test_merge_kernel_bad_input(world_size):
         torch.ops.commlib.merge_attention_states_(o, lse, [o], [lse], torch.arange(3, device="cuda"))
     out, _ = cp.merge_attention_states([o, o], [lse, lse])  # still usable
     assert torch.allclose(out, o, atol=1e-6)
+    # Schemas (mutation annotations) and Meta kernels agree with the CUDA kernels.
+    tests = ("test_schema", "test_faketensor")
+    ops = torch.ops.commlib
+    torch.library.opcheck(ops.merge_attention_states.default, ([o, o * 2], [lse, lse - 1], torch.bfloat16),
+                          test_utils=tests)
+    torch.library.opcheck(ops.merge_attention_states_.default, (o.clone(), lse.clone(), [o * 2], [lse - 1], None),
+                          test_utils=tests)
+    for op in (ops.merge_attention_states, ops.merge_attention_states_):
+        assert torch.Tag.pt2_compliant_tag in op.default.tags, op
 
 
 # ---------------------------------------------------------------------------------------------
