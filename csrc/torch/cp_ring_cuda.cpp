@@ -64,7 +64,18 @@ void stream_wait_value32(uint64_t address, uint32_t value, uint64_t stream) {
               "cp ring", "cuStreamWaitValue32");
 }
 
+// The calling thread's stream-capture interaction mode becomes relaxed: its event queries never
+// invalidate a graph another thread is capturing in global mode (the ring watchdog's thread).
+void relax_stream_capture_mode() {
+  using Exchange = CUresult (*)(CUstreamCaptureMode*);
+  static const auto exchange = reinterpret_cast<Exchange>(cuda::entry_point("cuThreadExchangeStreamCaptureMode", 10010));
+  CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+  cuda::check(exchange(&mode), "cp ring watchdog", "cuThreadExchangeStreamCaptureMode");
+}
+
 BindingRegistrar reg("cp_ring_cuda", [](py::module_& m) {
+  m.def("cp_relax_stream_capture_mode", &relax_stream_capture_mode,
+        "Relaxed stream-capture mode for the calling thread (Note [cp ring watchdog]).");
   m.def(
       "cp_symmetric_peer_views",
       [](const py::handle& comm, const at::Tensor& t) {

@@ -57,7 +57,8 @@ Note [cp ring watchdog]
     header all-gather), naming the rank, the peer and the slot. The ring of that communicator
     stays failed: its flags no longer match the peers'. Calls captured in a CUDA graph are not
     watched (a replay is not a ring_attention call): SymmetricTransport.synchronize(timeout_s)
-    bounds a wait for a replay.
+    bounds a wait for a replay. The thread runs in the relaxed stream-capture mode, so its event
+    queries never invalidate a graph that another thread captures meanwhile.
 """
 from __future__ import annotations
 
@@ -763,6 +764,9 @@ class _RingWatchdog:
             self._lock.notify()
 
     def _run(self) -> None:
+        from . import _C
+        # This thread's event queries must not invalidate a CUDA graph another thread captures.
+        _C.cp_relax_stream_capture_mode()
         while True:
             with self._lock:
                 while not self._calls:

@@ -242,9 +242,26 @@ def _decode_graph(ctx):
         step()  # warm-up: plans, slots, attention workspaces
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
+    # The ring watchdog's thread polls an unfinished event during the capture (it must not
+    # invalidate the capture: Note [cp ring watchdog], relaxed capture mode).
+    import time
+
+    class Watched:
+        failure, rank, timeout_s = None, ctx.rank, 1e9
+
+    watched = Watched()
+    watched._buf = torch.empty(1, device=device)
+    busy = torch.cuda.Stream()
+    with torch.cuda.stream(busy):
+        torch.cuda._sleep(1_000_000_000)
+    pending = torch.cuda.Event()
+    pending.record(busy)
+    cp._watchdog().watch(watched, [(pending, "a test event")], time.monotonic() + 1e9, [])
+    time.sleep(0.05)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
+    assert not pending.query(), "the watchdog's event was still pending during the capture"
     errs = []
     for r in range(3):
         qn, kn, vn, _, _, _, _, _, _ = _inputs(700 + r, case, ctx.rank, ctx.world_size, device)
