@@ -288,6 +288,14 @@ class _State:
         self.out[rows] = o_new
         self.lse[:, rows] = lse_new
 
+    def merge_all(self, outs: List[torch.Tensor], lses: List[torch.Tensor]) -> None:
+        """Merges partials over all rows at once (on CUDA one fused pass over all of them)."""
+        if outs and _merge_kernel(outs[0]):
+            torch.ops.commlib.merge_attention_states_(self.out, self.lse, outs, [x.float() for x in lses], None)
+            return
+        for o, lse in zip(outs, lses):
+            self.merge(None, o, lse)
+
 
 # ---------------------------------------------------------------------------------------------
 # Attention calls
@@ -1073,9 +1081,9 @@ def _pass_q(plan, transport, rank, q_local, k_res, v_res, attn_fn, scale, state,
         token = transport.start([(owner, f"p{s}", msg) for owner, msg, s in held],
                                 [((rank + s) % n, f"p{s}") for s in range(1, n)])
         transport.wait(token)
-        for s in range(1, n):
-            o, lse = _unpack_partial(transport.slot(f"p{s}"), q_rows, state.out.shape[0], heads, head_dim)
-            state.merge(None, o, lse)
+        parts = [_unpack_partial(transport.slot(f"p{s}"), q_rows, state.out.shape[0], heads, head_dim)
+                 for s in range(1, n)]
+        state.merge_all([o for o, _ in parts], [lse for _, lse in parts])
         transport.release([f"p{s}" for s in range(1, n)])
 
 
