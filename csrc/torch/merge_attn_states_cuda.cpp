@@ -8,7 +8,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "kernels/merge_attn_states_params.hpp"
@@ -31,14 +33,14 @@ DataType float_type(at::ScalarType type, const char* name) {
   return DataType::kFloat32;
 }
 
-void check_out(const at::Tensor& o, const at::Tensor& ref, const char* name) {
+void check_out(const at::Tensor& o, const at::Tensor& ref, const std::string& name) {
   TORCH_CHECK_VALUE(o.dim() == 3, kWhat, ": ", name, " must be [tokens, heads, head_dim], got ", o.sizes());
   TORCH_CHECK_VALUE(o.sizes() == ref.sizes(), kWhat, ": ", name, " has shape ", o.sizes(), ", expected ", ref.sizes());
   TORCH_CHECK_TYPE(o.device() == ref.device(), kWhat, ": ", name, " is on ", o.device(), ", expected ", ref.device());
   TORCH_CHECK_VALUE(o.size(2) <= 1 || o.stride(2) == 1, kWhat, ": ", name, " must have a contiguous last dimension");
 }
 
-void check_lse(const at::Tensor& lse, const at::Tensor& o, const char* name) {
+void check_lse(const at::Tensor& lse, const at::Tensor& o, const std::string& name) {
   TORCH_CHECK_TYPE(lse.scalar_type() == at::kFloat, kWhat, ": ", name, " has dtype ", lse.scalar_type(),
                    "; supported: float32");
   TORCH_CHECK_VALUE(lse.dim() == 2 && lse.size(0) == o.size(1) && lse.size(1) == o.size(0), kWhat, ": ", name,
@@ -89,10 +91,10 @@ void check_states(const at::TensorList& outs, const at::TensorList& lses) {
   TORCH_CHECK_VALUE(!outs.empty() && outs.size() == lses.size(), kWhat, ": need as many outs as lses, at least one; got ",
                     outs.size(), " outs and ", lses.size(), " lses");
   for (size_t s = 0; s < outs.size(); ++s) {
-    check_out(outs[s], outs[0], "outs[i]");
+    check_out(outs[s], outs[0], "outs[" + std::to_string(s) + "]");
     TORCH_CHECK_TYPE(outs[s].scalar_type() == outs[0].scalar_type(), kWhat, ": outs[", s, "] has dtype ",
                      outs[s].scalar_type(), " but outs[0] ", outs[0].scalar_type(), "; every partial has one dtype");
-    check_lse(lses[s], outs[0], "lses[i]");
+    check_lse(lses[s], outs[0], "lses[" + std::to_string(s) + "]");
   }
   float_type(outs[0].scalar_type(), "outs[0]");
 }
