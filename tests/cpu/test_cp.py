@@ -115,6 +115,10 @@ def test_merge_attention_states(dtype):
     assert torch.isfinite(o2.float()).all() and (l2 - (lses[0] + 1e4 + math.log(2))).abs().max() < 1e-2
     with pytest.raises(ValueError, match=r"lses\[0\] has shape \(13, 4\); expected \[heads, tokens\] = \(4, 13\)"):
         cp.merge_attention_states([outs[0]], [lses[0].t()])
+    with pytest.raises(TypeError, match=r"merge_attention_states: outs\[1\] has dtype torch.int32; supported: float32"):
+        cp.merge_attention_states([outs[0], outs[0].int()], [lses[0], lses[0]])
+    with pytest.raises(TypeError, match=r"merge_attention_states: out_dtype torch.int8 not supported"):
+        cp.merge_attention_states([outs[0]], [lses[0]], out_dtype=torch.int8)
 
 
 def merge_reference(outs, lses):
