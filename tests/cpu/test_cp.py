@@ -449,7 +449,7 @@ def test_perf_ops_cp_cli_world1():
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=str(root / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-m", "commlib.perf.ops_cp", "--device", "cpu", "--seqlens", "48", "--modes",
-                        "pass_kv", "--iters", "1", "--torch-cp", "--grid", "--grid-cached", "64"],
+                        "pass_kv", "--iters", "1", "--torch-cp", "--grid", "--grid-cached", "64", "--merge", "16"],
                        capture_output=True, text=True, env=env, cwd=root, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "pass_kv" in r.stdout and "torch_cp" in r.stdout, r.stdout
@@ -457,3 +457,4 @@ def test_perf_ops_cp_cli_world1():
     rows = [line.split() for line in r.stdout.splitlines() if line.startswith("  ") and line.split()[0] in
             ("prefill", "decode")]
     assert len(rows) == 7, r.stdout  # 4 fractions + 3 decode batch sizes
+    assert "merge_attention_states, 2 partials" in r.stdout, r.stdout

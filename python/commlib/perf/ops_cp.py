@@ -27,7 +27,9 @@ same inputs as a baseline row (skipped with the reason where it does not run). `
 partial prefill at 1-10 % new tokens (P cached, T new) and decode (B one-token sequences, each with
 a P-token cache, round-robin) in pass-KV, pass-Q (streamed return) and pass-Q (post-loop
 all-to-all), and prints which mode ``select_mode`` picks, which was fastest, and how often the pick
-was the fastest (the issue's criterion: >= 90 % of the grid).
+was the fastest (the issue's criterion: >= 90 % of the grid). ``--merge T1,T2`` times
+merge_attention_states of two partials: the fused CUDA kernel against the same arithmetic in torch
+ops, with the bytes it moves per second.
 """
 from __future__ import annotations
 
@@ -229,6 +231,40 @@ def torch_cp_rows(seqlens: List[int], device: torch.device, dtype: torch.dtype, 
     return rows
 
 
+# ---- the merge of attention states: the fused kernel vs the same arithmetic in torch ops ----
+
+def merge_rows(tokens: List[int], device: torch.device, dtype: torch.dtype, iters: int, num_states: int = 2,
+               shape=None) -> List[dict]:
+    """Per token count: cp.merge_attention_states of ``num_states`` partials ([T, H, D] in
+    ``dtype``, LSE [H, T]) into ``dtype``, timed as the fused op (CUDA) and as the torch-ops path
+    (``cp._merge2``, what CPU tensors run), with the bytes moved (every partial read once, the
+    result written once) over the time."""
+    h, _, d = shape or (GPU_SHAPE if device.type == "cuda" else CPU_SHAPE)
+    esize = torch.tensor([], dtype=dtype).element_size()
+    rows = []
+    for t in tokens:
+        g = torch.Generator().manual_seed(t)
+        outs = [torch.randn(t, h, d, generator=g).to(dtype).to(device) for _ in range(num_states)]
+        lses = [(torch.randn(h, t, generator=g) * 3).to(device) for _ in range(num_states)]
+
+        def torch_ops():
+            o, lse = outs[0].float(), lses[0]
+            for o2, l2 in zip(outs[1:], lses[1:]):
+                o, lse = cp._merge2(o, lse, o2.float(), l2)
+            return o.to(dtype), lse
+
+        nbytes = (num_states + 1) * t * h * d * esize + (num_states + 1) * h * t * 4
+        row = {"tokens": t, "states": num_states, "mib": nbytes / 2**20,
+               "torch_ms": _time(torch_ops, device, iters) * 1e3, "fused_ms": None}
+        if cp._merge_kernel(outs[0]):
+            row["fused_ms"] = _time(lambda: cp.merge_attention_states(outs, lses), device, iters) * 1e3
+            ref, _ = torch_ops()
+            got, _ = cp.merge_attention_states(outs, lses)
+            row["max_diff"] = (got.float() - ref.float()).abs().max().item() if t else 0.0
+        rows.append(row)
+    return rows
+
+
 # ---- the (T, P) grid: pass-KV vs pass-Q (stream, all-to-all), and select_mode's hit rate ----
 
 GRID_MODES = ("pass_kv", "pass_q", "pass_q_a2a")
@@ -317,6 +353,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--grid-cached", type=_int_list, default=None, metavar="P1,P2,...",
                    help="--grid: cached tokens per case (default 16384,65536 on GPU, 512,2048 on CPU)")
     p.add_argument("--no-scaling", action="store_true", help="skip the full-prefill scaling rows")
+    p.add_argument("--merge", type=_int_list, default=None, metavar="T1,T2,...",
+                   help="time merge_attention_states of 2 partials of T tokens: the fused kernel vs torch ops")
     p.add_argument("--emulate", type=_int_list, default=None, metavar="N1,N2,...",
                    help="world 1: per-step cost of a pass-KV ring on N ranks (attention per step vs the "
                         "K/V block's transfer at the tuned BW)")
@@ -354,8 +392,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         for r in emulated_step_rows(seqlens, opts.emulate, device, dtype, opts.iters):
             print(f"  {r['seqlen']:>8d} {r['world']:>3d} {r['step']:>4d} {r['attn_ms']:>10.3f} {r['block_mib']:>10.2f} "
                   f"{r['transfer_ms']:>10.3f} {'yes' if r['hidden'] else 'no'}")
+    merges = merge_rows(opts.merge, device, dtype, opts.iters) if opts.merge and rank == 0 else []
     if rank == 0:
         name = torch.cuda.get_device_name(device) if device_type == "cuda" else "cpu"
+        if merges:
+            print(f"# merge_attention_states, 2 partials -> {dtype}, heads "
+                  f"{GPU_SHAPE if device_type == 'cuda' else CPU_SHAPE} (q, kv, head_dim), {name}")
+            print(f"# {'tokens':>8} {'MiB':>8} {'fused ms':>10} {'GB/s':>8} {'torch ms':>10} {'GB/s':>8} max|diff|")
+            for r in merges:
+                fused = r["fused_ms"]
+                f_txt = (f"{fused:>10.4f} {r['mib'] * 2**20 / (fused * 1e6):>8.1f}" if fused else f"{'-':>10} {'-':>8}")
+                print(f"  {r['tokens']:>8d} {r['mib']:>8.1f} {f_txt} {r['torch_ms']:>10.4f} "
+                      f"{r['mib'] * 2**20 / (r['torch_ms'] * 1e6):>8.1f} {r.get('max_diff', float('nan')):.2e}")
         print(f"# ring_attention causal prefill, {dtype}, heads "
               f"{GPU_SHAPE if device_type == 'cuda' else CPU_SHAPE} (q, kv, head_dim), world {world}, {name}")
         print(f"# {'seqlen':>8} {'mode':>10} {'time ms':>10} {'1-GPU ms':>10} {'efficiency':>10}")
