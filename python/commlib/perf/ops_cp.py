@@ -243,9 +243,9 @@ def merge_rows(tokens: List[int], device: torch.device, dtype: torch.dtype, iter
     esize = torch.tensor([], dtype=dtype).element_size()
     rows = []
     for t in tokens:
-        g = torch.Generator().manual_seed(t)
-        outs = [torch.randn(t, h, d, generator=g).to(dtype).to(device) for _ in range(num_states)]
-        lses = [(torch.randn(h, t, generator=g) * 3).to(device) for _ in range(num_states)]
+        g = torch.Generator(device=device).manual_seed(t)
+        outs = [torch.randn(t, h, d, generator=g, device=device).to(dtype) for _ in range(num_states)]
+        lses = [torch.randn(h, t, generator=g, device=device) * 3 for _ in range(num_states)]
 
         def torch_ops():
             o, lse = outs[0].float(), lses[0]
