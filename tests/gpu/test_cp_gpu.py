@@ -332,7 +332,7 @@ def _stuck_peer(ctx, sleep_s):
 
 @pytest.mark.parametrize("world_size", [2])
 def test_copy_engine_ring_watchdog(ranks, world_size):
-    results = ranks(world_size).run(_stuck_peer, 12.0, timeout=300)
+    results = ranks(world_size).run(_stuck_peer, 7.0, timeout=300)
     (err0, t0, nan0, raised0), (err1, t1, _, raised1) = results
     assert err0 <= t0 and err1 <= t1, "the warm-up call is correct"
     assert nan0, "rank 0's stuck call was unblocked with NaN rows, not a stale result"
