@@ -720,6 +720,30 @@ class SymmetricTransport(RingTransport):
             ev.record(stream)
             self._trace.append((ev, what))
 
+    _GRACE_S = 30.0  # how long the watchdog keeps unblocking one stuck call
+
+    def _call_done(self, trace) -> bool:
+        torch.cuda.set_device(self._buf.device)  # the watchdog thread's current device
+        return all(ev.query() for ev, _ in trace)
+
+    def _on_timeout(self, trace, recv_slots, elapsed) -> None:
+        """The watchdog's action on a call past its deadline (Note [cp ring watchdog])."""
+        pending = next((what for ev, what in trace if not ev.query()), "the end of the call")
+        self.failure = (
+            f"ring_attention: rank {self.rank}: the copy-engine ring did not complete within {self.timeout_s:g} s "
+            f"(elapsed {elapsed:.1f} s): waiting for {pending}; this call's output was filled with NaN and the ring "
+            "of this communicator is no longer usable (create a new communicator)")
+        print(f"commlib: {self.failure}", file=sys.stderr, flush=True)
+        device = self._buf.device
+        stream, issued, end = torch.cuda.Stream(device), None, time.monotonic() + self._GRACE_S
+        while time.monotonic() < end and not all(ev.query() for ev, _ in trace):
+            if issued is not None and not issued.query():
+                stream = torch.cuda.Stream(device)  # the last write sits behind the blocked queue
+            self._unblock(stream, recv_slots)
+            issued = torch.cuda.Event()
+            issued.record(stream)
+            time.sleep(_RingWatchdog._POLL_S)
+
     def _unblock(self, stream, recv_slots) -> None:
         """On ``stream``: NaN into this rank's receive slots, ready = free = 1 in its flags."""
         with torch.cuda.stream(stream):
@@ -755,10 +779,11 @@ class SymmetricTransport(RingTransport):
 
 
 class _RingWatchdog:
-    """The process's ring watchdog thread (Note [cp ring watchdog])."""
+    """The process's ring watchdog thread (Note [cp ring watchdog]). It calls two methods of a
+    watched transport: ``_call_done(trace)`` (every event of the call complete) and
+    ``_on_timeout(trace, recv_slots, elapsed)`` (record the failure, unblock the streams)."""
 
     _POLL_S = 0.01
-    _GRACE_S = 30.0  # how long the thread keeps unblocking one stuck call
 
     def __init__(self):
         self._lock = threading.Condition()
@@ -771,10 +796,12 @@ class _RingWatchdog:
             self._calls.append((weakref.ref(transport), trace, deadline, tuple(recv_slots), time.monotonic()))
             self._lock.notify()
 
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._calls)
+
     def _run(self) -> None:
-        from . import _C
-        # This thread's event queries must not invalidate a CUDA graph another thread captures.
-        _C.cp_relax_stream_capture_mode()
+        _relax_stream_capture_mode()
         while True:
             with self._lock:
                 while not self._calls:
@@ -785,38 +812,26 @@ class _RingWatchdog:
                 ref, trace, deadline, recv_slots, started = call
                 transport = ref()
                 try:
-                    if transport is not None:
-                        torch.cuda.set_device(transport._buf.device)  # this thread's current device
-                    if transport is None or all(ev.query() for ev, _ in trace):
+                    if transport is None or transport._call_done(trace):
                         done.append(call)
                     elif now > deadline:
-                        self._fire(transport, trace, recv_slots, now - started)
+                        transport._on_timeout(trace, recv_slots, now - started)
                         done.append(call)
                 except Exception as e:  # noqa: BLE001 - a broken context must not kill the thread
                     if transport is not None and transport.failure is None:
                         transport.failure = f"ring_attention: rank {transport.rank}: the ring watchdog failed: {e}"
                     done.append(call)
             with self._lock:
-                self._calls = [c for c in self._calls if c not in done]
+                self._calls = [c for c in self._calls if not any(c is d for d in done)]
             time.sleep(self._POLL_S)
 
-    def _fire(self, transport, trace, recv_slots, elapsed) -> None:
-        pending = next((what for ev, what in trace if not ev.query()), "the end of the call")
-        transport.failure = (
-            f"ring_attention: rank {transport.rank}: the copy-engine ring did not complete within "
-            f"{transport.timeout_s:g} s (elapsed {elapsed:.1f} s): waiting for {pending}; this call's output was "
-            "filled with NaN and the ring of this communicator is no longer usable (create a new communicator)")
-        print(f"commlib: {transport.failure}", file=sys.stderr, flush=True)
-        device = transport._buf.device
-        torch.cuda.set_device(device)
-        stream, issued, end = torch.cuda.Stream(device), None, time.monotonic() + self._GRACE_S
-        while time.monotonic() < end and not all(ev.query() for ev, _ in trace):
-            if issued is not None and not issued.query():
-                stream = torch.cuda.Stream(device)  # the last write sits behind the blocked queue
-            transport._unblock(stream, recv_slots)
-            issued = torch.cuda.Event()
-            issued.record(stream)
-            time.sleep(self._POLL_S)
+
+def _relax_stream_capture_mode() -> None:
+    """The calling thread's queries never invalidate another thread's CUDA-graph capture."""
+    if torch.cuda.is_available():
+        from . import _C
+        if hasattr(_C, "cp_relax_stream_capture_mode"):
+            _C.cp_relax_stream_capture_mode()
 
 
 _watchdog_lock = threading.Lock()

@@ -373,6 +373,55 @@ def test_ring_attention_errors(ranks, world_size):
         assert "valid num_kv_heads: 1, 2, 4" in m[1]
 
 
+def test_ring_watchdog_thread():
+    """The watchdog thread (Note [cp ring watchdog]) on stand-in events: a call whose events are
+    done is dropped without action; a call past its deadline gets _on_timeout with the first
+    pending wait and its receive slots; a transport whose check raises is marked failed."""
+    import time
+
+    class Event:
+        def __init__(self, done):
+            self.done = done
+
+        def query(self):
+            return self.done
+
+    class Transport:
+        rank = 0
+
+        def __init__(self, broken=False):
+            self.failure, self.fired, self.broken = None, [], broken
+
+        def _call_done(self, trace):
+            if self.broken:
+                raise RuntimeError("context lost")
+            return all(ev.query() for ev, _ in trace)
+
+        def _on_timeout(self, trace, recv_slots, elapsed):
+            self.fired.append((next(w for ev, w in trace if not ev.query()), recv_slots))
+            self.failure = "timed out"
+
+    wd = cp._watchdog()
+    ok, stuck, late, broken = Transport(), Transport(), Transport(), Transport(broken=True)
+    now = time.monotonic()
+    wd.watch(ok, [(Event(True), "slot kv1 from rank 1")], now + 0.05, ["kv1"])
+    wd.watch(stuck, [(Event(True), "slot q1 from rank 2"), (Event(False), "slot p1 from rank 2")], now + 0.05,
+             ["q1", "p1"])
+    far = [(Event(False), "slot kv0 from rank 3")]
+    wd.watch(late, far, now + 3600, ["kv0"])
+    wd.watch(broken, [(Event(False), "x")], now + 3600, [])
+    end = time.monotonic() + 60
+    while (not stuck.fired or broken.failure is None) and time.monotonic() < end:
+        time.sleep(0.01)
+    assert stuck.fired == [("slot p1 from rank 2", ("q1", "p1"))] and stuck.failure == "timed out"
+    assert "the ring watchdog failed: context lost" in broken.failure
+    far[0][0].done = True  # the long call completes: dropped without action
+    while wd.pending() and time.monotonic() < end:
+        time.sleep(0.01)
+    assert wd.pending() == 0
+    assert ok.fired == [] and ok.failure is None and late.fired == [] and late.failure is None
+
+
 def test_tuned_constants_reach_select_mode(tmp_path, monkeypatch):
     from commlib import tune
     path = tmp_path / "tune.json"

@@ -246,11 +246,16 @@ def _decode_graph(ctx):
     # invalidate the capture: Note [cp ring watchdog], relaxed capture mode).
     import time
 
-    class Watched:
-        failure, rank, timeout_s = None, ctx.rank, 1e9
+    class Watched:  # the watchdog's view of a transport: its events are queried until done
+        failure, rank = None, ctx.rank
+
+        def _call_done(self, trace):
+            return all(ev.query() for ev, _ in trace)
+
+        def _on_timeout(self, trace, recv_slots, elapsed):
+            self.failure = "timed out"
 
     watched = Watched()
-    watched._buf = torch.empty(1, device=device)
     busy = torch.cuda.Stream()
     with torch.cuda.stream(busy):
         torch.cuda._sleep(2_000_000_000)
