@@ -1281,7 +1281,9 @@ def ring_attention(comm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     ``all_to_all`` (the paper's post-loop exchange). ``attn_fn``: see ``default_attention``.
 
     Returns the attention output for this rank's tokens in q's layout and dtype (and the fp32 LSE
-    ``[H, local tokens]`` with ``return_lse``).
+    ``[H, local tokens]`` with ``return_lse``). A bad argument on any rank, ranks that disagree, or
+    a copy-engine ring the watchdog found stuck raise on every rank before anything is sent
+    (``ValueError`` / ``TypeError`` naming the argument, or ``commlib.CommTimeoutError``).
     """
     what = "ring_attention"
     rank, world_size, transport, group = _resolve(comm, transport, q.device if isinstance(q, torch.Tensor)
