@@ -423,6 +423,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             print_grid(grid, f"(T, P) grid, world {world}, {dtype}, heads (q, kv, head_dim) "
                              f"{GPU_SHAPE if device_type == 'cuda' else CPU_SHAPE}; times in ms (median of "
                              f"{opts.iters})")
+            if world == 1:
+                print("# world 1: no ring, every mode is local work; the hit rate is meaningful from world 2 on")
     comm.close()
     if dist.is_initialized():
         dist.destroy_process_group()
