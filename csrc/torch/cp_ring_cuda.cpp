@@ -48,7 +48,18 @@ void stream_wait_value32(uint64_t address, uint32_t value, uint64_t stream) {
                             CU_STREAM_WAIT_VALUE_EQ, "cp ring");
 }
 
+// The calling thread's stream-capture interaction mode becomes relaxed: its event queries never
+// invalidate a graph another thread is capturing in global mode (the ring watchdog's thread).
+void relax_stream_capture_mode() {
+  using Exchange = CUresult (*)(CUstreamCaptureMode*);
+  static const auto exchange = reinterpret_cast<Exchange>(cuda::entry_point("cuThreadExchangeStreamCaptureMode", 10010));
+  CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+  cuda::check(exchange(&mode), "cp ring watchdog", "cuThreadExchangeStreamCaptureMode");
+}
+
 BindingRegistrar reg("cp_ring_cuda", [](py::module_& m) {
+  m.def("cp_relax_stream_capture_mode", &relax_stream_capture_mode,
+        "Relaxed stream-capture mode for the calling thread (Note [cp ring watchdog]).");
   m.def(
       "cp_symmetric_peer_views",
       [](const py::handle& comm, const at::Tensor& t) {
@@ -57,10 +68,14 @@ BindingRegistrar reg("cp_ring_cuda", [](py::module_& m) {
       },
       py::arg("comm"), py::arg("tensor"),
       "Every rank's mapping of a symmetric tensor (list indexed by rank), each a tensor on this GPU.");
+  m.def(
+      "cp_comm_timeout_s",
+      [](const py::handle& comm) { return communicator_from_python(comm)->timeout().count() / 1000.0; },
+      py::arg("comm"), "The communicator's bound on a wait for a peer, in s (COMMLIB_TIMEOUT_MS applied).");
   m.def("cp_stream_write_value32", &stream_write_value32, py::arg("address"), py::arg("value"), py::arg("stream"),
         "cuStreamWriteValue32 (with its default memory barrier: earlier work on the stream is visible first).");
   m.def("cp_stream_wait_value32", &stream_wait_value32, py::arg("address"), py::arg("value"), py::arg("stream"),
-        "cuStreamWaitValue32 until the word equals value (unbounded on the device: see the host watchdog).");
+        "cuStreamWaitValue32 until the word equals value (unbounded on the device: Note [cp ring watchdog]).");
 });
 
 }  // namespace

@@ -38,13 +38,35 @@ Note [cp copy-engine ring]
     lands before the flag). Receiver, on the current stream: wait ready[X] == 1, write ready[X] = 0,
     compute, then write free[X] = 1 at the sender. The flags return to their initial values after
     every use (no sequence numbers), so a captured CUDA graph replays the same operations. A
-    stream wait has no timeout: SymmetricTransport.synchronize(timeout_s) is the host-side watchdog
-    (polls an event, raises commlib.TimeoutError naming the slots and peers still awaited).
+    stream wait has no timeout on the device: Note [cp ring watchdog] bounds it from the host.
+
+Note [cp ring watchdog]
+    cuStreamWaitValue32 cannot time out, and an SM-side bounded wait would cost the SMs the ring
+    exists to leave free; so the bound comes from the host, automatically. Every eager call on the
+    copy-engine ring records an event after each step's wait (current stream) and each send (copy
+    stream) and hands them to one daemon thread per process with a deadline of the communicator's
+    timeout (COMMLIB_TIMEOUT_MS, else init_process_group's / Communicator's timeout). When a call's
+    events are not all complete by then, the thread (1) names the first wait still pending (slot,
+    step, the peer it waits for, or the peer that has not released a slot), (2) marks the ring
+    failed, (3) unblocks this rank's streams: on a side stream it fills the call's receive slots
+    with NaN and writes ready = free = 1 into this rank's flags, repeatedly, until the call's
+    events complete (a side stream may share a hardware queue with the blocked one, so a write
+    that does not complete within a poll moves to a fresh stream). The stuck call so produces NaN
+    rows instead of a hang (merge rule: a NaN LSE poisons its row), and the next ring_attention
+    on the communicator raises commlib.CommTimeoutError on every rank (the failure travels in the
+    header all-gather), naming the rank, the peer and the slot. The ring of that communicator
+    stays failed: its flags no longer match the peers'. Calls captured in a CUDA graph are not
+    watched (a replay is not a ring_attention call): SymmetricTransport.synchronize(timeout_s)
+    bounds a wait for a replay. The thread runs in the relaxed stream-capture mode, so its event
+    queries never invalidate a graph that another thread captures meanwhile.
 """
 from __future__ import annotations
 
 import inspect
 import math
+import sys
+import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -169,8 +191,9 @@ def unshard(shards: Sequence[torch.Tensor], cu_seqlens, *, layout: str = "balanc
 # ---------------------------------------------------------------------------------------------
 
 def _merge2(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor):
-    """(o_a, lse_a) (+) (o_b, lse_b) in fp32; o [T, H, D], lse [H, T]. A state with lse -inf
-    (no key seen) contributes nothing; two such states give o 0, lse -inf."""
+    """(o_a, lse_a) (+) (o_b, lse_b) in fp32; o [T, H, D], lse [H, T] (Note [merge of attention
+    states] in csrc/kernels/merge_attn_states.cu: the CUDA kernel's arithmetic). A state with lse
+    -inf (no key seen) contributes nothing, whatever its o holds; two such states give o 0, lse -inf."""
     m = torch.maximum(lse_a, lse_b)
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     w_a = torch.exp(lse_a - m_safe)
@@ -180,7 +203,24 @@ def _merge2(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: to
     inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
     f_a = (w_a * inv).transpose(0, 1).unsqueeze(-1)
     f_b = (w_b * inv).transpose(0, 1).unsqueeze(-1)
-    return o_a * f_a + o_b * f_b, lse
+    zero = o_a.new_zeros(())
+    nan = torch.isnan(lse_a) | torch.isnan(lse_b)  # a NaN LSE poisons the row (as on CUDA)
+    lse = torch.where(nan, torch.full_like(lse, float("nan")), lse)
+    f_a = torch.where(nan.transpose(0, 1).unsqueeze(-1), torch.full_like(f_a, float("nan")), f_a)
+    return torch.where(f_a != 0, o_a * f_a, zero) + torch.where(f_b != 0, o_b * f_b, zero), lse
+
+
+_merge_op: dict = {}
+
+
+def _merge_kernel(t: torch.Tensor) -> bool:
+    """Whether the fused CUDA merge (torch.ops.commlib.merge_attention_states[_]) takes ``t``."""
+    if not t.is_cuda or t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return False
+    if "ok" not in _merge_op:
+        from . import _C  # noqa: F401 - loading the extension registers torch.ops.commlib
+        _merge_op["ok"] = hasattr(torch.ops.commlib, "merge_attention_states_")
+    return _merge_op["ok"]
 
 
 def merge_attention_states(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor], *,
@@ -189,7 +229,11 @@ def merge_attention_states(outs: Sequence[torch.Tensor], lses: Sequence[torch.Te
     head_dim]`` and ``lses[s]`` ``[heads, tokens]`` (natural-log LSE of the scaled scores; -inf
     for a token that saw no key). Returns ``(out, lse)``: out in ``out_dtype`` (default: the dtype
     of ``outs[0]``), lse in float32. The arithmetic is float32, max-subtracted (stable for any LSE
-    magnitude). Used by ring attention and usable for cascade / paged attention."""
+    magnitude); a state with LSE -inf contributes nothing (its out is not read), and a token whose
+    every state is empty gets out 0, LSE -inf. CUDA tensors (float32 / float16 / bfloat16) take one
+    fused kernel (``torch.ops.commlib.merge_attention_states``; Note [merge of attention states]),
+    CPU tensors the same arithmetic in torch ops. Used by ring attention and usable for cascade /
+    paged attention."""
     if len(outs) == 0 or len(outs) != len(lses):
         raise ValueError(f"merge_attention_states: need as many outs as lses, at least one; got {len(outs)} "
                          f"outs and {len(lses)} lses")
@@ -203,8 +247,22 @@ def merge_attention_states(outs: Sequence[torch.Tensor], lses: Sequence[torch.Te
         if tuple(lse.shape) != (h, t):
             raise ValueError(f"merge_attention_states: lses[{s}] has shape {tuple(lse.shape)}; expected "
                              f"[heads, tokens] = {(h, t)}")
-    o_acc, lse_acc = outs[0].float(), lses[0].float()
-    for o, lse in zip(outs[1:], lses[1:]):
+        for name, x in ((f"outs[{s}]", o), (f"lses[{s}]", lse)):
+            if x.dtype not in _DTYPES:
+                raise TypeError(f"merge_attention_states: {name} has dtype {x.dtype}; supported: {_DTYPE_NAMES}")
+            if x.device != o0.device:
+                raise TypeError(f"merge_attention_states: {name} is on {x.device} but outs[0] on {o0.device}; "
+                                "every state must be on one device")
+    if out_dtype is not None and out_dtype not in _DTYPES:
+        raise TypeError(f"merge_attention_states: out_dtype {out_dtype} not supported; supported: {_DTYPE_NAMES}")
+    if _merge_kernel(o0) and (out_dtype or o0.dtype) != torch.float64 and all(o.dtype != torch.float64 for o in outs):
+        dt = o0.dtype if all(o.dtype == o0.dtype for o in outs) else torch.float32
+        return torch.ops.commlib.merge_attention_states([o.to(dt) if o.stride(-1) == 1 else o.to(dt).contiguous()
+                                                         for o in outs],
+                                                        [x.float().contiguous() for x in lses], out_dtype or o0.dtype)
+    o_acc = torch.zeros(o0.shape, dtype=torch.float32, device=o0.device)
+    lse_acc = torch.full((h, t), float("-inf"), dtype=torch.float32, device=o0.device)
+    for o, lse in zip(outs, lses):
         o_acc, lse_acc = _merge2(o_acc, lse_acc, o.float(), lse.float())
     return o_acc.to(out_dtype or o0.dtype), lse_acc
 
@@ -217,12 +275,26 @@ class _State:
         self.lse = torch.full((heads, rows), float("-inf"), dtype=torch.float32, device=device)
 
     def merge(self, rows: Optional[torch.Tensor], o: torch.Tensor, lse: torch.Tensor) -> None:
+        if _merge_kernel(o):
+            # One fused in-place pass (Note [merge of attention states]); rows index the accumulator.
+            lse = lse.float()
+            torch.ops.commlib.merge_attention_states_(self.out, self.lse, [o if o.stride(-1) == 1 else o.contiguous()],
+                                                      [lse if lse.stride(-1) == 1 else lse.contiguous()], rows)
+            return
         if rows is None:
             self.out, self.lse = _merge2(self.out, self.lse, o.float(), lse.float())
             return
         o_new, lse_new = _merge2(self.out[rows], self.lse[:, rows], o.float(), lse.float())
         self.out[rows] = o_new
         self.lse[:, rows] = lse_new
+
+    def merge_all(self, outs: List[torch.Tensor], lses: List[torch.Tensor]) -> None:
+        """Merges partials over all rows at once (on CUDA one fused pass over all of them)."""
+        if outs and _merge_kernel(outs[0]):
+            torch.ops.commlib.merge_attention_states_(self.out, self.lse, outs, [x.float() for x in lses], None)
+            return
+        for o, lse in zip(outs, lses):
+            self.merge(None, o, lse)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -521,12 +593,14 @@ class SymmetricTransport(RingTransport):
         self._comm = weakref.ref(comm)  # the communicator owns this transport, not the reverse
         self.rank = comm.rank
         self.world_size = comm.world_size
-        self.timeout_s = 300.0 if timeout_s is None else float(timeout_s)
+        self.timeout_s = float(_C.cp_comm_timeout_s(comm.native)) if timeout_s is None else float(timeout_s)
         self._key = None
         self._slots: dict = {}
         self._sender: dict = {}
         self._last_wait: list = []
         self._copy_stream = None
+        self.failure: Optional[str] = None  # set by the watchdog (Note [cp ring watchdog])
+        self._trace: Optional[list] = None  # this call's progress events, while watched
 
     @property
     def comm(self):
@@ -598,6 +672,7 @@ class SymmetricTransport(RingTransport):
             # Default write: a fence first, so the copy lands before the flag is seen.
             self._C.cp_stream_write_value32(self._ready(peer, x), 1, cs.cuda_stream)
             src.record_stream(cs)
+            self._progress(cs, f"rank {peer} to release slot {name} (this rank sends into it)")
         for peer, name in recvs:
             self._sender[name] = peer
         done = torch.cuda.Event()
@@ -613,6 +688,7 @@ class SymmetricTransport(RingTransport):
             x = self._slot_index(name)
             self._C.cp_stream_wait_value32(self._ready(self.rank, x), 1, cur.cuda_stream)
             self._C.cp_stream_write_value32(self._ready(self.rank, x), 0, cur.cuda_stream)
+            self._progress(cur, f"slot {name} from rank {self._sender.get(name)}")
 
     def release(self, names) -> None:
         cur = torch.cuda.current_stream()
@@ -620,11 +696,68 @@ class SymmetricTransport(RingTransport):
             x = self._slot_index(name)
             self._C.cp_stream_write_value32(self._free(self._sender[name], x), 1, cur.cuda_stream)
 
+    # ---- Note [cp ring watchdog] ----
+    def check(self) -> None:
+        """Raises commlib.CommTimeoutError if the watchdog found this ring stuck."""
+        if self.failure is not None:
+            from .errors import CommTimeoutError
+            raise CommTimeoutError(self.failure)
+
+    def begin_call(self) -> None:
+        """Starts recording this call's progress (not during CUDA-graph capture)."""
+        self._trace = None if torch.cuda.is_current_stream_capturing() else []
+
+    def end_call(self) -> None:
+        """Hands the call's progress events to the watchdog (deadline: now + the timeout)."""
+        trace, self._trace = self._trace, None
+        if trace and self._key is not None:
+            recv = [name for name in self._slots if self._sender.get(name) is not None]
+            _watchdog().watch(self, trace, time.monotonic() + self.timeout_s, recv)
+
+    def _progress(self, stream, what: str) -> None:
+        if self._trace is not None:
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            self._trace.append((ev, what))
+
+    _GRACE_S = 30.0  # how long the watchdog keeps unblocking one stuck call
+
+    def _call_done(self, trace) -> bool:
+        torch.cuda.set_device(self._buf.device)  # the watchdog thread's current device
+        return all(ev.query() for ev, _ in trace)
+
+    def _on_timeout(self, trace, recv_slots, elapsed) -> None:
+        """The watchdog's action on a call past its deadline (Note [cp ring watchdog])."""
+        pending = next((what for ev, what in trace if not ev.query()), "the end of the call")
+        self.failure = (
+            f"ring_attention: rank {self.rank}: the copy-engine ring did not complete within {self.timeout_s:g} s "
+            f"(elapsed {elapsed:.1f} s): waiting for {pending}; this call's output was filled with NaN and the ring "
+            "of this communicator is no longer usable (create a new communicator)")
+        print(f"commlib: {self.failure}", file=sys.stderr, flush=True)
+        device = self._buf.device
+        stream, issued, end = torch.cuda.Stream(device), None, time.monotonic() + self._GRACE_S
+        while time.monotonic() < end and not all(ev.query() for ev, _ in trace):
+            if issued is not None and not issued.query():
+                stream = torch.cuda.Stream(device)  # the last write sits behind the blocked queue
+            self._unblock(stream, recv_slots)
+            issued = torch.cuda.Event()
+            issued.record(stream)
+            time.sleep(_RingWatchdog._POLL_S)
+
+    def _unblock(self, stream, recv_slots) -> None:
+        """On ``stream``: NaN into this rank's receive slots, ready = free = 1 in its flags."""
+        with torch.cuda.stream(stream):
+            for name in recv_slots:
+                slot = self._slots[name][self.rank]
+                if slot.dtype.is_floating_point:
+                    slot.fill_(float("nan"))
+            self._buf[:self._FLAGS_BYTES].view(torch.int32).fill_(1)
+
     def synchronize(self, timeout_s: Optional[float] = None) -> None:
-        """Host watchdog: waits for the current stream, at most ``timeout_s`` (default: the
-        transport's timeout); raises ``commlib.TimeoutError`` naming the slots still waiting."""
-        import time
-        from .errors import TimeoutError as CommTimeout
+        """Waits for the current stream, at most ``timeout_s`` (default: the transport's timeout);
+        raises ``commlib.CommTimeoutError`` naming the slots still waiting (for a replayed graph,
+        which the watchdog does not see)."""
+        from .errors import CommTimeoutError as CommTimeout
         ev = torch.cuda.Event()
         ev.record()
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
@@ -643,6 +776,73 @@ class SymmetricTransport(RingTransport):
                  if flags[0, self._slot_index(name)] == 0]
         return ("the last step waits for " + ", ".join(waits)) if waits else \
             "a peer has not released a slot this rank sends into"
+
+
+class _RingWatchdog:
+    """The process's ring watchdog thread (Note [cp ring watchdog]). It calls two methods of a
+    watched transport: ``_call_done(trace)`` (every event of the call complete) and
+    ``_on_timeout(trace, recv_slots, elapsed)`` (record the failure, unblock the streams)."""
+
+    _POLL_S = 0.01
+
+    def __init__(self):
+        self._lock = threading.Condition()
+        self._calls: list = []
+        self._thread = threading.Thread(target=self._run, name="commlib-cp-watchdog", daemon=True)
+        self._thread.start()
+
+    def watch(self, transport, trace, deadline, recv_slots) -> None:
+        with self._lock:
+            self._calls.append((weakref.ref(transport), trace, deadline, tuple(recv_slots), time.monotonic()))
+            self._lock.notify()
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._calls)
+
+    def _run(self) -> None:
+        _relax_stream_capture_mode()
+        while True:
+            with self._lock:
+                while not self._calls:
+                    self._lock.wait()
+                calls = list(self._calls)
+            done, now = [], time.monotonic()
+            for call in calls:
+                ref, trace, deadline, recv_slots, started = call
+                transport = ref()
+                try:
+                    if transport is None or transport._call_done(trace):
+                        done.append(call)
+                    elif now > deadline:
+                        transport._on_timeout(trace, recv_slots, now - started)
+                        done.append(call)
+                except Exception as e:  # noqa: BLE001 - a broken context must not kill the thread
+                    if transport is not None and transport.failure is None:
+                        transport.failure = f"ring_attention: rank {transport.rank}: the ring watchdog failed: {e}"
+                    done.append(call)
+            with self._lock:
+                self._calls = [c for c in self._calls if not any(c is d for d in done)]
+            time.sleep(self._POLL_S)
+
+
+def _relax_stream_capture_mode() -> None:
+    """The calling thread's queries never invalidate another thread's CUDA-graph capture."""
+    if torch.cuda.is_available():
+        from . import _C
+        if hasattr(_C, "cp_relax_stream_capture_mode"):
+            _C.cp_relax_stream_capture_mode()
+
+
+_watchdog_lock = threading.Lock()
+_watchdog_instance: list = []
+
+
+def _watchdog() -> _RingWatchdog:
+    with _watchdog_lock:
+        if not _watchdog_instance:
+            _watchdog_instance.append(_RingWatchdog())
+        return _watchdog_instance[0]
 
 
 _symmetric_transports: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -896,9 +1096,9 @@ def _pass_q(plan, transport, rank, q_local, k_res, v_res, attn_fn, scale, state,
         token = transport.start([(owner, f"p{s}", msg) for owner, msg, s in held],
                                 [((rank + s) % n, f"p{s}") for s in range(1, n)])
         transport.wait(token)
-        for s in range(1, n):
-            o, lse = _unpack_partial(transport.slot(f"p{s}"), q_rows, state.out.shape[0], heads, head_dim)
-            state.merge(None, o, lse)
+        parts = [_unpack_partial(transport.slot(f"p{s}"), q_rows, state.out.shape[0], heads, head_dim)
+                 for s in range(1, n)]
+        state.merge_all([o for o, _ in parts], [lse for _, lse in parts])
         transport.release([f"p{s}" for s in range(1, n)])
 
 
@@ -991,7 +1191,9 @@ def _check_qkv(what, q, k, v, kv_cache):
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"{what}: q has head_dim {q.shape[2]} but k has {k.shape[2]}; they must match")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"{what}: num_q_heads {q.shape[1]} is not a multiple of num_kv_heads {k.shape[1]}")
+        divisors = ", ".join(str(x) for x in range(1, q.shape[1] + 1) if q.shape[1] % x == 0)
+        raise ValueError(f"{what}: num_q_heads {q.shape[1]} is not a multiple of num_kv_heads {k.shape[1]} "
+                         f"(k's and v's heads); valid num_kv_heads: {divisors}")
     if kv_cache is not None:
         if not isinstance(kv_cache, (tuple, list)) or len(kv_cache) != 3:
             raise TypeError(f"{what}: kv_cache must be (k_cache, v_cache, cache_seqlens), "
@@ -1009,31 +1211,26 @@ def _check_qkv(what, q, k, v, kv_cache):
             raise ValueError(f"{what}: kv_cache k_cache has {kc.shape[0]} rows but v_cache {vc.shape[0]}")
 
 
-def ring_attention(comm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens_q,
-                   cu_seqlens_kv=None, causal: bool = True, kv_cache=None, mode: str = "auto",
-                   scale: Optional[float] = None, layout: str = "balanced", pass_q_return: str = "stream",
-                   attn_fn: Optional[AttnFn] = None, transport: Optional[RingTransport] = None,
-                   return_lse: bool = False):
-    """Context-parallel attention over the ranks of ``comm`` for this rank's shard of a batch.
+# Argument names a rank's check can reject (Note [agreed arguments]); the code travels in the header.
+_ARGUMENTS = ("q", "k", "v", "mode", "layout", "pass_q_return", "causal", "cu_seqlens_q", "cu_seqlens_kv",
+              "kv_cache", "num_q_heads", "arguments")
 
-    ``comm``: a ``commlib.Communicator`` or a ``torch.distributed`` process group (None: the default
-    group); every rank calls with the same arguments except its own tensors. q ``[local tokens,
-    H, D]``, k / v ``[local tokens, Hkv, D]``: this rank's rows of the new tokens, in
-    ``shard(cu_seqlens_q, world_size, rank, layout=layout)`` order. ``cu_seqlens_q``: the
-    *global* new tokens per sequence. ``kv_cache``: ``(k_cache, v_cache, cache_seqlens)``, this
-    rank's cached K/V rows packed per sequence and their per-sequence counts (partial prefill,
-    decode); ``cu_seqlens_kv`` (optional) is then checked to equal cached + new per sequence,
-    summed over the ranks. ``mode``: ``pass_kv``, ``pass_q`` or ``auto`` (``select_mode``; decode
-    uses pass-Q). ``layout``: ``balanced`` (prefill) or ``round_robin`` (decode: sequence b on
-    rank b mod N). ``pass_q_return``: ``stream`` (partials return during the ring) or
-    ``all_to_all`` (the paper's post-loop exchange). ``attn_fn``: see ``default_attention``.
 
-    Returns the attention output for this rank's tokens in q's layout and dtype (and the fp32 LSE
-    ``[H, local tokens]`` with ``return_lse``).
-    """
-    what = "ring_attention"
-    rank, world_size, transport, group = _resolve(comm, transport, q.device if isinstance(q, torch.Tensor)
-                                                  else torch.device("cpu"))
+def _argument_code(error: Optional[Exception]) -> int:
+    """0 for no error, else 1 + the index in _ARGUMENTS of the argument the message names first
+    (messages read "ring_attention: <argument> ..."), and the TypeError flag in bit 8."""
+    if error is None:
+        return 0
+    text = str(error).split(": ", 1)[-1]
+    word = text.split(" ", 1)[0]
+    code = 1 + (_ARGUMENTS.index(word) if word in _ARGUMENTS else len(_ARGUMENTS) - 1)
+    return code | (256 if isinstance(error, TypeError) else 0)
+
+
+def _check_args(what, rank, world_size, q, k, v, cu_seqlens_q, cu_seqlens_kv, causal, kv_cache, mode, layout,
+                pass_q_return) -> dict:
+    """This rank's own argument checks (raise ValueError / TypeError naming the argument, the value
+    and the valid set); returns the parsed sequence layouts."""
     if mode not in MODES:
         raise ValueError(f"{what}: mode '{mode}' not supported; supported: {', '.join(MODES)}")
     _check_layout(what, layout)
@@ -1061,14 +1258,77 @@ def ring_attention(comm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
             raise ValueError(f"{what}: kv_cache cache_seqlens sum to {sum(cache_local)} but k_cache has "
                              f"{kv_cache[0].shape[0]} rows")
     lens_kv = None if cu_seqlens_kv is None else _seqlens(what, "cu_seqlens_kv", cu_seqlens_kv)
-    heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    return {"lens_q": lens_q, "lens_kv": lens_kv, "cache_local": cache_local}
 
-    # Every rank checks every rank's arguments (Note: a mismatch raises on every rank, before any
-    # transfer, so the communicator stays usable).
-    header = [_MODE_CODES.get(mode, 0), _LAYOUT_CODES[layout], int(causal), _RETURN_CODES[pass_q_return], nb,
-              sum(lens_q), _digest(lens_q), _digest(lens_kv) if lens_kv is not None else -1, heads, kv_heads,
-              head_dim, _DTYPE_CODES[q.dtype], int(kv_cache is not None), int(attn_fn is not None)]
-    headers = group.all_gather(header, q.device)
+
+def ring_attention(comm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens_q,
+                   cu_seqlens_kv=None, causal: bool = True, kv_cache=None, mode: str = "auto",
+                   scale: Optional[float] = None, layout: str = "balanced", pass_q_return: str = "stream",
+                   attn_fn: Optional[AttnFn] = None, transport: Optional[RingTransport] = None,
+                   return_lse: bool = False):
+    """Context-parallel attention over the ranks of ``comm`` for this rank's shard of a batch.
+
+    ``comm``: a ``commlib.Communicator`` or a ``torch.distributed`` process group (None: the default
+    group); every rank calls with the same arguments except its own tensors. q ``[local tokens,
+    H, D]``, k / v ``[local tokens, Hkv, D]``: this rank's rows of the new tokens, in
+    ``shard(cu_seqlens_q, world_size, rank, layout=layout)`` order. ``cu_seqlens_q``: the
+    *global* new tokens per sequence. ``kv_cache``: ``(k_cache, v_cache, cache_seqlens)``, this
+    rank's cached K/V rows packed per sequence and their per-sequence counts (partial prefill,
+    decode); ``cu_seqlens_kv`` (optional) is then checked to equal cached + new per sequence,
+    summed over the ranks. ``mode``: ``pass_kv``, ``pass_q`` or ``auto`` (``select_mode``; decode
+    uses pass-Q). ``layout``: ``balanced`` (prefill) or ``round_robin`` (decode: sequence b on
+    rank b mod N). ``pass_q_return``: ``stream`` (partials return during the ring) or
+    ``all_to_all`` (the paper's post-loop exchange). ``attn_fn``: see ``default_attention``.
+
+    Returns the attention output for this rank's tokens in q's layout and dtype (and the fp32 LSE
+    ``[H, local tokens]`` with ``return_lse``). A bad argument on any rank, ranks that disagree, or
+    a copy-engine ring the watchdog found stuck raise on every rank before anything is sent
+    (``ValueError`` / ``TypeError`` naming the argument, or ``commlib.CommTimeoutError``).
+    """
+    what = "ring_attention"
+    rank, world_size, transport, group = _resolve(comm, transport, q.device if isinstance(q, torch.Tensor)
+                                                  else torch.device("cpu"))
+    # Note [agreed arguments]: every rank checks its own arguments, then all ranks all-gather a small
+    # header (the arguments' fingerprint, whether each rank's check passed, whether its ring failed)
+    # over the group's host path, so a bad argument on one rank, ranks that disagree, or a failed
+    # ring raise on every rank before anything is sent, and the communicator stays usable.
+    local_error, args = None, None
+    try:
+        args = _check_args(what, rank, world_size, q, k, v, cu_seqlens_q, cu_seqlens_kv, causal, kv_cache, mode,
+                           layout, pass_q_return)
+    except (ValueError, TypeError) as e:
+        local_error = e
+    ring_failure = getattr(transport, "failure", None)
+    if args is not None:
+        lens_q, lens_kv, cache_local = args["lens_q"], args["lens_kv"], args["cache_local"]
+        nb = len(lens_q)
+        heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+        header = [_MODE_CODES.get(mode, 0), _LAYOUT_CODES[layout], int(causal), _RETURN_CODES[pass_q_return], nb,
+                  sum(lens_q), _digest(lens_q), _digest(lens_kv) if lens_kv is not None else -1, heads, kv_heads,
+                  head_dim, _DTYPE_CODES[q.dtype], int(kv_cache is not None), int(attn_fn is not None)]
+    else:
+        header = [0] * len(_HEADER)
+    header += [_argument_code(local_error), int(ring_failure is not None)]
+    device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+    headers = group.all_gather(header, device)
+    n_fields = len(_HEADER)
+    bad = [(r, h[n_fields]) for r, h in enumerate(headers) if h[n_fields]]
+    if bad:
+        if local_error is not None:
+            raise local_error
+        r, code = bad[0]
+        exc = TypeError if code & 256 else ValueError
+        raise exc(f"{what}: rank {r} rejected its argument {_ARGUMENTS[(code & 255) - 1]} (rank {r}'s error names "
+                  f"the value and the valid set); every rank raises" +
+                  "".join(f"; rank {r2} rejected {_ARGUMENTS[(c & 255) - 1]}" for r2, c in bad[1:]))
+    failed = [r for r, h in enumerate(headers) if h[n_fields + 1]]
+    if failed:
+        from .errors import CommTimeoutError
+        if ring_failure is not None:
+            raise CommTimeoutError(ring_failure)
+        raise CommTimeoutError(f"{what}: rank {failed[0]}'s copy-engine ring timed out in an earlier call (its "
+                               "error names the peer and the slot); the ring of this communicator is no longer "
+                               "usable (create a new communicator)")
     for f, name in enumerate(_HEADER):
         values = [h[f] for h in headers]
         if len(set(values)) > 1:
@@ -1098,13 +1358,20 @@ def ring_attention(comm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     attn = attn_fn or default_attention
     plan = _plan(lens_q, cache, world_size, layout, causal, q.device)
     state = _State(q.shape[0], heads, head_dim, q.device)
-    if mode == "pass_kv":
-        kv_local = _pack_kv(plan, rank, k, v, kv_cache, max(plan.kv_rows))
-        _pass_kv(plan, transport, rank, q, kv_local, attn, scale, state)
-    else:
-        kv_local = _pack_kv(plan, rank, k, v, kv_cache, plan.kv_rows[rank])
-        _pass_q(plan, transport, rank, q, kv_local[0], kv_local[1], attn, scale, state, heads, head_dim,
-                pass_q_return)
+    watched = isinstance(transport, SymmetricTransport) and world_size > 1
+    if watched:
+        transport.begin_call()  # Note [cp ring watchdog]
+    try:
+        if mode == "pass_kv":
+            kv_local = _pack_kv(plan, rank, k, v, kv_cache, max(plan.kv_rows))
+            _pass_kv(plan, transport, rank, q, kv_local, attn, scale, state)
+        else:
+            kv_local = _pack_kv(plan, rank, k, v, kv_cache, plan.kv_rows[rank])
+            _pass_q(plan, transport, rank, q, kv_local[0], kv_local[1], attn, scale, state, heads, head_dim,
+                    pass_q_return)
+    finally:
+        if watched:
+            transport.end_call()
     out = state.out.to(q.dtype)
     return (out, state.lse) if return_lse else out
 

@@ -115,6 +115,62 @@ def test_merge_attention_states(dtype):
     assert torch.isfinite(o2.float()).all() and (l2 - (lses[0] + 1e4 + math.log(2))).abs().max() < 1e-2
     with pytest.raises(ValueError, match=r"lses\[0\] has shape \(13, 4\); expected \[heads, tokens\] = \(4, 13\)"):
         cp.merge_attention_states([outs[0]], [lses[0].t()])
+    with pytest.raises(TypeError, match=r"merge_attention_states: outs\[1\] has dtype torch.int32; supported: float32"):
+        cp.merge_attention_states([outs[0], outs[0].int()], [lses[0], lses[0]])
+    with pytest.raises(TypeError, match=r"merge_attention_states: out_dtype torch.int8 not supported"):
+        cp.merge_attention_states([outs[0]], [lses[0]], out_dtype=torch.int8)
+
+
+def merge_reference(outs, lses):
+    """fp64 merge of partial states (the inputs as given, upcast): out [T, H, D], lse [H, T]; a
+    token with no finite LSE gets out 0 and LSE -inf; an empty state's out is ignored."""
+    lse = torch.stack([x.double() for x in lses])                        # [S, H, T]
+    m = lse.max(0).values
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lse - m_safe)                                          # 0 for empty states
+    total = w.sum(0)
+    f = torch.where(total > 0, w / total, torch.zeros_like(w))           # [S, H, T]
+    o = torch.stack([x.double() for x in outs])                          # [S, T, H, D]
+    o = torch.where(f.permute(0, 2, 1).unsqueeze(-1) > 0, o, torch.zeros_like(o))
+    out = (o * f.permute(0, 2, 1).unsqueeze(-1)).sum(0)
+    return out, torch.where(total > 0, m_safe + torch.log(total), torch.full_like(total, float("-inf")))
+
+
+def merge_case(num_states, t, h, d, dtype, device="cpu", seed=0):
+    """Random partial states with a spread of LSE magnitudes, empty partials (-inf, their out
+    poisoned with NaN) and one token (if t > 1) that no partial saw."""
+    g = torch.Generator().manual_seed(seed)
+    outs = [torch.randn(t, h, d, generator=g).to(dtype) for _ in range(num_states)]
+    lses = [(torch.randn(h, t, generator=g) * 4 + 20 * s) for s in range(num_states)]
+    for s in range(num_states):
+        empty = torch.rand(h, t, generator=g) < 0.2
+        lses[s][empty] = float("-inf")
+        outs[s][empty.t()] = float("nan")
+    if t > 1:
+        for s in range(num_states):
+            lses[s][:, 1] = float("-inf")
+    return [o.to(device) for o in outs], [x.to(device) for x in lses]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_states,t,d", [(1, 5, 64), (2, 37, 128), (3, 0, 64), (9, 6, 33)])
+def test_merge_attention_states_cpu_reference(dtype, num_states, t, d):
+    outs, lses = merge_case(num_states, t, 3, d, dtype, seed=num_states * 100 + t)
+    ref, ref_lse = merge_reference(outs, lses)
+    out, lse = cp.merge_attention_states(outs, lses, out_dtype=torch.float32)
+    assert out.shape == (t, 3, d) and lse.shape == (3, t)
+    assert torch.isfinite(out).all(), "an empty partial's NaN out must not leak"
+    assert (out.double() - ref).abs().max().item() <= 64 * torch.finfo(torch.float32).eps if t else True
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    if t > 1:
+        assert (out[1] == 0).all() and (lse[:, 1] == float("-inf")).all()
+    assert (lse.double()[finite] - ref_lse[finite]).abs().max().item() <= 1e-5 if finite.any() else True
+    if t:  # a NaN LSE (a poisoned partial) makes its row NaN instead of being merged away
+        lses[0][0, 0] = float("nan")
+        out, lse = cp.merge_attention_states(outs, lses, out_dtype=torch.float32)
+        assert torch.isnan(out[0, 0]).all() and torch.isnan(lse[0, 0])
+        assert torch.isfinite(out[0, 1:]).all() and torch.isfinite(out[2:]).all()
 
 
 def test_select_mode():
@@ -268,6 +324,17 @@ def _ring_errors(ctx):
     sh_bad = cp.shard(cu_bad, n, rank)
     expect(ValueError, lambda: cp.ring_attention(ctx.comm, q[:sh_bad.index.numel()], k[:sh_bad.index.numel()],
                                                  k[:sh_bad.index.numel()], cu_seqlens_q=cu_bad))
+    # A bad argument on one rank only: that rank raises its own error, every other rank names it.
+    expect(ValueError, lambda: cp.ring_attention(ctx.comm, q, k, k, cu_seqlens_q=cu,
+                                                 mode="pass_x" if rank == 1 else "pass_kv"))
+    expect(ValueError, lambda: cp.ring_attention(ctx.comm, q[1:] if rank == 0 else q, k[1:] if rank == 0 else k,
+                                                 k[1:] if rank == 0 else k, cu_seqlens_q=cu))
+    expect(TypeError, lambda: cp.ring_attention(ctx.comm, q.int() if rank == n - 1 else q, k, k, cu_seqlens_q=cu))
+    # The same over a torch.distributed group (gloo).
+    expect(ValueError, lambda: cp.ring_attention(ctx.gloo(), q, k, k, cu_seqlens_q=cu,
+                                                 layout="zigzag" if rank == 0 else "balanced"))
+    out_g = cp.ring_attention(ctx.gloo(), q, k, k, cu_seqlens_q=cu)
+    assert torch.isfinite(out_g).all()
     # Still usable.
     out = cp.ring_attention(ctx.comm, q, k, k, cu_seqlens_q=cu)
     assert torch.isfinite(out).all()
@@ -293,6 +360,66 @@ def test_ring_attention_errors(ranks, world_size):
         assert "q has" in m[3] and "pass this rank's shard" in m[3]
         assert "ranks disagree on mode: rank 0: pass_kv, rank 1: pass_q" in m[4]
         assert "ranks disagree on batch size" in m[5]
+    n = world_size
+    for rank, m in enumerate(msgs):
+        if rank == 1:
+            assert "ring_attention: mode 'pass_x' not supported; supported: auto, pass_kv, pass_q" in m[6]
+        else:
+            assert "ring_attention: rank 1 rejected its argument mode" in m[6] and "every rank raises" in m[6]
+        assert ("pass this rank's shard" in m[7]) if rank == 0 else ("rank 0 rejected its argument q" in m[7])
+        assert ("q has dtype torch.int32" in m[8]) if rank == n - 1 else (f"rank {n - 1} rejected its argument q" in m[8])
+        assert ("layout 'zigzag' not supported; supported: balanced, round_robin" in m[9]) if rank == 0 else \
+            ("rank 0 rejected its argument layout" in m[9])
+        assert "valid num_kv_heads: 1, 2, 4" in m[1]
+
+
+def test_ring_watchdog_thread():
+    """The watchdog thread (Note [cp ring watchdog]) on stand-in events: a call whose events are
+    done is dropped without action; a call past its deadline gets _on_timeout with the first
+    pending wait and its receive slots; a transport whose check raises is marked failed."""
+    import time
+
+    class Event:
+        def __init__(self, done):
+            self.done = done
+
+        def query(self):
+            return self.done
+
+    class Transport:
+        rank = 0
+
+        def __init__(self, broken=False):
+            self.failure, self.fired, self.broken = None, [], broken
+
+        def _call_done(self, trace):
+            if self.broken:
+                raise RuntimeError("context lost")
+            return all(ev.query() for ev, _ in trace)
+
+        def _on_timeout(self, trace, recv_slots, elapsed):
+            self.fired.append((next(w for ev, w in trace if not ev.query()), recv_slots))
+            self.failure = "timed out"
+
+    wd = cp._watchdog()
+    ok, stuck, late, broken = Transport(), Transport(), Transport(), Transport(broken=True)
+    now = time.monotonic()
+    wd.watch(ok, [(Event(True), "slot kv1 from rank 1")], now + 0.05, ["kv1"])
+    wd.watch(stuck, [(Event(True), "slot q1 from rank 2"), (Event(False), "slot p1 from rank 2")], now + 0.05,
+             ["q1", "p1"])
+    far = [(Event(False), "slot kv0 from rank 3")]
+    wd.watch(late, far, now + 3600, ["kv0"])
+    wd.watch(broken, [(Event(False), "x")], now + 3600, [])
+    end = time.monotonic() + 60
+    while (not stuck.fired or broken.failure is None) and time.monotonic() < end:
+        time.sleep(0.01)
+    assert stuck.fired == [("slot p1 from rank 2", ("q1", "p1"))] and stuck.failure == "timed out"
+    assert "the ring watchdog failed: context lost" in broken.failure
+    far[0][0].done = True  # the long call completes: dropped without action
+    while wd.pending() and time.monotonic() < end:
+        time.sleep(0.01)
+    assert wd.pending() == 0
+    assert ok.fired == [] and ok.failure is None and late.fired == [] and late.failure is None
 
 
 def test_tuned_constants_reach_select_mode(tmp_path, monkeypatch):
@@ -331,3 +458,52 @@ def test_perf_ring_attention_rows():
     bad = subprocess.run(args + ["--corrupt-rank", "1"], capture_output=True, text=True, env=env, cwd=root,
                          timeout=300)
     assert bad.returncode != 0 and "Out of bounds values : 0 OK" not in bad.stdout, bad.stdout
+
+
+def _bench_rows(ctx):
+    from commlib.perf import ops_cp
+    dev, shape = torch.device("cpu"), (4, 2, 16)
+    cases = ops_cp._grid_cases("cpu", ctx.world_size, cached=[40], fractions=(0.05,), decode_batches=(3,))
+    grid = ops_cp.grid_rows(ctx.comm, dev, torch.float32, 1, shape=shape, cases=cases)
+    scaling = ops_cp.scaling_rows(ctx.comm, [24], ["pass_kv", "pass_q"], dev, torch.float32, 1, shape=shape)
+    return grid, scaling
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_perf_grid_and_scaling_rows(ranks, world_size):
+    """ops_cp's (T, P) grid and scaling rows on 2 CPU processes: one row per case, every mode
+    timed, the pick is select_mode's (pass-Q for decode), hit means the pick's time is the best."""
+    from commlib.perf import ops_cp
+    grid, scaling = ranks(world_size).run(_bench_rows)[0]
+    assert [r["kind"] for r in grid] == ["prefill", "decode"]
+    for r in grid:
+        times = {m: r[f"{m}_ms"] for m in ops_cp.GRID_MODES}
+        assert all(t > 0 for t in times.values()) and r["fastest"] == min(times, key=times.get)
+        want = "pass_q" if r["kind"] == "decode" else cp.select_mode(r["T"], r["P"], world_size, 4, 2, 16,
+                                                                     torch.float32, device_type="cpu")
+        assert r["pick"] == want
+        pick_ms = min(t for m, t in times.items() if ops_cp.CP_MODES[m][0] == want)
+        assert r["hit"] == (pick_ms <= times[r["fastest"]])
+    assert [(r["seqlen"], r["mode"]) for r in scaling] == [(24, "pass_kv"), (24, "pass_q")]
+    assert all(r["time_ms"] > 0 and r["efficiency"] > 0 for r in scaling)
+
+
+def test_perf_ops_cp_cli_world1():
+    """python -m commlib.perf.ops_cp at world 1 on CPU with the grid and the PyTorch baseline: the
+    tables print; the baseline reports why it does not run where it does not (CPU SDPA has no CP)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "commlib.perf.ops_cp", "--device", "cpu", "--seqlens", "48", "--modes",
+                        "pass_kv", "--iters", "1", "--torch-cp", "--grid", "--grid-cached", "64", "--merge", "16"],
+                       capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "pass_kv" in r.stdout and "torch_cp" in r.stdout, r.stdout
+    assert "select_mode picked the fastest mode in" in r.stdout and "(T, P) grid" in r.stdout, r.stdout
+    rows = [line.split() for line in r.stdout.splitlines() if line.startswith("  ") and line.split()[0] in
+            ("prefill", "decode")]
+    assert len(rows) == 7, r.stdout  # 4 fractions + 3 decode batch sizes
+    assert "merge_attention_states, 2 partials" in r.stdout, r.stdout

@@ -21,7 +21,15 @@ mode, time, the 1-GPU baseline (the same attention on the whole sequence on one 
 scaling efficiency baseline / (N x time); at world 1 the difference between time and baseline is
 the ring's own per-call cost (packing, merges, the plan). ``--emulate`` adds, at world 1, each step
 of a pass-KV ring on N ranks: the slowest rank's block-pair attention, timed here, beside the K/V
-block's size and its transfer time at select_mode's BW.
+block's size and its transfer time at select_mode's BW. ``--torch-cp`` adds, per sequence length,
+PyTorch's ``torch.distributed.tensor.experimental.context_parallel`` (ring SDPA on DTensor) on the
+same inputs as a baseline row (skipped with the reason where it does not run). ``--grid`` measures
+partial prefill at 1-10 % new tokens (P cached, T new) and decode (B one-token sequences, each with
+a P-token cache, round-robin) in pass-KV, pass-Q (streamed return) and pass-Q (post-loop
+all-to-all), and prints which mode ``select_mode`` picks, which was fastest, and how often the pick
+was the fastest (the issue's criterion: >= 90 % of the grid). ``--merge T1,T2`` times
+merge_attention_states of two partials: the fused CUDA kernel against the same arithmetic in torch
+ops, with the bytes it moves per second.
 """
 from __future__ import annotations
 
@@ -188,6 +196,148 @@ def emulated_step_rows(seqlens: List[int], world_sizes: List[int], device: torch
     return rows
 
 
+def torch_cp_rows(seqlens: List[int], device: torch.device, dtype: torch.dtype, iters: int,
+                  shape=None) -> List[dict]:
+    """PyTorch's context_parallel on the same causal sequence as scaling_rows: the q/k/v of the
+    whole sequence as [1, H, L, D] buffers, sharded by the context manager (its own round-robin
+    load balancing), F.scaled_dot_product_attention timed inside it. GQA through ``enable_gqa``
+    where the CP dispatch takes it, else K/V repeated to H heads (``mode`` says which). A length
+    where it fails gives a row with ``error`` instead of a time."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    h, hkv, d = shape or (GPU_SHAPE if device.type == "cuda" else CPU_SHAPE)
+    n = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (n,))
+    rows = []
+    for length in seqlens:
+        q, k, v = (t.to(device).transpose(0, 1).unsqueeze(0).contiguous()
+                   for t in _sequence(length, h, hkv, d, dtype, 0))
+        row = {"seqlen": length, "mode": "torch_cp"}
+        for gqa in (True, False):
+            try:
+                qb, kb, vb = q.clone(), k.clone(), v.clone()
+                if not gqa:
+                    kb, vb = (x.repeat_interleave(h // hkv, dim=1) for x in (kb, vb))
+                with context_parallel(mesh, buffers=[qb, kb, vb], buffer_seq_dims=[2, 2, 2],
+                                      no_restore_buffers={qb, kb, vb}):
+                    t = _time(lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=gqa),
+                              device, iters)
+                row.update(time_ms=t * 1e3, mode="torch_cp" if gqa else "torch_cp_mha", error=None)
+                break
+            except Exception as e:  # noqa: BLE001 - a baseline that does not run here is reported, not fatal
+                row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+        rows.append(row)
+    return rows
+
+
+# ---- the merge of attention states: the fused kernel vs the same arithmetic in torch ops ----
+
+def merge_rows(tokens: List[int], device: torch.device, dtype: torch.dtype, iters: int, num_states: int = 2,
+               shape=None) -> List[dict]:
+    """Per token count: cp.merge_attention_states of ``num_states`` partials ([T, H, D] in
+    ``dtype``, LSE [H, T]) into ``dtype``, timed as the fused op (CUDA) and as the torch-ops path
+    (``cp._merge2``, what CPU tensors run), with the bytes moved (every partial read once, the
+    result written once) over the time."""
+    h, _, d = shape or (GPU_SHAPE if device.type == "cuda" else CPU_SHAPE)
+    esize = torch.tensor([], dtype=dtype).element_size()
+    rows = []
+    for t in tokens:
+        g = torch.Generator(device=device).manual_seed(t)
+        outs = [torch.randn(t, h, d, generator=g, device=device).to(dtype) for _ in range(num_states)]
+        lses = [torch.randn(h, t, generator=g, device=device) * 3 for _ in range(num_states)]
+
+        def torch_ops():
+            o, lse = outs[0].float(), lses[0]
+            for o2, l2 in zip(outs[1:], lses[1:]):
+                o, lse = cp._merge2(o, lse, o2.float(), l2)
+            return o.to(dtype), lse
+
+        nbytes = (num_states + 1) * t * h * d * esize + (num_states + 1) * h * t * 4
+        row = {"tokens": t, "states": num_states, "mib": nbytes / 2**20,
+               "torch_ms": _time(torch_ops, device, iters) * 1e3, "fused_ms": None}
+        if cp._merge_kernel(outs[0]):
+            row["fused_ms"] = _time(lambda: cp.merge_attention_states(outs, lses), device, iters) * 1e3
+            ref, _ = torch_ops()
+            got, _ = cp.merge_attention_states(outs, lses)
+            row["max_diff"] = (got.float() - ref.float()).abs().max().item() if t else 0.0
+        rows.append(row)
+    return rows
+
+
+# ---- the (T, P) grid: pass-KV vs pass-Q (stream, all-to-all), and select_mode's hit rate ----
+
+GRID_MODES = ("pass_kv", "pass_q", "pass_q_a2a")
+
+
+def _grid_cases(device_type: str, world_size: int, cached: Optional[List[int]] = None,
+                fractions=(0.01, 0.025, 0.05, 0.1), decode_batches=(1, 8, 32)):
+    """(kind, T, P, batch) cases: partial prefill of one sequence with P cached tokens and T new
+    ones at each fraction T/(T+P), and decode of ``batch`` one-token sequences with P cached each."""
+    cached = cached or ([16384, 65536] if device_type == "cuda" else [512, 2048])
+    cases = []
+    for p in cached:
+        for f in fractions:
+            t = max(2 * world_size, int(round(p * f / (1 - f))))
+            cases.append(("prefill", t, p, 1))
+        for b in decode_batches:
+            if b * p <= 1 << 20:  # at most 1M cached tokens in all (the cache is b x P per case)
+                cases.append(("decode", b, p, b))
+    return cases
+
+
+def grid_rows(comm, device: torch.device, dtype: torch.dtype, iters: int, shape=None, cases=None) -> List[dict]:
+    """One row per (T, P) case: each mode's median time, the fastest, select_mode's pick (the
+    rule ring_attention's ``auto`` applies) and whether the pick was the fastest. The cache is split
+    evenly over the ranks; prefill shards the new tokens in the balanced layout, decode places the
+    sequences round-robin (auto is pass-Q there by construction; the row still times all three)."""
+    h, hkv, d = shape or (GPU_SHAPE if device.type == "cuda" else CPU_SHAPE)
+    n, rank = comm.world_size, comm.rank
+    rows = []
+    for kind, t_new, p_cached, batch in cases or _grid_cases(device.type, n):
+        lens = [1] * batch if kind == "decode" else [t_new]
+        cu = [0]
+        for x in lens:
+            cu.append(cu[-1] + x)
+        layout = "round_robin" if kind == "decode" else "balanced"
+        g = torch.Generator().manual_seed(31 * t_new + p_cached)
+        q, k, v = (torch.randn(cu[-1], x, d, generator=g).to(dtype) for x in (h, hkv, hkv))
+        per_rank = [[p_cached // n + (1 if r < p_cached % n else 0) for _ in lens] for r in range(n)]
+        gd = torch.Generator(device=device).manual_seed(17 * t_new + p_cached + rank)  # the cache: made in place
+        kc, vc = (torch.randn(sum(per_rank[rank]), hkv, d, generator=gd, device=device).to(dtype) for _ in range(2))
+        sh = cp.shard(cu, n, rank, layout=layout)
+        qs, ks, vs = (x[sh.index].to(device) for x in (q, k, v))
+        times = {}
+        for name in GRID_MODES:
+            mode, ret = CP_MODES[name]
+            times[name] = _time(lambda: cp.ring_attention(comm, qs, ks, vs, cu_seqlens_q=cu, layout=layout,
+                                                          kv_cache=(kc, vc, per_rank[rank]), mode=mode,
+                                                          pass_q_return=ret), device, iters) * 1e3
+        pick = "pass_q" if kind == "decode" else cp.select_mode(
+            t_new, p_cached * batch, n, h, hkv, d, dtype, device_type=device.type)
+        best = min(times, key=times.get)
+        pick_ms = min(times[m] for m in GRID_MODES if CP_MODES[m][0] == pick)
+        rows.append({"kind": kind, "T": t_new, "P": p_cached * batch, "new_fraction": t_new / (t_new + p_cached * batch),
+                     **{f"{m}_ms": times[m] for m in GRID_MODES}, "fastest": best, "pick": pick,
+                     "hit": pick_ms <= times[best], "stream_vs_a2a": times["pass_q"] / times["pass_q_a2a"]})
+    return rows
+
+
+def print_grid(rows: List[dict], header: str) -> None:
+    print(f"# {header}")
+    print(f"# {'kind':>7} {'T':>7} {'P':>8} {'new %':>6} {'pass_kv ms':>10} {'pass_q ms':>10} {'q_a2a ms':>10} "
+          f"{'fastest':>10} {'pick':>8} hit")
+    for r in rows:
+        print(f"  {r['kind']:>7} {r['T']:>7d} {r['P']:>8d} {100 * r['new_fraction']:>6.2f} {r['pass_kv_ms']:>10.3f} "
+              f"{r['pass_q_ms']:>10.3f} {r['pass_q_a2a_ms']:>10.3f} {r['fastest']:>10} {r['pick']:>8} "
+              f"{'yes' if r['hit'] else 'no'}")
+    hits = sum(r["hit"] for r in rows)
+    stream = sum(r["stream_vs_a2a"] <= 1.0 for r in rows)
+    print(f"# select_mode picked the fastest mode in {hits} of {len(rows)} cases "
+          f"({100.0 * hits / max(1, len(rows)):.0f} %; criterion >= 90 %); pass-Q's streamed return beat the "
+          f"post-loop all-to-all in {stream} of {len(rows)}")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m commlib.perf.ops_cp", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -195,6 +345,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--modes", default="pass_kv,pass_q,pass_q_a2a")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    p.add_argument("--torch-cp", action="store_true",
+                   help="add PyTorch's context_parallel on the same inputs as a baseline row")
+    p.add_argument("--grid", action="store_true",
+                   help="the (T, P) grid: pass-KV vs pass-Q (stream, all-to-all) at 1-10%% new tokens and "
+                        "decode, and select_mode's hit rate")
+    p.add_argument("--grid-cached", type=_int_list, default=None, metavar="P1,P2,...",
+                   help="--grid: cached tokens per case (default 16384,65536 on GPU, 512,2048 on CPU)")
+    p.add_argument("--no-scaling", action="store_true", help="skip the full-prefill scaling rows")
+    p.add_argument("--merge", type=_int_list, default=None, metavar="T1,T2,...",
+                   help="time merge_attention_states of 2 partials of T tokens: the fused kernel vs torch ops")
     p.add_argument("--emulate", type=_int_list, default=None, metavar="N1,N2,...",
                    help="world 1: per-step cost of a pass-KV ring on N ranks (attention per step vs the "
                         "K/V block's transfer at the tuned BW)")
@@ -208,17 +368,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
     if world > 1:
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend)
         store = dist.distributed_c10d._get_default_store()
     else:
         store = dist.HashStore()
+        if opts.torch_cp:  # PyTorch's context_parallel needs a process group (and a mesh), even of one
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     comm = commlib.Communicator(store, rank, world, "ops-cp")
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
         else torch.device("cpu")
     dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
     seqlens = opts.seqlens or ([8192, 32768, 131072] if device_type == "cuda" else [1024, 4096])
-    rows = scaling_rows(comm, seqlens, modes, device, dtype, opts.iters)
+    rows = [] if opts.no_scaling else scaling_rows(comm, seqlens, modes, device, dtype, opts.iters)
+    torch_rows = torch_cp_rows(seqlens, device, dtype, opts.iters) if opts.torch_cp else []
+    grid = grid_rows(comm, device, dtype, opts.iters,
+                     cases=_grid_cases(device_type, world, opts.grid_cached)) if opts.grid else []
     if opts.emulate and rank == 0:
         print(f"# emulated pass-KV steps on one device ({dtype}); transfer at BW "
               f"{cp.machine_constants(device_type, 2)[0] / 1e9:.0f} GB/s")
@@ -226,14 +392,39 @@ def main(argv: Optional[List[str]] = None) -> int:
         for r in emulated_step_rows(seqlens, opts.emulate, device, dtype, opts.iters):
             print(f"  {r['seqlen']:>8d} {r['world']:>3d} {r['step']:>4d} {r['attn_ms']:>10.3f} {r['block_mib']:>10.2f} "
                   f"{r['transfer_ms']:>10.3f} {'yes' if r['hidden'] else 'no'}")
+    merges = merge_rows(opts.merge, device, dtype, opts.iters) if opts.merge and rank == 0 else []
     if rank == 0:
         name = torch.cuda.get_device_name(device) if device_type == "cuda" else "cpu"
+        if merges:
+            print(f"# merge_attention_states, 2 partials -> {dtype}, heads "
+                  f"{GPU_SHAPE if device_type == 'cuda' else CPU_SHAPE} (q, kv, head_dim), {name}")
+            print(f"# {'tokens':>8} {'MiB':>8} {'fused ms':>10} {'GB/s':>8} {'torch ms':>10} {'GB/s':>8} max|diff|")
+            for r in merges:
+                fused = r["fused_ms"]
+                f_txt = (f"{fused:>10.4f} {r['mib'] * 2**20 / (fused * 1e6):>8.1f}" if fused else f"{'-':>10} {'-':>8}")
+                print(f"  {r['tokens']:>8d} {r['mib']:>8.1f} {f_txt} {r['torch_ms']:>10.4f} "
+                      f"{r['mib'] * 2**20 / (r['torch_ms'] * 1e6):>8.1f} {r.get('max_diff', float('nan')):.2e}")
         print(f"# ring_attention causal prefill, {dtype}, heads "
               f"{GPU_SHAPE if device_type == 'cuda' else CPU_SHAPE} (q, kv, head_dim), world {world}, {name}")
         print(f"# {'seqlen':>8} {'mode':>10} {'time ms':>10} {'1-GPU ms':>10} {'efficiency':>10}")
+        base = {r["seqlen"]: r["baseline_ms"] for r in rows}
         for r in rows:
             print(f"  {r['seqlen']:>8d} {r['mode']:>10} {r['time_ms']:>10.3f} {r['baseline_ms']:>10.3f} "
                   f"{r['efficiency']:>10.3f}")
+        for r in torch_rows:
+            if r.get("error"):
+                print(f"# {r['seqlen']:>8d} {r['mode']:>10} not run: {r['error']}")
+            elif r["seqlen"] in base:
+                print(f"  {r['seqlen']:>8d} {r['mode']:>10} {r['time_ms']:>10.3f} {base[r['seqlen']]:>10.3f} "
+                      f"{base[r['seqlen']] / (world * r['time_ms']):>10.3f}")
+            else:
+                print(f"  {r['seqlen']:>8d} {r['mode']:>10} {r['time_ms']:>10.3f} {'-':>10} {'-':>10}")
+        if grid:
+            print_grid(grid, f"(T, P) grid, world {world}, {dtype}, heads (q, kv, head_dim) "
+                             f"{GPU_SHAPE if device_type == 'cuda' else CPU_SHAPE}; times in ms (median of "
+                             f"{opts.iters})")
+            if world == 1:
+                print("# world 1: no ring, every mode is local work; the hit rate is meaningful from world 2 on")
     comm.close()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -1,0 +1,221 @@
+// Merge of partial attention states (commlib.cp.merge_attention_states on CUDA; ring attention's
+// merge of each block's result into its running accumulator).
+//
+// Note [merge of attention states]
+// Partial s of a query row saw key set K_s: O_s = sum_{k in K_s} e^{x_k - LSE_s} v_k, LSE_s = log
+// sum_{k in K_s} e^{x_k}. Over the union, LSE = m + log sum_s e^{LSE_s - m} and O = sum_s w_s O_s
+// with w_s = e^{LSE_s - m} / sum_r e^{LSE_r - m}, for any m; m = max_s LSE_s keeps every exponent
+// <= 0 (no overflow for any LSE magnitude, the largest term is exactly 1). A partial that saw no key
+// has LSE -inf and weight 0 and its O is not read (it may hold anything); when every partial is
+// empty, O = 0 and LSE = -inf, as on the CPU (commlib/cp.py, _merge2). Arithmetic is fp32 (expf,
+// logf, IEEE division; the build has no fast-math); the result is rounded to its dtype once. A NaN
+// LSE in any state makes the row's O and LSE NaN (a poisoned input is never merged away).
+//
+// Work split: a row (token, head) of head_dim elements is handled by `lanes` threads of one warp
+// (a power of two <= 32), each holding kPack consecutive elements per step. Rows of a warp are
+// consecutive tokens of one head, so the LSE loads of a warp are contiguous. In kAccumulate the
+// accumulator's LSE is read by every lane of the row and rewritten by lane 0 after a __syncwarp;
+// the loop over rows is warp-uniform so the __syncwarp is reached by every lane.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "commlib/device/dispatch.cuh"
+#include "commlib/device/vec.cuh"
+#include "kernels/launch.cuh"
+#include "kernels/merge_attn_states_params.hpp"
+
+namespace commlib::kernels {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kMaxBlocks = 4096;
+constexpr int kVectorPack = 8;  // elements per thread and step on the 16-byte path
+
+template <typename T, int kPack>
+__device__ __forceinline__ void load_pack(const T* src, float (&x)[kPack]) {
+  if constexpr (kPack == 1) {
+    x[0] = device::to_float<T>(*src);
+  } else {
+    constexpr int kPerVec = 16 / static_cast<int>(sizeof(T));
+    static_assert(kPack % kPerVec == 0, "a pack is whole 16-byte vectors");
+#pragma unroll
+    for (int i = 0; i < kPack / kPerVec; ++i) {
+      const device::Vec<T> v = device::Vec<T>::load(src + i * kPerVec);
+#pragma unroll
+      for (int j = 0; j < kPerVec; ++j) x[i * kPerVec + j] = device::to_float<T>(v.elems[j]);
+    }
+  }
+}
+
+template <typename T, int kPack>
+__device__ __forceinline__ void store_pack(T* dst, const float (&x)[kPack]) {
+  if constexpr (kPack == 1) {
+    *dst = device::from_float<T>(x[0]);
+  } else {
+    constexpr int kPerVec = 16 / static_cast<int>(sizeof(T));
+#pragma unroll
+    for (int i = 0; i < kPack / kPerVec; ++i) {
+      device::Vec<T> v;
+#pragma unroll
+      for (int j = 0; j < kPerVec; ++j) v.elems[j] = device::from_float<T>(x[i * kPerVec + j]);
+      v.store(dst + i * kPerVec);
+    }
+  }
+}
+
+template <typename TIn, typename TOut, int kPack, MergeTarget kTarget>
+__global__ void __launch_bounds__(kThreads) merge_attn_states_kernel(MergeAttnStatesParams p, int lanes) {
+  const int64_t num_rows = p.num_tokens * p.num_heads;
+  const int rows_per_warp = 32 / lanes;
+  const int lane = threadIdx.x % 32;
+  const int row_in_warp = lane / lanes;
+  const int lane_in_row = lane % lanes;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  const int num_states = p.num_states;
+
+  for (int64_t base = warp * rows_per_warp; base < num_rows; base += num_warps * rows_per_warp) {
+    const int64_t row = base + row_in_warp;
+    const bool active = row < num_rows;
+    // h-major rows: a warp's rows are consecutive tokens of one head (contiguous LSE).
+    const int64_t head = active ? row / p.num_tokens : 0;
+    const int64_t token = active ? row % p.num_tokens : 0;
+    const int64_t out_row = (kTarget == MergeTarget::kAccumulate && p.rows != nullptr && active) ? p.rows[token] : token;
+
+    float lse[kMaxMergeStates] = {};
+    float m = -INFINITY;
+    float acc_lse = -INFINITY;
+    bool poisoned = false;  // a NaN LSE (e.g. a ring slot the watchdog filled) makes the row NaN
+    if (active) {
+#pragma unroll
+      for (int s = 0; s < kMaxMergeStates; ++s) {
+        lse[s] = s < num_states ? p.states[s].lse[head * p.states[s].lse_stride_head + token] : -INFINITY;
+        m = fmaxf(m, lse[s]);
+        poisoned = poisoned || isnan(lse[s]);
+      }
+      if constexpr (kTarget == MergeTarget::kAccumulate) {
+        acc_lse = p.out_lse[head * p.out_lse_stride_head + out_row];
+        m = fmaxf(m, acc_lse);
+        poisoned = poisoned || isnan(acc_lse);
+      }
+    }
+    if (poisoned) m = NAN;
+    // Weights (Note [merge of attention states]); m == -inf: every partial is empty.
+    const bool empty = m == -INFINITY;
+    float sum = 0.f;
+    float w[kMaxMergeStates];
+    float w_acc = 0.f;
+#pragma unroll
+    for (int s = 0; s < kMaxMergeStates; ++s) {
+      w[s] = (s < num_states && !empty) ? expf(lse[s] - m) : 0.f;
+      sum += w[s];
+    }
+    if constexpr (kTarget == MergeTarget::kAccumulate) {
+      w_acc = empty ? 0.f : expf(acc_lse - m);
+      sum += w_acc;
+    }
+    const float inv = empty ? 0.f : __frcp_rn(sum);
+#pragma unroll
+    for (int s = 0; s < kMaxMergeStates; ++s) w[s] *= inv;
+    w_acc *= inv;
+
+    TOut* out_ptr = static_cast<TOut*>(p.out) + out_row * p.out_stride_token + head * p.out_stride_head;
+    if (active) {
+      for (int64_t d = static_cast<int64_t>(lane_in_row) * kPack; d < p.head_dim; d += static_cast<int64_t>(lanes) * kPack) {
+        float acc[kPack];
+        if (kTarget == MergeTarget::kAccumulate && w_acc != 0.f) {
+          load_pack<TOut, kPack>(out_ptr + d, acc);
+#pragma unroll
+          for (int i = 0; i < kPack; ++i) acc[i] *= w_acc;
+        } else {
+#pragma unroll
+          for (int i = 0; i < kPack; ++i) acc[i] = 0.f;
+        }
+#pragma unroll
+        for (int s = 0; s < kMaxMergeStates; ++s) {
+          if (s < num_states && w[s] != 0.f) {  // an empty partial's O is never read
+            const TIn* src = static_cast<const TIn*>(p.states[s].out) + token * p.states[s].out_stride_token +
+                             head * p.states[s].out_stride_head + d;
+            float x[kPack];
+            load_pack<TIn, kPack>(src, x);
+#pragma unroll
+            for (int i = 0; i < kPack; ++i) acc[i] = fmaf(w[s], x[i], acc[i]);
+          }
+        }
+        store_pack<TOut, kPack>(out_ptr + d, acc);
+      }
+    }
+    // Every lane of the row has read the accumulator's LSE before lane 0 rewrites it.
+    if constexpr (kTarget == MergeTarget::kAccumulate) __syncwarp();
+    if (active && lane_in_row == 0) {
+      p.out_lse[head * p.out_lse_stride_head + out_row] = empty ? -INFINITY : m + logf(sum);
+    }
+  }
+}
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+bool vector_path_ok(const MergeAttnStatesParams& p) {
+  if (p.head_dim % kVectorPack != 0) return false;
+  const int64_t in_size = static_cast<int64_t>(dtype_size(p.in_dtype));
+  const int64_t out_size = static_cast<int64_t>(dtype_size(p.out_dtype));
+  bool ok = aligned16(p.out) && (p.out_stride_token * out_size) % 16 == 0 && (p.out_stride_head * out_size) % 16 == 0;
+  for (int s = 0; s < p.num_states; ++s) {
+    const MergeStateView& v = p.states[s];
+    ok = ok && aligned16(v.out) && (v.out_stride_token * in_size) % 16 == 0 && (v.out_stride_head * in_size) % 16 == 0;
+  }
+  return ok;
+}
+
+int lanes_per_row(int64_t chunks) {
+  int lanes = 1;
+  while (lanes < 32 && lanes < chunks) lanes *= 2;
+  return lanes;
+}
+
+template <typename TIn, typename TOut, int kPack>
+Status launch_typed(const MergeAttnStatesParams& p, Stream stream) {
+  const int lanes = lanes_per_row((p.head_dim + kPack - 1) / kPack);
+  const int64_t rows_per_block = kThreads / lanes;
+  const int64_t num_rows = p.num_tokens * p.num_heads;
+  LaunchShape shape;
+  shape.grid = dim3(static_cast<unsigned>(std::min<int64_t>((num_rows + rows_per_block - 1) / rows_per_block, kMaxBlocks)));
+  shape.block = dim3(kThreads);
+  auto kernel = p.target == MergeTarget::kAccumulate ? merge_attn_states_kernel<TIn, TOut, kPack, MergeTarget::kAccumulate>
+                                                     : merge_attn_states_kernel<TIn, TOut, kPack, MergeTarget::kOverwrite>;
+  return launch_kernel("merge_attention_states", kernel, shape, stream, LaunchOrder::kStream, p, lanes);
+}
+
+template <typename TIn>
+Status launch_for_input(const MergeAttnStatesParams& p, Stream stream, bool vector) {
+  Status status;
+  COMMLIB_DISPATCH_FLOAT_DTYPE(p.out_dtype, TOut, "merge_attention_states", [&] {
+    status = vector ? launch_typed<TIn, TOut, kVectorPack>(p, stream) : launch_typed<TIn, TOut, 1>(p, stream);
+  });
+  return status;
+}
+
+}  // namespace
+
+Status launch_merge_attn_states(const MergeAttnStatesParams& p, Stream stream) {
+  const char* what = "merge_attention_states";
+  if (p.num_states < 1 || p.num_states > kMaxMergeStates) {
+    return Status(StatusCode::kInvalidArgument, detail::concat(what, ": ", p.num_states, " states per launch not supported; supported: 1 to ",
+                                                               kMaxMergeStates));
+  }
+  if (p.num_tokens < 0 || p.num_heads < 0 || p.head_dim < 1) {
+    return Status(StatusCode::kInvalidArgument, detail::concat(what, ": bad shape [", p.num_tokens, ", ", p.num_heads, ", ",
+                                                               p.head_dim, "]"));
+  }
+  if (p.num_tokens == 0 || p.num_heads == 0) return Status::ok();
+  const bool vector = vector_path_ok(p);
+  Status status;
+  COMMLIB_DISPATCH_FLOAT_DTYPE(p.in_dtype, TIn, what, [&] { status = launch_for_input<TIn>(p, stream, vector); });
+  return status;
+}
+
+}  // namespace commlib::kernels
