@@ -63,6 +63,21 @@ void launch_nvshmem(const EPBufferGpu::Impl& s, const kernels::EPParams& p, bool
   COMMLIB_CHECK(rc == 0, CudaError, what, ": ", message);
 }
 
+// Around each call: the peer-memory kernels need the communicator's peer mappings (begin_op
+// checks them); the NVSHMEM kernels reach their peers through NVSHMEM, so they only check the error
+// word (a peer may be on another host, where the communicator has no peer memory).
+void begin_call(const EPBufferGpu::Impl& s, cudaStream_t stream, const char* what) {
+  if (s.transport == EPTransport::kNvshmem) {
+    s.cuda->check_error(what);
+  } else {
+    s.cuda->begin_op(stream, what);
+  }
+}
+
+void end_call(const EPBufferGpu::Impl& s, cudaStream_t stream, const char* what) {
+  if (s.transport != EPTransport::kNvshmem) s.cuda->end_op(stream, what);
+}
+
 kernels::EPMode mode_of(EPPhase phase) {
   switch (phase) {
     case EPPhase::kSend: return kernels::EPMode::kSend;
@@ -213,7 +228,7 @@ void EPBufferGpu::dispatch(const void* x, int64_t num_tokens, const int64_t* top
   check_order(s, what, phase, Impl::Next::kDispatch, Impl::Next::kDispatchRecv);
   const cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_in);
   DeviceGuard guard(s.cuda->device());
-  s.cuda->begin_op(stream, what);
+  begin_call(s, stream, what);
   kernels::EPParams p = s.params;
   if (phase != EPPhase::kRecv) {
     s.pending_x = x;  // the receive part expands this rank's own rows from x
@@ -228,7 +243,7 @@ void EPBufferGpu::dispatch(const void* x, int64_t num_tokens, const int64_t* top
     throw_if_error(p.path == kernels::EPPath::kLL ? kernels::launch_ep_dispatch_ll(p, mode_of(phase), stream)
                                                   : kernels::launch_ep_dispatch(p, mode_of(phase), stream));
   }
-  s.cuda->end_op(stream, what);
+  end_call(s, stream, what);
   s.next = phase == EPPhase::kSend ? Impl::Next::kDispatchRecv : Impl::Next::kCombine;
 }
 
@@ -238,7 +253,7 @@ void EPBufferGpu::combine(const void* expert_out, void* out, EPPhase phase, GpuS
   check_order(s, what, phase, Impl::Next::kCombine, Impl::Next::kCombineRecv);
   const cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_in);
   DeviceGuard guard(s.cuda->device());
-  s.cuda->begin_op(stream, what);
+  begin_call(s, stream, what);
   kernels::EPParams p = s.params;
   p.out = out;
   if (phase != EPPhase::kRecv) p.expert_out = expert_out;
@@ -248,7 +263,7 @@ void EPBufferGpu::combine(const void* expert_out, void* out, EPPhase phase, GpuS
     throw_if_error(p.path == kernels::EPPath::kLL ? kernels::launch_ep_combine_ll(p, mode_of(phase), stream)
                                                   : kernels::launch_ep_combine(p, mode_of(phase), stream));
   }
-  s.cuda->end_op(stream, what);
+  end_call(s, stream, what);
   s.next = phase == EPPhase::kSend ? Impl::Next::kCombineRecv : Impl::Next::kDispatch;
 }
 
