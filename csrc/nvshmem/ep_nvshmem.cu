@@ -423,7 +423,8 @@ int launch(const Params* q, int mode_in, void* stream_in, char* message, size_t 
     case DataType::kFloat32: e = launch_typed<kDispatch, float>(*q, mode, stream, smem); break;
     case DataType::kFloat16: e = launch_typed<kDispatch, __half>(*q, mode, stream, smem); break;
     case DataType::kBFloat16: e = launch_typed<kDispatch, __nv_bfloat16>(*q, mode, stream, smem); break;
-    default: return fail(message, len, "EPBuffer (nvshmem): dtype not supported; supported: float32, float16, bfloat16");
+    default:
+      return fail(message, len, "EPBuffer (nvshmem): dtype not supported; supported: float32, float16, bfloat16");
   }
   if (e != cudaSuccess) return cuda_fail(message, len, what, e);
   return 0;

@@ -70,8 +70,8 @@ class EPBuffer:
 
     ``EPBuffer(comm, max_tokens_per_rank, hidden, num_experts, topk, dtype, device="cpu", capacity=None,
     name=None, transport="auto")`` is collective on CUDA (it allocates symmetric memory once).
-    ``capacity`` (rows per local expert) defaults to ``max_tokens_per_rank * world_size``, which no routing without repeated experts in a
-    token's top-k can exceed. Rows beyond the capacity are dropped and recorded in an overflow word
+    ``capacity`` (rows per local expert) defaults to ``max_tokens_per_rank * world_size``, which no
+    routing without repeated experts in a token's top-k can exceed. Rows beyond the capacity are dropped and recorded in an overflow word
     on every rank; ``check()`` raises ``ValueError`` describing it (it syncs with the device on CUDA).
 
     ``dispatch`` and ``combine`` are collective and alternate (on CUDA a call out of order raises
