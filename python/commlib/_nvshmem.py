@@ -77,6 +77,13 @@ def attach(comm, device_index: int) -> None:
             view[:] = np.frombuffer(raw, dtype=np.uint8)
         nvshmem.init(device=_device_object(device_index), uid=uid, rank=rank, nranks=world_size,
                      initializer_method="uid")
+        if rank == 0:
+            # Every rank read it before init could complete (init is collective); a later job on the
+            # same store must not find a stale id.
+            try:
+                store.delete_key(_UID_KEY)
+            except (RuntimeError, NotImplementedError):
+                pass
         _initialised = (rank, world_size)
     elif _initialised != (rank, world_size):
         raise ValueError(f"EPBuffer: transport 'nvshmem': NVSHMEM was initialised in this process for rank "
