@@ -3,7 +3,8 @@
     pip install --no-build-isolation -e .     # torch must already be installed
 
 Environment: CUDA_HOME (default /usr/local/cuda) locates nvcc; COMMLIB_NO_CUDA=1 skips the CUDA
-sources; MAX_JOBS caps the build's parallelism.
+sources; COMMLIB_NO_NVSHMEM=1 skips the NVSHMEM EP kernels (built when the nvidia-nvshmem wheel is
+installed); MAX_JOBS caps the build's parallelism.
 """
 import os
 import shutil
@@ -15,6 +16,18 @@ from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
+
+
+def find_nvshmem():
+    """The nvidia-nvshmem wheel's nvidia/nvshmem folder (headers, device library, host library), or
+    None (COMMLIB_NO_NVSHMEM=1 skips it)."""
+    if os.environ.get("COMMLIB_NO_NVSHMEM") == "1":
+        return None
+    for entry in sys.path:
+        home = Path(entry or ".") / "nvidia" / "nvshmem"
+        if (home / "include" / "nvshmem.h").exists() and (home / "lib" / "libnvshmem_device.a").exists():
+            return home.resolve()
+    return None
 
 
 def find_nvcc():
@@ -47,11 +60,28 @@ class CMakeBuild(build_ext):
         ]
         if nvcc:
             args.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
+        nvshmem = find_nvshmem() if nvcc else None
+        args.append(f"-DCOMMLIB_NVSHMEM_HOME={nvshmem or ''}")
         if shutil.which("ninja"):
             args.append("-GNinja")
         subprocess.check_call(["cmake", "-S", str(ROOT), "-B", str(build_dir), *args])
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 2))
         subprocess.check_call(["cmake", "--build", str(build_dir), "--target", "_C", "-j", jobs])
+        if getattr(self, "editable_mode", False):
+            self._copy_nvshmem_library(out_dir)
+
+    def copy_extensions_to_source(self):
+        super().copy_extensions_to_source()
+        self._copy_nvshmem_library(Path(self.build_lib).resolve() / "commlib")
+
+    @staticmethod
+    def _copy_nvshmem_library(out_dir: Path) -> None:
+        """The NVSHMEM kernels' library (built beside _C when found) is no extension setuptools
+        knows: an in-place or editable build copies it into the package itself."""
+        lib = out_dir / "libcommlib_nvshmem.so"
+        dest = ROOT / "python" / "commlib" / lib.name
+        if lib.exists() and lib.resolve() != dest.resolve():
+            shutil.copy2(lib, dest)
 
 
 setup(
@@ -63,6 +93,9 @@ setup(
     ext_modules=[Extension("commlib._C", sources=[])],
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.10",
+    # EPBuffer(transport="nvshmem"): nvshmem4py bootstraps NVSHMEM (its runtime comes with torch's
+    # nvidia-nvshmem-cu13).
+    extras_require={"nvshmem": ["nvshmem4py-cu13"]},
     entry_points={
         "console_scripts": [
             "commlib-perf=commlib.perf.__main__:main",

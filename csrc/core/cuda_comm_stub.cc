@@ -33,7 +33,8 @@ void check_gpu_error(Communicator&) {}
 std::vector<int64_t> ep_trace_snapshot_gpu() { return {}; }
 
 struct EPBufferGpu::Impl {};
-EPBufferGpu::EPBufferGpu(Communicator&, const EPConfig&, int) { no_gpu(); }
+EPBufferGpu::EPBufferGpu(Communicator&, const EPConfig&, int, EPTransport) { no_gpu(); }
+std::pair<int, int> ep_nvshmem_attach(const std::string&, int) { no_gpu(); }
 EPBufferGpu::~EPBufferGpu() = default;
 void EPBufferGpu::set_local(void*, int32_t*, int32_t*) { no_gpu(); }
 EPState EPBufferGpu::state() const { no_gpu(); }

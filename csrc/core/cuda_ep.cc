@@ -11,6 +11,7 @@
 #include "commlib/gpu.hpp"
 #include "core/algorithm_selector.hpp"
 #include "core/cuda_comm.hpp"
+#include "core/cuda_ep_nvshmem.hpp"
 #include "kernels/ep_params.hpp"
 
 namespace commlib {
@@ -20,6 +21,9 @@ struct EPBufferGpu::Impl {
   CudaComm* cuda = nullptr;
   EPConfig config{};
   std::shared_ptr<SymmetricBuffer> sym;
+  EPTransport transport = EPTransport::kPeerMemory;
+  std::shared_ptr<void> heap;  // kNvshmem: the buffer on the NVSHMEM symmetric heap
+  nvshmem_ep::Params nv;       // kNvshmem: the fixed part of the kernels' params
   kernels::EPParams params;  // the fixed part; per-call fields are filled by each call
   const void* pending_x = nullptr;  // the last dispatch send's x (the caller keeps it alive until kRecv)
   // The call the protocol expects next: the kernels' flags are sequence-numbered per
@@ -49,6 +53,31 @@ void check_order(const EPBufferGpu::Impl& s, const char* what, EPPhase phase, EP
                 "; on CUDA dispatch and combine alternate, each split phase followed by its recv");
 }
 
+void launch_nvshmem(const EPBufferGpu::Impl& s, const kernels::EPParams& p, bool dispatch, kernels::EPMode mode,
+                    cudaStream_t stream, const char* what) {
+  const nvshmem_ep::Api& api = ep_nvshmem_api(what);
+  nvshmem_ep::Params q = s.nv;
+  q.base = p;
+  char message[512] = {};
+  const int rc = (dispatch ? api.dispatch : api.combine)(&q, static_cast<int>(mode), stream, message, sizeof(message));
+  COMMLIB_CHECK(rc == 0, CudaError, what, ": ", message);
+}
+
+// Around each call: the peer-memory kernels need the communicator's peer mappings (begin_op
+// checks them); the NVSHMEM kernels reach their peers through NVSHMEM, so they only check the error
+// word (a peer may be on another host, where the communicator has no peer memory).
+void begin_call(const EPBufferGpu::Impl& s, cudaStream_t stream, const char* what) {
+  if (s.transport == EPTransport::kNvshmem) {
+    s.cuda->check_error(what);
+  } else {
+    s.cuda->begin_op(stream, what);
+  }
+}
+
+void end_call(const EPBufferGpu::Impl& s, cudaStream_t stream, const char* what) {
+  if (s.transport != EPTransport::kNvshmem) s.cuda->end_op(stream, what);
+}
+
 kernels::EPMode mode_of(EPPhase phase) {
   switch (phase) {
     case EPPhase::kSend: return kernels::EPMode::kSend;
@@ -59,7 +88,28 @@ kernels::EPMode mode_of(EPPhase phase) {
 
 }  // namespace
 
-EPBufferGpu::EPBufferGpu(Communicator& comm, const EPConfig& config_in, int device) : impl_(std::make_unique<Impl>()) {
+// Note [EP NVSHMEM protocol] (csrc/kernels/ep_nvshmem_params.hpp): a grid of at most
+// nvshmem_ep::kMaxBlocks blocks, each owning a fixed token range of every source.
+static void setup_nvshmem(EPBufferGpu::Impl& s, Communicator& comm, const EPConfig& config, int min_sms) {
+  const char* what = "EPBuffer";
+  const int n = comm.world_size();
+  const int num_blocks = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>({min_sms, nvshmem_ep::kMaxBlocks, config.max_tokens_per_rank})));
+  const nvshmem_ep::Layout layout = nvshmem_ep::make_layout(config, n, num_blocks, dtype_size(config.dtype));
+  s.heap = ep_nvshmem_allocate(comm, layout.total, what);  // collective
+  // Only the control words and signals must start at zero; the host barrier keeps peers from
+  // signalling before that.
+  cuda_check(cudaMemset(s.heap.get(), 0, layout.control_end), what, "cudaMemset");
+  cuda_check(cudaDeviceSynchronize(), what, "cudaDeviceSynchronize");
+  comm.barrier_host();
+  s.nv.heap = static_cast<char*>(s.heap.get());
+  s.nv.layout = layout;
+  s.nv.num_blocks = num_blocks;
+  s.nv.tokens_per_block = (config.max_tokens_per_rank + num_blocks - 1) / num_blocks;
+}
+
+EPBufferGpu::EPBufferGpu(Communicator& comm, const EPConfig& config_in, int device, EPTransport transport)
+    : impl_(std::make_unique<Impl>()) {
   const char* what = "EPBuffer";
   const int n = comm.world_size();
   const EPConfig config = validate_ep_config(config_in, n);
@@ -97,12 +147,17 @@ EPBufferGpu::EPBufferGpu(Communicator& comm, const EPConfig& config_in, int devi
   s.comm = &comm;
   s.cuda = &cuda;
   s.config = config;
-  s.sym = cuda.allocate_symmetric(layout.total);  // collective
-  // Only the control words, overflow word, flags and LL lines must start at zero (every other region
-  // is written before it is read); the host barrier keeps peers from raising flags before that.
-  cuda_check(cudaMemset(s.sym->local(), 0, layout.control_end), what, "cudaMemset");
-  cuda_check(cudaDeviceSynchronize(), what, "cudaDeviceSynchronize");
-  comm.barrier_host();
+  s.transport = transport;
+  if (transport == EPTransport::kNvshmem) {
+    setup_nvshmem(s, comm, config, min_sms);  // collective
+  } else {
+    s.sym = cuda.allocate_symmetric(layout.total);  // collective
+    // Only the control words, overflow word, flags and LL lines must start at zero (every other
+    // region is written before it is read); the host barrier keeps peers from raising flags before that.
+    cuda_check(cudaMemset(s.sym->local(), 0, layout.control_end), what, "cudaMemset");
+    cuda_check(cudaDeviceSynchronize(), what, "cudaDeviceSynchronize");
+    comm.barrier_host();
+  }
 
   kernels::EPParams& p = s.params;
   p.config = config;
@@ -112,7 +167,7 @@ EPBufferGpu::EPBufferGpu(Communicator& comm, const EPConfig& config_in, int devi
   p.path = path;
   p.order = cuda.config().ep.order;
   p.ll = ll;
-  p.sym = s.sym->device_handle();
+  if (s.sym) p.sym = s.sym->device_handle();
   p.layout = layout;
   p.barrier = cuda.barrier_handle();
 }
@@ -127,11 +182,19 @@ void EPBufferGpu::set_local(void* expert_x, int32_t* expert_counts, int32_t* rec
 
 EPState EPBufferGpu::state() const {
   const kernels::EPParams& p = impl_->params;
-  char* base = static_cast<char*>(impl_->sym->local());
   EPState st;
   st.expert_x = p.expert_x;
   st.expert_counts = p.expert_counts;
   st.recv_pos = p.recv_pos;
+  if (impl_->transport == EPTransport::kNvshmem) {
+    const nvshmem_ep::Params& q = impl_->nv;
+    st.meta_idx = reinterpret_cast<int32_t*>(q.heap + q.layout.meta_idx);
+    st.meta_w = reinterpret_cast<float*>(q.heap + q.layout.meta_w);
+    st.meta_num_tokens = reinterpret_cast<int32_t*>(q.heap + q.layout.num_tokens);
+    st.overflow = reinterpret_cast<int64_t*>(q.heap + q.layout.overflow);
+    return st;
+  }
+  char* base = static_cast<char*>(impl_->sym->local());
   st.meta_idx = reinterpret_cast<int32_t*>(base + p.layout.meta_idx);
   st.meta_w = reinterpret_cast<float*>(base + p.layout.meta_w);
   // Each chunk's lead block of a source writes its token count into the chunk's slot; column 0 is one of them.
@@ -140,15 +203,23 @@ EPState EPBufferGpu::state() const {
   return st;
 }
 
-int64_t EPBufferGpu::meta_num_tokens_stride() const { return impl_->params.grid.num_chunks; }
+int64_t EPBufferGpu::meta_num_tokens_stride() const {
+  return impl_->transport == EPTransport::kNvshmem ? 1 : impl_->params.grid.num_chunks;
+}
 
-std::shared_ptr<void> EPBufferGpu::symmetric_keepalive() const { return impl_->sym; }
+std::shared_ptr<void> EPBufferGpu::symmetric_keepalive() const {
+  if (impl_->transport == EPTransport::kNvshmem) return impl_->heap;
+  return impl_->sym;
+}
 
 const EPConfig& EPBufferGpu::config() const { return impl_->config; }
 
 int EPBufferGpu::device() const { return impl_->cuda->device(); }
 
-const char* EPBufferGpu::kernels() const { return impl_->params.path == kernels::EPPath::kLL ? "ll" : "flags"; }
+const char* EPBufferGpu::kernels() const {
+  if (impl_->transport == EPTransport::kNvshmem) return "nvshmem";
+  return impl_->params.path == kernels::EPPath::kLL ? "ll" : "flags";
+}
 
 void EPBufferGpu::dispatch(const void* x, int64_t num_tokens, const int64_t* topk_idx, const float* topk_weights,
                            EPPhase phase, GpuStream stream_in) {
@@ -157,7 +228,7 @@ void EPBufferGpu::dispatch(const void* x, int64_t num_tokens, const int64_t* top
   check_order(s, what, phase, Impl::Next::kDispatch, Impl::Next::kDispatchRecv);
   const cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_in);
   DeviceGuard guard(s.cuda->device());
-  s.cuda->begin_op(stream, what);
+  begin_call(s, stream, what);
   kernels::EPParams p = s.params;
   if (phase != EPPhase::kRecv) {
     s.pending_x = x;  // the receive part expands this rank's own rows from x
@@ -166,9 +237,13 @@ void EPBufferGpu::dispatch(const void* x, int64_t num_tokens, const int64_t* top
     p.num_tokens = num_tokens;
   }
   p.x = s.pending_x;
-  throw_if_error(p.path == kernels::EPPath::kLL ? kernels::launch_ep_dispatch_ll(p, mode_of(phase), stream)
-                                                : kernels::launch_ep_dispatch(p, mode_of(phase), stream));
-  s.cuda->end_op(stream, what);
+  if (s.transport == EPTransport::kNvshmem) {
+    launch_nvshmem(s, p, /*dispatch=*/true, mode_of(phase), stream, what);
+  } else {
+    throw_if_error(p.path == kernels::EPPath::kLL ? kernels::launch_ep_dispatch_ll(p, mode_of(phase), stream)
+                                                  : kernels::launch_ep_dispatch(p, mode_of(phase), stream));
+  }
+  end_call(s, stream, what);
   s.next = phase == EPPhase::kSend ? Impl::Next::kDispatchRecv : Impl::Next::kCombine;
 }
 
@@ -178,13 +253,17 @@ void EPBufferGpu::combine(const void* expert_out, void* out, EPPhase phase, GpuS
   check_order(s, what, phase, Impl::Next::kCombine, Impl::Next::kCombineRecv);
   const cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_in);
   DeviceGuard guard(s.cuda->device());
-  s.cuda->begin_op(stream, what);
+  begin_call(s, stream, what);
   kernels::EPParams p = s.params;
   p.out = out;
   if (phase != EPPhase::kRecv) p.expert_out = expert_out;
-  throw_if_error(p.path == kernels::EPPath::kLL ? kernels::launch_ep_combine_ll(p, mode_of(phase), stream)
-                                                : kernels::launch_ep_combine(p, mode_of(phase), stream));
-  s.cuda->end_op(stream, what);
+  if (s.transport == EPTransport::kNvshmem) {
+    launch_nvshmem(s, p, /*dispatch=*/false, mode_of(phase), stream, what);
+  } else {
+    throw_if_error(p.path == kernels::EPPath::kLL ? kernels::launch_ep_combine_ll(p, mode_of(phase), stream)
+                                                  : kernels::launch_ep_combine(p, mode_of(phase), stream));
+  }
+  end_call(s, stream, what);
   s.next = phase == EPPhase::kSend ? Impl::Next::kCombineRecv : Impl::Next::kDispatch;
 }
 

@@ -129,6 +129,9 @@ const std::vector<Knob>& knobs() {
        "tests/conftest.py: 1 makes rank 0 print each test step with the time (run pytest with -s)."},
       {"COMMLIB_NO_CUDA", "0", KnobCategory::kBuild,
        "setup.py: 1 builds without the CUDA kernels and GPU transports (CPU paths only; faster)."},
+      {"COMMLIB_NO_NVSHMEM", "0", KnobCategory::kBuild,
+       "setup.py: 1 builds without the NVSHMEM EP kernels (libcommlib_nvshmem.so), which are otherwise built "
+       "when the nvidia-nvshmem wheel's headers and device library are installed."},
       {"COMMLIB_BUILD_DIR", "", KnobCategory::kBuild,
        "setup.py: CMake build directory; empty: build/cmake in the checkout."},
       {"COMMLIB_EP_TRACE", "", KnobCategory::kBuild,

@@ -39,16 +39,20 @@ EPPhase parse_phase(const std::string& what, const std::string& name) {
 
 }  // namespace
 
-EPBufferTorch::EPBufferTorch(std::shared_ptr<Communicator> comm, EPConfig config, at::Device device)
+EPBufferTorch::EPBufferTorch(std::shared_ptr<Communicator> comm, EPConfig config, at::Device device,
+                             const std::string& transport)
     : comm_(std::move(comm)), device_(device), cuda_(nullptr, no_cuda_state) {
   const int n = comm_->world_size();
   config_ = validate_ep_config(config, n);
   COMMLIB_CHECK(device_.is_cpu() || device_.is_cuda(), TypeMismatch, "EPBuffer: device ", device_.str(),
                 " not supported; supported: cpu, cuda");
+  COMMLIB_CHECK(transport == "peer" || (transport == "nvshmem" && device_.is_cuda()), InvalidArgument,
+                "EPBuffer: transport '", transport, "' not supported on ", device_.str(), "; supported: peer",
+                device_.is_cuda() ? ", nvshmem" : "");
   if (device_.is_cuda()) {
 #if defined(COMMLIB_TORCH_CUDA)
-    cuda_ = std::unique_ptr<EPCudaState, void (*)(EPCudaState*)>(ep_cuda_create(*comm_, config_, device_, t_),
-                                                                 ep_cuda_destroy);
+    cuda_ = std::unique_ptr<EPCudaState, void (*)(EPCudaState*)>(
+        ep_cuda_create(*comm_, config_, device_, t_, transport == "nvshmem"), ep_cuda_destroy);
     return;
 #else
     throw TypeMismatch("EPBuffer: CUDA tensors are not supported by this build (torch or commlib without CUDA); "
@@ -193,7 +197,8 @@ namespace {
 void bind(py::module_& m) {
   py::class_<EPBufferTorch, std::shared_ptr<EPBufferTorch>>(m, "EPBuffer")
       .def(py::init([](const py::handle& comm, int64_t max_tokens_per_rank, int64_t hidden, int64_t num_experts,
-                       int64_t topk, int64_t capacity, const std::string& dtype, const std::string& device) {
+                       int64_t topk, int64_t capacity, const std::string& dtype, const std::string& device,
+                       const std::string& transport) {
              EPConfig c;
              c.max_tokens_per_rank = max_tokens_per_rank;
              c.hidden = hidden;
@@ -203,10 +208,10 @@ void bind(py::module_& m) {
              c.dtype = parse_ep_dtype(dtype);
              auto native = communicator_from_python(comm);
              py::gil_scoped_release release;
-             return std::make_shared<EPBufferTorch>(std::move(native), c, at::Device(device));
+             return std::make_shared<EPBufferTorch>(std::move(native), c, at::Device(device), transport);
            }),
            py::arg("comm"), py::arg("max_tokens_per_rank"), py::arg("hidden"), py::arg("num_experts"),
-           py::arg("topk"), py::arg("capacity"), py::arg("dtype"), py::arg("device"))
+           py::arg("topk"), py::arg("capacity"), py::arg("dtype"), py::arg("device"), py::arg("transport") = "peer")
       .def(
           "dispatch",
           [](EPBufferTorch& b, const std::optional<at::Tensor>& x, const std::optional<at::Tensor>& idx,

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <memory>
+#include <string>
 
 #include "commlib/communicator.hpp"
 #include "commlib/ep.hpp"
@@ -28,8 +29,10 @@ struct EPTensors {
 
 class EPBufferTorch {
  public:
-  // Collective on CUDA (allocates symmetric memory); local on CPU.
-  EPBufferTorch(std::shared_ptr<Communicator> comm, EPConfig config, at::Device device);
+  // Collective on CUDA (allocates symmetric memory); local on CPU. transport: "peer" (CUDA peer
+  // memory, or host shared memory on CPU) or "nvshmem" (CUDA only; Note [EP NVSHMEM protocol]).
+  EPBufferTorch(std::shared_ptr<Communicator> comm, EPConfig config, at::Device device,
+                const std::string& transport = "peer");
   ~EPBufferTorch();
 
   // Returns (expert_x, expert_counts): views of the registered buffers, valid until the next dispatch.
@@ -58,7 +61,8 @@ class EPBufferTorch {
 
 #if defined(COMMLIB_TORCH_CUDA)
 // csrc/torch/ep_cuda_ops.cpp; all on the current stream of the buffer's device.
-EPCudaState* ep_cuda_create(Communicator& comm, const EPConfig& config, at::Device device, EPTensors& tensors);
+EPCudaState* ep_cuda_create(Communicator& comm, const EPConfig& config, at::Device device, EPTensors& tensors,
+                            bool nvshmem);
 void ep_cuda_destroy(EPCudaState* state);
 void ep_cuda_dispatch(EPCudaState& state, const at::Tensor& x, const at::Tensor& topk_idx,
                       const at::Tensor& topk_weights, EPPhase phase);

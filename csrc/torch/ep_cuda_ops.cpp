@@ -51,11 +51,13 @@ int device_index(const at::Device& device) {
 
 }  // namespace
 
-EPCudaState* ep_cuda_create(Communicator& comm, const EPConfig& config, at::Device device, EPTensors& t) {
+EPCudaState* ep_cuda_create(Communicator& comm, const EPConfig& config, at::Device device, EPTensors& t,
+                            bool nvshmem) {
   auto state = std::make_unique<EPCudaState>();
   const int index = device_index(device);
   c10::cuda::CUDAGuard guard(index);
-  state->gpu = std::make_unique<EPBufferGpu>(comm, config, index);  // collective
+  state->gpu = std::make_unique<EPBufferGpu>(
+      comm, config, index, nvshmem ? EPTransport::kNvshmem : EPTransport::kPeerMemory);  // collective
   state->device = at::Device(at::kCUDA, state->gpu->device());
   const EPConfig& c = state->gpu->config();
   const int64_t n = comm.world_size();
@@ -180,6 +182,10 @@ BindingRegistrar reg("ep_cuda_ops", [](py::module_& m) {
       py::call_guard<py::gil_scoped_release>());
   add_method(
       cls, "check_all_to_all", [](Communicator& c) { all_to_all_v_check(c); }, py::call_guard<py::gil_scoped_release>());
+  // EPBuffer(transport="nvshmem") (python/commlib/_nvshmem.py): after nvshmem4py initialised NVSHMEM.
+  m.def(
+      "ep_nvshmem_attach", [](const std::string& path, int device) { return ep_nvshmem_attach(path, device); },
+      py::arg("path"), py::arg("device"), py::call_guard<py::gil_scoped_release>());
   // Developer aid: the EP kernels' opt-in timing trace (empty unless built with COMMLIB_EP_TRACE).
   m.def("_ep_trace", [] { return ep_trace_snapshot_gpu(); });
 });

@@ -16,6 +16,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "commlib/communicator.hpp"
@@ -53,9 +55,22 @@ void check_gpu_error(Communicator& comm);
 // registers them with set_local before the first dispatch; meta_idx, meta_w, meta_num_tokens and
 // overflow live in the buffer's symmetric memory (state()). Calls alternate dispatch, combine; a
 // split phase (kSend) is followed by its kRecv.
+// How an EPBufferGpu reaches its peers: CUDA peer memory (one node) or NVSHMEM puts (any peer
+// NVSHMEM reaches: NVLink or the network; Note [EP NVSHMEM protocol]). kNvshmem needs
+// ep_nvshmem_attach first.
+enum class EPTransport : int { kPeerMemory = 0, kNvshmem = 1 };
+
+// Loads libcommlib_nvshmem.so from `path` (once per process) and registers its kernels with the
+// NVSHMEM runtime this process already initialised (nvshmem4py); returns (my_pe, n_pes) as the
+// kernels see them. Throws InvalidArgument when the library cannot be loaded or NVSHMEM is not
+// initialised. Not collective. Whoever initialises NVSHMEM sets NVSHMEM_DISABLE_NVLS=1 first
+// (DESIGN.md, Safety; python/commlib/_nvshmem.py does).
+std::pair<int, int> ep_nvshmem_attach(const std::string& path, int device);
+
 class EPBufferGpu {
  public:
-  EPBufferGpu(Communicator& comm, const EPConfig& config, int device);
+  EPBufferGpu(Communicator& comm, const EPConfig& config, int device,
+              EPTransport transport = EPTransport::kPeerMemory);
   ~EPBufferGpu();
   EPBufferGpu(const EPBufferGpu&) = delete;
   EPBufferGpu& operator=(const EPBufferGpu&) = delete;
@@ -68,7 +83,7 @@ class EPBufferGpu {
   std::shared_ptr<void> symmetric_keepalive() const;
   const EPConfig& config() const;
   int device() const;
-  const char* kernels() const;  // "flags" or "ll" (Note [EP LL protocol])
+  const char* kernels() const;  // "flags", "ll" (Note [EP LL protocol]) or "nvshmem"
 
   // x, topk_idx, topk_weights: [num_tokens, ...] device rows of this rank (kRecv: ignored).
   void dispatch(const void* x, int64_t num_tokens, const int64_t* topk_idx, const float* topk_weights, EPPhase phase,

@@ -20,7 +20,35 @@ import torch
 from . import _C
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_TRANSPORTS = ("auto", "peer", "nvshmem")
 _buffer_ids = itertools.count()
+
+
+def _spans_hosts(comm, key: str) -> bool:
+    """True when the ranks of ``comm`` run on more than one host (collective over its store; a native
+    communicator has none, and ``ddacomm`` makes one only for a single-host group)."""
+    store = getattr(comm, "_store", None)
+    if store is None or comm.world_size == 1:
+        return False
+    from .backend_registration import _host_id
+    mine = _host_id()
+    store.set(f"{key}/{comm.rank}", mine)
+    return any(store.get(f"{key}/{r}").decode() != mine for r in range(comm.world_size))
+
+
+def _resolve_transport(comm, transport: str, device: torch.device, key: str) -> str:
+    if transport not in _TRANSPORTS:
+        raise ValueError(f"EPBuffer: transport '{transport}' not supported; supported: {', '.join(_TRANSPORTS)}")
+    if device.type != "cuda":
+        if transport == "nvshmem":
+            raise ValueError(f"EPBuffer: transport 'nvshmem' not supported on {device}; supported: auto, peer")
+        return "peer"
+    if transport == "auto":
+        transport = "nvshmem" if _spans_hosts(comm, f"commlib/ep_hosts/{key}") else "peer"
+    if transport == "nvshmem":
+        from . import _nvshmem
+        _nvshmem.attach(comm, device.index)
+    return transport
 
 
 class EPHandle(NamedTuple):
@@ -41,9 +69,9 @@ class EPBuffer:
     """Registered buffers for expert-parallel dispatch / combine on one communicator.
 
     ``EPBuffer(comm, max_tokens_per_rank, hidden, num_experts, topk, dtype, device="cpu", capacity=None,
-    name=None)`` is collective on CUDA (it allocates symmetric memory once). ``capacity`` (rows per local expert)
-    defaults to ``max_tokens_per_rank * world_size``, which no routing without repeated experts in a
-    token's top-k can exceed. Rows beyond the capacity are dropped and recorded in an overflow word
+    name=None, transport="auto")`` is collective on CUDA (it allocates symmetric memory once).
+    ``capacity`` (rows per local expert) defaults to ``max_tokens_per_rank * world_size``, which no
+    routing without repeated experts in a token's top-k can exceed. Rows beyond the capacity are dropped and recorded in an overflow word
     on every rank; ``check()`` raises ``ValueError`` describing it (it syncs with the device on CUDA).
 
     ``dispatch`` and ``combine`` are collective and alternate (on CUDA a call out of order raises
@@ -55,11 +83,16 @@ class EPBuffer:
     ``name`` names the buffer in ``torch.ops.commlib.ep_dispatch`` / ``ep_combine`` (default:
     ``"<comm name>/ep<k>"``, k counting this process's buffers; docs/ops.md); under
     ``torch.compile`` ``dispatch`` and ``combine`` are those ops.
+
+    ``transport`` (CUDA): ``"peer"`` (CUDA peer memory, one node), ``"nvshmem"`` (NVSHMEM puts, which
+    reach peers over NVLink or the network; needs nvshmem4py, ``pip install commlib[nvshmem]``, and
+    a build that found the NVSHMEM headers; docs/ep.md), or ``"auto"``: peer memory when every rank is
+    on one host, NVSHMEM otherwise. Both give the same bits. On CPU only ``"auto"`` / ``"peer"``.
     """
 
     def __init__(self, comm, max_tokens_per_rank: int, hidden: int, num_experts: int, topk: int,
                  dtype: torch.dtype = torch.bfloat16, device="cpu", capacity: Optional[int] = None,
-                 name: Optional[str] = None):
+                 name: Optional[str] = None, transport: str = "auto"):
         if dtype not in _DTYPES:
             raise TypeError(f"EPBuffer: dtype {dtype} not supported; supported: float32, float16, bfloat16")
         for arg, value in (("max_tokens_per_rank", max_tokens_per_rank), ("hidden", hidden),
@@ -78,12 +111,13 @@ class EPBuffer:
         self.dtype = dtype
         self.device = device
         native = comm.native if hasattr(comm, "native") else comm
+        self.name = str(name) if name is not None else f"{comm.name}/ep{next(_buffer_ids)}"
+        self.transport = _resolve_transport(comm, transport, device, self.name)
         self._buf = _C.EPBuffer(native, max_tokens_per_rank, hidden, num_experts, topk, int(capacity or 0),
-                                _DTYPES[dtype], str(device))
+                                _DTYPES[dtype], str(device), self.transport)
         self.capacity = self._buf.capacity
         self.num_local_experts = num_experts // self.world_size
         self._last = None
-        self.name = str(name) if name is not None else f"{comm.name}/ep{next(_buffer_ids)}"
         _C.register_ep_buffer(self.name, self._buf)
 
     def __del__(self):
@@ -161,7 +195,7 @@ class EPBuffer:
     @property
     def kernels(self) -> str:
         """Which kernels run this buffer's calls: "host" (CPU), "flags" or "ll" (CUDA; "ll" for decode-sized
-        buffers when ``COMMLIB_EP_LL`` is 1 on every rank: docs/ep.md)."""
+        buffers when ``COMMLIB_EP_LL`` is 1 on every rank: docs/ep.md), "nvshmem" (transport "nvshmem")."""
         return self._buf.kernels
 
     @property
@@ -172,7 +206,7 @@ class EPBuffer:
     def __repr__(self) -> str:
         return (f"commlib.EPBuffer(world_size={self.world_size}, max_tokens_per_rank={self.max_tokens_per_rank}, "
                 f"hidden={self.hidden}, num_experts={self.num_experts}, topk={self.topk}, capacity={self.capacity}, "
-                f"dtype={self.dtype}, device={self.device})")
+                f"dtype={self.dtype}, device={self.device}, transport={self.transport!r})")
 
 
 __all__ = ["EPBuffer", "EPDispatchResult", "EPHandle"]

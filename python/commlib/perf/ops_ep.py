@@ -20,6 +20,10 @@ can regenerate every rank's routing), experts that scale their rows by ``scale[e
   (``x * sum over its routes of w * scale``, one elementwise op), reduce_scatter of the
   [world x tokens, hidden] partials back to their owners. No host sync: capturable (``-G``).
 
+* ``--ep-transport`` (``auto``, ``peer``, ``nvshmem``): how ``ddacomm``'s EPBuffer reaches its
+  peers; on one node, a run with ``peer`` and one with ``nvshmem`` measure what going through
+  NVSHMEM costs (docs/ep.md).
+
 Flags: ``--experts`` and ``--topk`` (defaults: DeepSeek-V3-like 256 / 8 with ``--hidden`` 7168 on
 GPU; 4 x world size / 2 with hidden 256 on CPU); ``--tokens`` / ``--hidden`` as in
 ``commlib.perf.rows`` (size = one rank's x). busbw = algbw x 2(n-1)/n, the convention of two
@@ -47,6 +51,7 @@ NAME = "ep_dispatch_combine"
 GPU_DEFAULTS = {"hidden": 7168, "experts": 256, "topk": 8}  # DeepSeek-V3-like
 CPU_DEFAULTS = {"hidden": 256, "experts_per_rank": 4, "topk": 2}
 EP_BASELINES = ("host-sync", "ag-rs")
+EP_TRANSPORTS = ("auto", "peer", "nvshmem")
 
 
 def _add(group: argparse._ArgumentGroup) -> None:
@@ -61,6 +66,10 @@ def _add(group: argparse._ArgumentGroup) -> None:
                        help=f"{NAME}: what the other backends run: the host-synchronised all-to-all "
                             "(host-sync, default; eager only) or all_gather + reduce_scatter (ag-rs, vLLM's "
                             "default; CUDA-graph capturable)")
+    group.add_argument("--ep-transport", dest="ep_transport", choices=EP_TRANSPORTS, default="auto",
+                       help=f"{NAME}: how ddacomm's EPBuffer reaches the peers: peer memory (one node), NVSHMEM "
+                            "(needs nvshmem4py; docs/ep.md), or auto (peer memory on one host, else NVSHMEM); "
+                            "run once with each to measure the cost of going through NVSHMEM on one node")
 
 
 def _validate(opts: argparse.Namespace) -> Optional[str]:
@@ -179,7 +188,8 @@ def _buffer(backend, case: Case, tokens: int, hidden: int, experts: int, topk: i
     on CUDA: every rank takes the same decision from the same routing); reused while it fits."""
     import commlib
     need = needed_capacity(case.world_size, tokens, experts, topk, case.salt)
-    key = ("ep_buffer", hidden, experts, topk, case.dtype, str(case.device))
+    transport = case.options.get("ep_transport") or "auto"
+    key = ("ep_buffer", hidden, experts, topk, case.dtype, str(case.device), transport)
     buf = backend.resources.get(key)
     if buf is not None and buf.max_tokens_per_rank >= tokens and buf.capacity >= need:
         return buf
@@ -189,8 +199,12 @@ def _buffer(backend, case: Case, tokens: int, hidden: int, experts: int, topk: i
     capacity = min((need * 5 // 4 + 31) // 16 * 16, tokens * case.world_size * topk)
     try:
         buf = commlib.EPBuffer(backend.comm, tokens, hidden, experts, topk, case.dtype, device=case.device,
-                               capacity=capacity)
+                               capacity=capacity, transport=transport)
     except TypeError as err:
+        raise Unsupported(f"ddacomm: {err}") from err
+    except ValueError as err:
+        if "transport" not in str(err):
+            raise
         raise Unsupported(f"ddacomm: {err}") from err
     backend.resources[key] = buf
     return buf
