@@ -127,6 +127,12 @@ def _validate(data, path) -> dict:
         if sms is not None and (isinstance(sms, bool) or not isinstance(sms, int) or sms < 1):
             raise ValueError(f"commlib.tune: {path}: entry {i}: fused_num_sms must be null or an integer >= 1, "
                              f"got {sms!r}")
+        coll = entry.get("collectives")
+        if coll is not None and (not isinstance(coll, dict) or any(
+                op not in COLLECTIVE_OPS or isinstance(v, bool) or not isinstance(v, int) or v < 0
+                for op, v in coll.items())):
+            raise ValueError(f"commlib.tune: {path}: entry {i}: collectives must map {', '.join(COLLECTIVE_OPS)} "
+                             f"to integers >= 0, got {coll!r}")
     return data
 
 

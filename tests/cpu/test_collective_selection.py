@@ -100,3 +100,10 @@ def test_threshold_fit_picks_the_crossover():
     limit = tune._threshold(sizes, ours, nccl)
     assert 4 * MiB <= limit <= 16 * MiB
     assert tune._threshold(sizes, [2 * t for t in nccl], nccl) == 0  # never ours
+
+
+def test_commlib_tune_refuses_a_bad_collectives_entry(tmp_path):
+    key = {"device": "NVIDIA H200", "world_size": 2, "link": "nvlink", "version": "x"}
+    entry = {"key": key, "all_reduce": {"flat_max_bytes": 1, "tree_max_bytes": 2}, "collectives": {"gather": 5}}
+    with pytest.raises(ValueError, match=r"collectives must map reduce_scatter, all_gather, broadcast, all_to_all"):
+        tune.save(entry, str(tmp_path / "t.json"))
