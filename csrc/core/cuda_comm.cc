@@ -253,14 +253,22 @@ void CudaComm::reduce_scatter(const void* input, void* output, size_t count, Dat
   p.workspace = workspace_->device_handle();
   p.barrier = barrier_handle();
   p.order = config_.all_reduce.order;
-  throw_if_error(kernels::launch_reduce_scatter(p, stream));
+  // Note [push exchange]: the LL kernel up to the all-reduce's LL limit (of the whole message).
+  if (count * static_cast<size_t>(world_size_) * dtype_size(dtype) <= config_.all_reduce.flat_ll_max_bytes) {
+    p.lines = ll_lines_handle();
+    p.max_bytes_per_call = kLLBytesPerCall;
+    throw_if_error(kernels::launch_reduce_scatter_ll(p, stream));
+  } else {
+    throw_if_error(kernels::launch_reduce_scatter(p, stream));
+  }
   end_op(stream, what);
 }
 
 namespace {
 
-void run_exchange(CudaComm& cuda, kernels::ExchangeParams& p, size_t bytes, cudaStream_t stream) {
-  if (bytes == 0) {
+// `message_bytes`: the op's whole message (Note [collective crossovers]), which picks the kernel.
+void run_exchange(CudaComm& cuda, kernels::ExchangeParams& p, size_t message_bytes, cudaStream_t stream) {
+  if (p.bytes == 0) {
     cuda.check_error(p.what);
     return;
   }
@@ -269,7 +277,15 @@ void run_exchange(CudaComm& cuda, kernels::ExchangeParams& p, size_t bytes, cuda
   p.workspace = cuda.workspace().device_handle();
   p.barrier = cuda.barrier_handle();
   p.order = cuda.config().all_reduce.order;
-  throw_if_error(kernels::launch_exchange(p, stream));
+  // Note [push exchange]: the LL kernel (no barrier) up to the all-reduce's LL limit; broadcast
+  // keeps the barrier (only the root sends, so nothing would tell it that a line parity is free).
+  if (p.root < 0 && message_bytes <= cuda.config().all_reduce.flat_ll_max_bytes) {
+    p.lines = cuda.ll_lines_handle();
+    p.max_bytes_per_call = kLLBytesPerCall;
+    throw_if_error(kernels::launch_exchange_ll(p, stream));
+  } else {
+    throw_if_error(kernels::launch_exchange(p, stream));
+  }
   cuda.end_op(stream, p.what);
 }
 
@@ -282,7 +298,7 @@ void CudaComm::all_gather(const void* input, void* output, size_t bytes, cudaStr
   p.output = output;
   p.bytes = bytes;
   p.out_stride = bytes;
-  run_exchange(*this, p, bytes, stream);
+  run_exchange(*this, p, bytes * static_cast<size_t>(world_size_), stream);
 }
 
 void CudaComm::broadcast(void* data, size_t bytes, int root, cudaStream_t stream) {
@@ -305,7 +321,7 @@ void CudaComm::all_to_all(const void* input, void* output, size_t block_bytes, c
   p.bytes = block_bytes;
   p.in_stride = block_bytes;
   p.out_stride = block_bytes;
-  run_exchange(*this, p, block_bytes, stream);
+  run_exchange(*this, p, block_bytes * static_cast<size_t>(world_size_), stream);
 }
 
 const SymmetricBuffer& CudaComm::all_to_all_control() {

@@ -61,7 +61,8 @@ const std::vector<Knob>& knobs() {
        "0 uses the built-in or tuned table."},
       {"COMMLIB_FLAT_LL_MAX_BYTES", "262144", KnobCategory::kTuning,
        "GPU all_reduce: flat messages of at most this many bytes use the barrier-free LL variant "
-       "(a ready flag in every 8 bytes; csrc/kernels/all_reduce_flat_ll.cu); 0: off."},
+       "(a ready flag in every 8 bytes; csrc/kernels/all_reduce_flat_ll.cu); also the limit (whole "
+       "message) of the LL reduce_scatter / all_gather / all_to_all (csrc/kernels/exchange_ll.cu); 0: off."},
       {"COMMLIB_ALLREDUCE_MAX_BLOCKS", "0", KnobCategory::kTuning,
        "GPU all_reduce: largest grid (CTAs) of the flat, LL and tree kernels, 1..256; 0: built-in "
        "(flat 48, LL 64, tree 132). For tuning on a new machine."},

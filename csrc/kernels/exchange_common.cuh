@@ -84,7 +84,7 @@ __device__ __forceinline__ void block_range(size_t num_packs, size_t per_block, 
   *end = min(*begin + per_block, num_packs);
 }
 
-inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+__host__ __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 inline Status check_barrier(const char* what, const BarrierDevice& bar) {
   if (bar.world_size < 1 || bar.world_size > kMaxDeviceRanks || bar.rank < 0 || bar.rank >= bar.world_size) {

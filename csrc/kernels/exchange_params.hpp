@@ -2,6 +2,8 @@
 // (Note [push exchange]):
 //   exchange.cu        all_gather, all_to_all (equal splits), broadcast: push, barrier, copy out
 //   reduce_scatter.cu  reduce_scatter: push, barrier, reduce the landed slices locally
+//   exchange_ll.cu     all_gather, all_to_all and reduce_scatter of small messages without the
+//                      barrier: the pushes travel as flag-carrying LL lines (Note [LL lines])
 // Host-compilable (no nvcc needed); no torch. Launchers validate, choose the grid, split messages
 // larger than one workspace half into several calls (one barrier each), and return a Status.
 //
@@ -59,6 +61,10 @@ struct ExchangeParams {
   int max_blocks = 0;  // 0: the built-in cap; the same on every rank
   LaunchOrder order = LaunchOrder::kStream;  // COMMLIB_PDL, resolved by the core
   const char* what = "exchange";  // the operation named in errors
+  // launch_exchange_ll only: the LL line buffer (CudaComm::ll_lines_handle) and its payload per
+  // source rank and call; larger blocks run as several calls.
+  SymmetricBufferDevice lines{};
+  size_t max_bytes_per_call = 0;
 };
 
 // output (count elements) = reduction over the ranks of their input[rank * count .. + count).
@@ -72,9 +78,15 @@ struct ReduceScatterParams {
   BarrierDevice barrier{};
   int max_blocks = 0;
   LaunchOrder order = LaunchOrder::kStream;
+  SymmetricBufferDevice lines{};  // launch_reduce_scatter_ll only (as ExchangeParams)
+  size_t max_bytes_per_call = 0;
 };
 
 Status launch_exchange(const ExchangeParams& params, Stream stream);
 Status launch_reduce_scatter(const ReduceScatterParams& params, Stream stream);
+// The LL variants (exchange_ll.cu): every rank sends to every peer (root must be -1), so a parity
+// of the line buffer is reused only after every peer read it (Note [LL lines]).
+Status launch_exchange_ll(const ExchangeParams& params, Stream stream);
+Status launch_reduce_scatter_ll(const ReduceScatterParams& params, Stream stream);
 
 }  // namespace commlib::kernels

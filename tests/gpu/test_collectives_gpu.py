@@ -150,10 +150,17 @@ def _reduce_scatter_all(ctx, dtype_name, op):
     return True
 
 
+# Messages up to COMMLIB_FLAT_LL_MAX_BYTES (256 KiB) take the LL kernels, larger ones the barrier
+# kernels; with 0 every size takes the barrier kernels.
+NO_LL = {"COMMLIB_FLAT_LL_MAX_BYTES": "0"}
+KERNELS = {"ll-and-barrier": None, "barrier-only": NO_LL}
+
+
+@pytest.mark.parametrize("kernels", list(KERNELS))
 @pytest.mark.parametrize("op", ["sum", "avg"])
 @pytest.mark.parametrize("dtype_name", list(FLOATS))
-def test_reduce_scatter_matches_ordered_and_fp64_references(ranks, dtype_name, op):
-    assert all(ranks(2).run(_reduce_scatter_all, dtype_name, op))
+def test_reduce_scatter_matches_ordered_and_fp64_references(ranks, dtype_name, op, kernels):
+    assert all(ranks(2, env=KERNELS[kernels]).run(_reduce_scatter_all, dtype_name, op))
 
 
 def _movement_all(ctx, which):
@@ -170,9 +177,10 @@ def _movement_all(ctx, which):
     return True
 
 
+@pytest.mark.parametrize("kernels", list(KERNELS))
 @pytest.mark.parametrize("which", ["all_gather", "broadcast", "all_to_all"])
-def test_data_movement_every_dtype_odd_sizes(ranks, which):
-    assert all(ranks(2).run(_movement_all, which))
+def test_data_movement_every_dtype_odd_sizes(ranks, which, kernels):
+    assert all(ranks(2, env=KERNELS[kernels]).run(_movement_all, which))
 
 
 def _empty_and_random_sizes(ctx):
@@ -238,6 +246,11 @@ def test_messages_larger_than_the_workspace(ranks):
     assert all(ranks(2, env=SMALL_WORKSPACE).run(_chunked))
 
 
+def test_ll_messages_larger_than_one_ll_call(ranks):
+    # LL up to 8 MiB: blocks above the 512 KiB of payload per call run as several LL calls.
+    assert all(ranks(2, env={"COMMLIB_FLAT_LL_MAX_BYTES": str(8 << 20)}).run(_chunked))
+
+
 def _graph_replay(ctx):
     dev = torch.device("cuda", ctx.device)
     n, r = ctx.world_size, ctx.rank
@@ -286,8 +299,9 @@ def _graph_replay(ctx):
     return True
 
 
-def test_cuda_graph_capture_and_replay(ranks):
-    assert all(ranks(2).run(_graph_replay))
+@pytest.mark.parametrize("kernels", list(KERNELS))
+def test_cuda_graph_capture_and_replay(ranks, kernels):
+    assert all(ranks(2, env=KERNELS[kernels]).run(_graph_replay))
 
 
 def _bad_inputs(ctx):
@@ -342,9 +356,10 @@ def _timeout(ctx, which):
     return True
 
 
+@pytest.mark.parametrize("kernels", list(KERNELS))
 @pytest.mark.parametrize("which", ["reduce_scatter", "all_gather", "broadcast", "all_to_all"])
-def test_device_wait_times_out_with_a_clear_error(ranks, which):
-    assert all(ranks(2).run(_timeout, which, timeout=120))
+def test_device_wait_times_out_with_a_clear_error(ranks, which, kernels):
+    assert all(ranks(2, env=KERNELS[kernels]).run(_timeout, which, timeout=120))
 
 
 def _few_sizes(ctx):
@@ -364,6 +379,7 @@ def _few_sizes(ctx):
 @pytest.mark.parametrize("world_size", [1, 3, 4, 8])
 def test_other_world_sizes(ranks, world_size):
     assert all(ranks(world_size).run(_few_sizes))
+    assert all(ranks(world_size, env=NO_LL).run(_few_sizes))
 
 
 # ---- the "ddacomm" torch backend ----
