@@ -231,6 +231,14 @@ void CudaComm::all_reduce(const void* input, void* output, size_t count, DataTyp
   end_op(stream, what);
 }
 
+namespace {
+
+void copy_local(void* dst, const void* src, size_t bytes, cudaStream_t stream, const char* what) {
+  if (dst != src) cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream), what, "cudaMemcpyAsync");
+}
+
+}  // namespace
+
 void CudaComm::reduce_scatter(const void* input, void* output, size_t count, DataType dtype, ReduceOp op,
                               cudaStream_t stream) {
   const char* what = "reduce_scatter";
@@ -244,6 +252,11 @@ void CudaComm::reduce_scatter(const void* input, void* output, size_t count, Dat
   }
   DeviceGuard guard(device_);
   begin_op(stream, what);
+  if (world_size_ == 1) {  // the sum (and avg: / 1, exact) of one rank: a copy-engine copy
+    copy_local(output, input, count * dtype_size(dtype), stream, what);
+    end_op(stream, what);
+    return;
+  }
   kernels::ReduceScatterParams p;
   p.input = input;
   p.output = output;
@@ -274,6 +287,11 @@ void run_exchange(CudaComm& cuda, kernels::ExchangeParams& p, size_t message_byt
   }
   DeviceGuard guard(cuda.device());
   cuda.begin_op(stream, p.what);
+  if (cuda.world_size() == 1) {  // no peers: the own block, by the copy engine (broadcast: nothing)
+    if (p.root < 0) copy_local(p.output, p.input, p.bytes, stream, p.what);
+    cuda.end_op(stream, p.what);
+    return;
+  }
   p.workspace = cuda.workspace().device_handle();
   p.barrier = cuda.barrier_handle();
   p.order = cuda.config().all_reduce.order;
