@@ -129,6 +129,12 @@ struct TuneEntry {
   AllReduceLimits limits;
 };
 
+struct CollectiveTuneEntry {
+  int world_size;
+  std::string op;
+  int64_t max_bytes;
+};
+
 struct FusedTuneEntry {
   int world_size;
   int num_sms;
@@ -152,6 +158,7 @@ struct TuneFile {
   std::vector<FusedTuneEntry> fused_num_sms;
   std::vector<HostTuneEntry> host_all_reduce;
   std::vector<HierTuneEntry> hierarchical;
+  std::vector<CollectiveTuneEntry> collectives;
 };
 
 // A list-valued top-level section, or nullptr when the file has none.
@@ -219,6 +226,16 @@ TuneFile load_tune_file(const std::string& path) {
                                    static_cast<int>(number_field(e, "hierarchical", "num_hosts", path)),
                                    static_cast<int>(number_field(e, "hierarchical", "local_size", path)),
                                    static_cast<size_t>(number_field(e, "hierarchical", "min_bytes", path))});
+    }
+  }
+  if (const Json* list = section(root, "collectives", path)) {
+    for (const Json& e : list->array) {
+      auto op = e.object.find("op");
+      COMMLIB_CHECK(op != e.object.end() && op->second.kind == Json::Kind::kString, InvalidArgument,
+                    "COMMLIB_TUNE_FILE: '", path, "': a collectives entry lacks a string \"op\"");
+      file.collectives.push_back({static_cast<int>(number_field(e, "collectives", "world_size", path)),
+                                  op->second.string,
+                                  static_cast<int64_t>(number_field(e, "collectives", "max_bytes", path))});
     }
   }
   return file;
@@ -397,8 +414,76 @@ AllReduceConfig::AllReduceConfig(int world_size)
       tree(tree_config()),
       order(launch_order()) {}
 
+const char* collective_op_name(CollectiveOp op) {
+  switch (op) {
+    case CollectiveOp::kReduceScatter: return "reduce_scatter";
+    case CollectiveOp::kAllGather: return "all_gather";
+    case CollectiveOp::kBroadcast: return "broadcast";
+    case CollectiveOp::kAllToAll: return "all_to_all";
+  }
+  return "unknown";
+}
+
+namespace {
+
+// Note [collective crossovers]: built-in limits by world size, from the shape of the traffic (not
+// measured yet; commlib-tune measures). At world 2 the push exchange moves what NCCL moves in one
+// step and a ~5 µs barrier instead of NCCL's ~10 µs launch and protocol floor, so it should win
+// from the smallest sizes up to where both run at NVLink bandwidth; 16 MiB is where the tree
+// all-reduce's lead over NCCL fell to 1.1x on 2x H200. With more ranks a rank's pushes share its
+// NVLinks the same way NCCL's ring steps do, but its one-shot copy-out and barrier grow with n, so
+// the limits halve; broadcast's root sends n - 1 copies (NCCL's chain sends one), hence lower.
+struct CollectiveRow {
+  int max_world_size;
+  size_t max_bytes[kNumCollectiveOps];  // reduce_scatter, all_gather, broadcast, all_to_all
+};
+constexpr CollectiveRow kBuiltinCollectiveTable[] = {
+    {2, {16u << 20, 16u << 20, 16u << 20, 16u << 20}},
+    {4, {8u << 20, 8u << 20, 2u << 20, 8u << 20}},
+    {8, {4u << 20, 4u << 20, 1u << 20, 4u << 20}},
+    {1 << 30, {1u << 20, 1u << 20, 256u << 10, 1u << 20}},
+};
+
+constexpr const char* kCollectiveKnobs[kNumCollectiveOps] = {
+    "COMMLIB_REDUCE_SCATTER_MAX_BYTES", "COMMLIB_ALL_GATHER_MAX_BYTES", "COMMLIB_BROADCAST_MAX_BYTES",
+    "COMMLIB_ALL_TO_ALL_MAX_BYTES"};
+
+}  // namespace
+
+CollectiveConfig::CollectiveConfig(int world_size) {
+  COMMLIB_CHECK(world_size >= 1, InvalidArgument, "collectives: world_size ", world_size, " must be >= 1");
+  for (const CollectiveRow& row : kBuiltinCollectiveTable) {
+    if (world_size <= row.max_world_size) {
+      for (int i = 0; i < kNumCollectiveOps; ++i) max_bytes[i] = row.max_bytes[i];
+      break;
+    }
+  }
+  const std::string path = tune_file_path();
+  if (!path.empty()) {
+    for (const CollectiveTuneEntry& e : tune_file(path).collectives) {
+      if (e.world_size != world_size) continue;
+      for (int i = 0; i < kNumCollectiveOps; ++i) {
+        if (e.op == collective_op_name(static_cast<CollectiveOp>(i))) max_bytes[i] = static_cast<size_t>(e.max_bytes);
+      }
+    }
+  }
+  for (int i = 0; i < kNumCollectiveOps; ++i) {
+    const int64_t value = env::get_int(kCollectiveKnobs[i]);
+    COMMLIB_CHECK(value >= -1, InvalidArgument, kCollectiveKnobs[i], "=", value,
+                  " invalid; valid: -1 (never commlib's kernel), 0 (the tuned or built-in limit) or a byte count");
+    if (value == -1) {
+      max_bytes[i] = 0;  // 0-byte messages launch nothing either way
+    } else if (value > 0) {
+      max_bytes[i] = static_cast<size_t>(value);
+    }
+  }
+}
+
 CommConfig::CommConfig(int world_size_in)
-    : world_size(world_size_in), all_reduce(world_size_in), host(resolve_host_all_reduce(world_size_in)) {
+    : world_size(world_size_in),
+      all_reduce(world_size_in),
+      collectives(world_size_in),
+      host(resolve_host_all_reduce(world_size_in)) {
   fused.num_sms = static_cast<int>(knob_in_range("COMMLIB_FUSED_NUM_SMS", 0, kInt32Max));
   kernels::FusedKernelConfig& k = fused.kernel;
   k.ll_max_bytes = knob_in_range("COMMLIB_FUSED_LL_MAX_BYTES", 0, int64_t{1} << 62);

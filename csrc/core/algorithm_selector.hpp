@@ -110,6 +110,29 @@ struct FusedConfig {
   kernels::FusedKernelConfig kernel;  // LL / one-shot limits, LL grid, tuned cap, launch order
 };
 
+// Note [collective crossovers]
+// reduce_scatter, all_gather, broadcast and all_to_all (equal splits) on CUDA have one commlib
+// algorithm each (Note [push exchange], csrc/kernels/exchange_params.hpp): it runs for messages of
+// at most max_bytes (the whole message: reduce_scatter's input, all_gather's output, all_to_all's
+// input, broadcast's tensor); larger ones go to NCCL where attached (the torch backend; the direct
+// API has no NCCL engine and always runs commlib's). Precedence: COMMLIB_<OP>_MAX_BYTES (non-zero;
+// -1: never commlib's), then the tune file's "collectives" section
+// ({"world_size": 2, "op": "all_gather", "max_bytes": 16777216}; the last entry of a world size and
+// op wins), then the built-in table (kBuiltinCollectiveTable). Every input is the same on every
+// rank, so the route is too.
+enum class CollectiveOp : int { kReduceScatter = 0, kAllGather = 1, kBroadcast = 2, kAllToAll = 3 };
+constexpr int kNumCollectiveOps = 4;
+const char* collective_op_name(CollectiveOp op);
+
+struct CollectiveConfig {
+  explicit CollectiveConfig(int world_size);
+  // Whether commlib's kernel takes a message of `bytes` (else NCCL).
+  bool use_commlib(CollectiveOp op, size_t bytes) const {
+    return bytes <= max_bytes[static_cast<int>(op)];
+  }
+  size_t max_bytes[kNumCollectiveOps];
+};
+
 struct EPPolicy {
   bool want_ll = false;  // COMMLIB_EP_LL: this rank asks for the LL kernels (used if every rank does)
   kernels::LaunchOrder order = kernels::LaunchOrder::kStream;  // COMMLIB_PDL
@@ -119,6 +142,7 @@ struct CommConfig {
   explicit CommConfig(int world_size);  // reads the environment and the tune file
   int world_size;
   AllReduceConfig all_reduce;
+  CollectiveConfig collectives;  // Note [collective crossovers]
   FusedConfig fused;
   EPPolicy ep;
   HostAllReduceConfig host;

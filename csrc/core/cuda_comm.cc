@@ -11,6 +11,7 @@
 #include "core/cuda_p2p.hpp"
 #include "kernels/all_reduce_params.hpp"
 #include "kernels/all_to_all_v_params.hpp"
+#include "kernels/exchange_params.hpp"
 #include "transport/cuda_ipc.hpp"
 
 namespace commlib {
@@ -241,6 +242,117 @@ void CudaComm::all_reduce(const void* input, void* output, size_t count, DataTyp
   end_op(stream, what);
 }
 
+namespace {
+
+void copy_local(void* dst, const void* src, size_t bytes, cudaStream_t stream, const char* what) {
+  if (dst != src) cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream), what, "cudaMemcpyAsync");
+}
+
+}  // namespace
+
+void CudaComm::reduce_scatter(const void* input, void* output, size_t count, DataType dtype, ReduceOp op,
+                              cudaStream_t stream) {
+  const char* what = "reduce_scatter";
+  COMMLIB_CHECK(op == ReduceOp::kSum || op == ReduceOp::kAvg, InvalidArgument, what, ": op ", reduce_op_name(op),
+                " not supported for CUDA tensors; supported: sum, avg");
+  COMMLIB_CHECK(is_reducible(dtype), TypeMismatch, what, ": dtype ", dtype_name(dtype),
+                " not supported; supported: float32, float16, bfloat16");
+  if (count == 0) {
+    check_error(what);
+    return;
+  }
+  DeviceGuard guard(device_);
+  begin_op(stream, what);
+  if (world_size_ == 1) {  // the sum (and avg: / 1, exact) of one rank: a copy-engine copy
+    copy_local(output, input, count * dtype_size(dtype), stream, what);
+    end_op(stream, what);
+    return;
+  }
+  kernels::ReduceScatterParams p;
+  p.input = input;
+  p.output = output;
+  p.count = count;
+  p.dtype = dtype;
+  p.op = op;
+  p.workspace = workspace_->device_handle();
+  p.barrier = barrier_handle();
+  p.order = config_.all_reduce.order;
+  // Note [push exchange]: the LL kernel up to the all-reduce's LL limit (of the whole message).
+  if (count * static_cast<size_t>(world_size_) * dtype_size(dtype) <= config_.all_reduce.flat_ll_max_bytes) {
+    p.lines = ll_lines_handle();
+    p.max_bytes_per_call = kLLBytesPerCall;
+    throw_if_error(kernels::launch_reduce_scatter_ll(p, stream));
+  } else {
+    throw_if_error(kernels::launch_reduce_scatter(p, stream));
+  }
+  end_op(stream, what);
+}
+
+namespace {
+
+// `message_bytes`: the op's whole message (Note [collective crossovers]), which picks the kernel.
+void run_exchange(CudaComm& cuda, kernels::ExchangeParams& p, size_t message_bytes, cudaStream_t stream) {
+  if (p.bytes == 0) {
+    cuda.check_error(p.what);
+    return;
+  }
+  DeviceGuard guard(cuda.device());
+  cuda.begin_op(stream, p.what);
+  if (cuda.world_size() == 1) {  // no peers: the own block, by the copy engine (broadcast: nothing)
+    if (p.root < 0) copy_local(p.output, p.input, p.bytes, stream, p.what);
+    cuda.end_op(stream, p.what);
+    return;
+  }
+  p.workspace = cuda.workspace().device_handle();
+  p.barrier = cuda.barrier_handle();
+  p.order = cuda.config().all_reduce.order;
+  // Note [push exchange]: the LL kernel (no barrier) up to the all-reduce's LL limit; broadcast
+  // keeps the barrier (only the root sends, so nothing would tell it that a line parity is free).
+  if (p.root < 0 && message_bytes <= cuda.config().all_reduce.flat_ll_max_bytes) {
+    p.lines = cuda.ll_lines_handle();
+    p.max_bytes_per_call = kLLBytesPerCall;
+    throw_if_error(kernels::launch_exchange_ll(p, stream));
+  } else {
+    throw_if_error(kernels::launch_exchange(p, stream));
+  }
+  cuda.end_op(stream, p.what);
+}
+
+}  // namespace
+
+void CudaComm::all_gather(const void* input, void* output, size_t bytes, cudaStream_t stream) {
+  kernels::ExchangeParams p;
+  p.what = "all_gather";
+  p.input = input;
+  p.output = output;
+  p.bytes = bytes;
+  p.out_stride = bytes;
+  run_exchange(*this, p, bytes * static_cast<size_t>(world_size_), stream);
+}
+
+void CudaComm::broadcast(void* data, size_t bytes, int root, cudaStream_t stream) {
+  COMMLIB_CHECK(root >= 0 && root < world_size_, InvalidArgument, "broadcast: src ", root, " out of range; valid: 0..",
+                world_size_ - 1);
+  kernels::ExchangeParams p;
+  p.what = "broadcast";
+  p.input = data;
+  p.output = data;
+  p.bytes = bytes;
+  p.root = root;
+  run_exchange(*this, p, bytes, stream);
+}
+
+void CudaComm::all_to_all(const void* input, void* output, size_t block_bytes, cudaStream_t stream) {
+  kernels::ExchangeParams p;
+  p.what = "all_to_all";
+  p.input = input;
+  p.output = output;
+  p.bytes = block_bytes;
+  p.in_stride = block_bytes;
+  p.out_stride = block_bytes;
+  run_exchange(*this, p, block_bytes * static_cast<size_t>(world_size_), stream);
+}
+
 const SymmetricBuffer& CudaComm::all_to_all_control() {
   if (!a2a_control_) {
     const char* what = "all_to_all_v";
@@ -308,6 +420,25 @@ bool gpu_built() { return true; }
 void all_reduce_gpu(Communicator& comm, int device, const void* input, void* output, size_t count, DataType dtype,
                     ReduceOp op, Algorithm algo, GpuStream stream) {
   comm.cuda(device).all_reduce(input, output, count, dtype, op, algo, reinterpret_cast<cudaStream_t>(stream));
+}
+
+void reduce_scatter_gpu(Communicator& comm, int device, const void* input, void* output, size_t count,
+                        DataType dtype, ReduceOp op, GpuStream stream) {
+  comm.cuda(device).reduce_scatter(input, output, count, dtype, op, reinterpret_cast<cudaStream_t>(stream));
+}
+
+void all_gather_gpu(Communicator& comm, int device, const void* input, void* output, size_t bytes,
+                    GpuStream stream) {
+  comm.cuda(device).all_gather(input, output, bytes, reinterpret_cast<cudaStream_t>(stream));
+}
+
+void broadcast_gpu(Communicator& comm, int device, void* data, size_t bytes, int root, GpuStream stream) {
+  comm.cuda(device).broadcast(data, bytes, root, reinterpret_cast<cudaStream_t>(stream));
+}
+
+void all_to_all_gpu(Communicator& comm, int device, const void* input, void* output, size_t block_bytes,
+                    GpuStream stream) {
+  comm.cuda(device).all_to_all(input, output, block_bytes, reinterpret_cast<cudaStream_t>(stream));
 }
 
 void check_gpu_error(Communicator& comm) {

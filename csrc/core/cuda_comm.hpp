@@ -82,6 +82,15 @@ class CudaComm {
   void all_reduce(const void* input, void* output, size_t count, DataType dtype, ReduceOp op, Algorithm algo,
                   cudaStream_t stream);
 
+  // The push-exchange collectives (Note [push exchange], csrc/kernels/exchange_params.hpp) on
+  // `stream` (collective; include/commlib/gpu.hpp has the contracts). The torch backend asks
+  // config().collectives whether a size is commlib's; these run commlib's kernel whatever the size.
+  void reduce_scatter(const void* input, void* output, size_t count, DataType dtype, ReduceOp op,
+                      cudaStream_t stream);
+  void all_gather(const void* input, void* output, size_t bytes, cudaStream_t stream);
+  void broadcast(void* data, size_t bytes, int root, cudaStream_t stream);
+  void all_to_all(const void* input, void* output, size_t block_bytes, cudaStream_t stream);
+
   // Fused all-reduce + RMSNorm (include/commlib/gpu.hpp) on `stream` (collective): the LL or the
   // barrier P2P kernel by size, or the multicast kernel for FusedAlgo::kMultimem where the guard
   // allows it (csrc/core/fused_cuda.cc).

@@ -29,6 +29,10 @@ void all_reduce_gpu(Communicator&, int, const void*, void*, size_t, DataType, Re
   no_gpu();
 }
 void fused_allreduce_rmsnorm_gpu(Communicator&, int, const FusedRmsNormArgs&, int, FusedAlgo, GpuStream) { no_gpu(); }
+void reduce_scatter_gpu(Communicator&, int, const void*, void*, size_t, DataType, ReduceOp, GpuStream) { no_gpu(); }
+void all_gather_gpu(Communicator&, int, const void*, void*, size_t, GpuStream) { no_gpu(); }
+void broadcast_gpu(Communicator&, int, void*, size_t, int, GpuStream) { no_gpu(); }
+void all_to_all_gpu(Communicator&, int, const void*, void*, size_t, GpuStream) { no_gpu(); }
 void check_gpu_error(Communicator&) {}
 std::vector<int64_t> ep_trace_snapshot_gpu() { return {}; }
 

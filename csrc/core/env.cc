@@ -69,7 +69,8 @@ const std::vector<Knob>& knobs() {
        "0 uses the built-in or tuned table."},
       {"COMMLIB_FLAT_LL_MAX_BYTES", "262144", KnobCategory::kTuning,
        "GPU all_reduce: flat messages of at most this many bytes use the barrier-free LL variant "
-       "(a ready flag in every 8 bytes; csrc/kernels/all_reduce_flat_ll.cu); 0: off."},
+       "(a ready flag in every 8 bytes; csrc/kernels/all_reduce_flat_ll.cu); also the limit (whole "
+       "message) of the LL reduce_scatter / all_gather / all_to_all (csrc/kernels/exchange_ll.cu); 0: off."},
       {"COMMLIB_ALLREDUCE_MAX_BLOCKS", "0", KnobCategory::kTuning,
        "GPU all_reduce: largest grid (CTAs) of the flat, LL and tree kernels, 1..256; 0: built-in "
        "(flat 48, LL 64, tree 132). For tuning on a new machine."},
@@ -81,6 +82,18 @@ const std::vector<Knob>& knobs() {
       {"COMMLIB_TREE_MIN_PACKS", "0", KnobCategory::kTuning,
        "GPU all_reduce, tree: fewest 16-byte packs of each rank's slice per CTA (fewer: fewer CTAs), "
        "1..16777216; 0: 256. For tuning."},
+      {"COMMLIB_REDUCE_SCATTER_MAX_BYTES", "0", KnobCategory::kTuning,
+       "GPU reduce_scatter: largest message (the input's bytes) for commlib's push kernel; larger go "
+       "to NCCL where attached; 0: the built-in or tuned limit; -1: always NCCL (Note [collective "
+       "crossovers])."},
+      {"COMMLIB_ALL_GATHER_MAX_BYTES", "0", KnobCategory::kTuning,
+       "GPU all_gather: largest message (the output's bytes) for commlib's push kernel; 0: built-in "
+       "or tuned; -1: always NCCL."},
+      {"COMMLIB_BROADCAST_MAX_BYTES", "0", KnobCategory::kTuning,
+       "GPU broadcast: largest tensor for commlib's push kernel; 0: built-in or tuned; -1: always NCCL."},
+      {"COMMLIB_ALL_TO_ALL_MAX_BYTES", "0", KnobCategory::kTuning,
+       "GPU all_to_all_single with equal splits: largest input for commlib's push kernel; 0: built-in "
+       "or tuned; -1: always NCCL."},
       {"COMMLIB_FUSED_NUM_SMS", "0", KnobCategory::kTuning,
        "CTAs of the fused all-reduce + RMSNorm kernel; 0 chooses by size (barrier kernel: at most "
        "132, or commlib-tune's fused_num_sms for this world size when the tune file has one; LL "

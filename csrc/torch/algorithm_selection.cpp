@@ -1,4 +1,4 @@
-// commlib._C.select_all_reduce_algorithm / all_reduce_limits / tuned_fused_num_sms /
+// commlib._C.select_all_reduce_algorithm / all_reduce_limits / collective_max_bytes / tuned_fused_num_sms /
 // select_host_all_reduce_algorithm: the pure choices of csrc/core/algorithm_selector.hpp, for
 // commlib-tune, the Python API and tests. No GPU needed.
 #include <torch/csrc/utils/pybind.h>
@@ -38,6 +38,22 @@ BindingRegistrar reg("algorithm_selection", [](py::module_& m) {
       },
       py::arg("world_size"), py::arg("dtype"),
       "(flat_max_bytes, tree_max_bytes) that apply to (world_size, dtype) after overrides.");
+  m.def(
+      "collective_max_bytes",
+      [](const std::string& op, int world_size) {
+        const char* what = "collective_max_bytes";
+        COMMLIB_CHECK(world_size >= 1, InvalidArgument, what, ": world_size ", world_size, " must be >= 1");
+        const CollectiveConfig config(world_size);
+        for (int i = 0; i < kNumCollectiveOps; ++i) {
+          if (op == collective_op_name(static_cast<CollectiveOp>(i))) return config.max_bytes[i];
+        }
+        throw InvalidArgument(detail::concat(what, ": op '", op,
+                                             "' not known; known: reduce_scatter, all_gather, broadcast, all_to_all"));
+      },
+      py::arg("op"), py::arg("world_size"),
+      "The largest message (bytes) of a CUDA reduce_scatter / all_gather / broadcast / all_to_all that the "
+      "torch backend gives to commlib's kernel at world_size (larger: NCCL); honours COMMLIB_<OP>_MAX_BYTES "
+      "and COMMLIB_TUNE_FILE (Note [collective crossovers]).");
   m.def(
       "tuned_fused_num_sms",
       [](int world_size) {

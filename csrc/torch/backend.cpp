@@ -17,10 +17,14 @@
 //         check (Note [host shm protocol]), which is what catches op, dtype, size and reduction
 //         mismatches between ranks on the fast path.
 //   CUDA: all_reduce (sum/avg, float32/float16/bfloat16, contiguous, where the selector picks
-//         flat or tree for the byte count) -> torch_layer::all_reduce_cuda; send / recv (and so
-//         batch_isend_irecv) of dense tensors once the GPU state exists -> peer memory (Note
-//         [cuda p2p routing]); everything else (including sizes where the selector picks "nccl",
-//         and receives from any source) -> NCCL.
+//         flat or tree for the byte count) -> torch_layer::all_reduce_cuda;
+//         reduce_scatter(_tensor) (sum/avg, float32/float16/bfloat16), all_gather(_into_tensor),
+//         broadcast and all_to_all_single with equal splits (every dtype commlib moves), up to the
+//         op's crossover (Note [collective crossovers]) -> commlib's push kernels
+//         (docs/gpu-collectives.md); non-contiguous tensors are copied, so layout never changes
+//         the route. send / recv (and so batch_isend_irecv) of dense tensors once the GPU state
+//         exists -> peer memory (Note [cuda p2p routing]). Everything else (larger sizes, uneven
+//         splits, the coalesced forms, receives from any source) -> NCCL.
 //   Several hosts (no communicator): all_reduce / reduce_scatter / all_gather / broadcast / barrier
 //         of one dense tensor -> two-level (Note [hierarchical collectives]) when the hosts are of
 //         equal size and the crossover admits the byte count; the rest -> gloo / NCCL of the group.
@@ -425,6 +429,55 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::route_cuda_all_reduce(std::vector<at:
   return fallback(nccl("allreduce").allreduce(tensors, opts));
 }
 
+#if defined(COMMLIB_TORCH_CUDA)
+bool DdaBackend::cuda_collective(CollectiveOp op, const std::vector<at::Tensor>& tensors, size_t bytes) const {
+  if (!comm_ || shut_down_ || tensors.empty()) return false;
+  for (const auto& t : tensors) {
+    if (!t.defined() || !t.is_cuda() || t.layout() != at::kStrided || t.device() != tensors[0].device()) return false;
+  }
+  return comm_->config().collectives.use_commlib(op, bytes);
+}
+
+c10::intrusive_ptr<c10d::Work> DdaBackend::run_cuda(const char* what, c10d::OpType op, std::vector<at::Tensor> outputs,
+                                                    const std::vector<at::Tensor>& inputs, bool async_op,
+                                                    const std::function<void()>& body) {
+  cuda_used_ = true;
+  const int device = outputs[0].device().index();
+  c10::cuda::CUDAGuard device_guard(device);
+  const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device);
+  if (!async_op) {
+    run_fast(what, body);
+    ++num_fast_calls_;
+    return c10::make_intrusive<CudaWork>(getRank(), op, std::move(outputs), current);
+  }
+  // async_op: as route_cuda_all_reduce (the internal stream starts after the caller's pending work;
+  // the caller's allocator must not reuse the tensors before it is done with them).
+  c10::cuda::CUDAStream internal = cuda_state_->stream_for(device);
+  StreamEvent start(device);
+  start.record(current);
+  start.block(internal);
+  {
+    c10::cuda::CUDAStreamGuard stream_guard(internal);
+    run_fast(what, body);
+  }
+  for (const auto& t : outputs) t.record_stream(internal);
+  for (const auto& t : inputs) t.record_stream(internal);
+  ++num_fast_calls_;
+  return c10::make_intrusive<CudaWork>(getRank(), op, std::move(outputs), internal);
+}
+#endif
+
+namespace {
+
+[[maybe_unused]] size_t nbytes_of(const at::Tensor& t) { return static_cast<size_t>(t.numel()) * t.element_size(); }
+
+[[maybe_unused]] bool cuda_reducible(const c10d::ReduceOp& reduce_op, at::ScalarType type) {
+  const auto op = to_reduce_op(reduce_op);
+  return op && (*op == ReduceOp::kSum || *op == ReduceOp::kAvg) && is_reducible_type(type);
+}
+
+}  // namespace
+
 c10::intrusive_ptr<c10d::Work> DdaBackend::allreduce_sparse(std::vector<at::Tensor>& tensors,
                                                             const c10d::AllreduceOptions& opts) {
   return fallback(inner(device_of(tensors, "allreduce_sparse"), "allreduce_sparse").allreduce_sparse(tensors, opts));
@@ -480,6 +533,16 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::broadcast(std::vector<at::Tensor>& te
     run_fast("broadcast", [&] { torch_layer::broadcast(*comm_, tensors[0], static_cast<int>(opts.rootRank)); });
     return completed(c10d::OpType::BROADCAST, tensors);
   }
+#if defined(COMMLIB_TORCH_CUDA)
+  if (tensors.size() == 1 && all_of(tensors, is_movable_type) &&
+      cuda_collective(CollectiveOp::kBroadcast, tensors, nbytes_of(tensors[0]))) {
+    TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < getSize(), "broadcast: root rank ", opts.rootRank,
+                      " out of range; valid: 0..", getSize() - 1);
+    at::Tensor& t = tensors[0];
+    return run_cuda("broadcast", c10d::OpType::BROADCAST, tensors, {}, opts.asyncOp,
+                    [&] { broadcast_cuda(*comm_, t, static_cast<int>(opts.rootRank)); });
+  }
+#endif
   return fallback(inner(device_of(tensors, "broadcast"), "broadcast").broadcast(tensors, opts));
 }
 
@@ -517,6 +580,23 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::allgather(std::vector<std::vector<at:
     });
     return completed(c10d::OpType::ALLGATHER, outputs[0]);
   }
+#if defined(COMMLIB_TORCH_CUDA)
+  if (inputs.size() == 1 && outputs.size() == 1 && all_of(inputs, is_movable_type) &&
+      cuda_collective(CollectiveOp::kAllGather, {inputs[0]}, nbytes_of(inputs[0]) * getSize())) {
+    const at::Tensor& in = inputs[0];
+    std::vector<at::Tensor>& outs = outputs[0];
+    check_gather_list("allgather", outs, in);
+    for (const auto& o : outs) {
+      TORCH_CHECK_TYPE(o.is_cuda() && o.device() == in.device(), "allgather: every output must be on ",
+                       in.device().str(), "; got ", o.device().str());
+    }
+    return run_cuda("all_gather", c10d::OpType::ALLGATHER, outs, inputs, opts.asyncOp, [&] {
+      at::Tensor flat = at::empty({getSize(), in.numel()}, in.options());
+      all_gather_cuda(*comm_, flat, in);
+      for (int r = 0; r < getSize(); ++r) outs[r].copy_(flat[r].view(outs[r].sizes()));
+    });
+  }
+#endif
   return fallback(inner(device_of(inputs, "allgather"), "allgather").allgather(outputs, inputs, opts));
 }
 
@@ -531,6 +611,12 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::_allgather_base(at::Tensor& output, a
     run_fast("all_gather_into_tensor", [&] { all_gather(*comm_, output, input); });
     return completed(c10d::OpType::_ALLGATHER_BASE, {output});
   }
+#if defined(COMMLIB_TORCH_CUDA)
+  if (all_of(both, is_movable_type) && cuda_collective(CollectiveOp::kAllGather, both, nbytes_of(output))) {
+    return run_cuda("all_gather_into_tensor", c10d::OpType::_ALLGATHER_BASE, {output}, {input}, opts.asyncOp,
+                    [&] { all_gather_cuda(*comm_, output, input); });
+  }
+#endif
   return fallback(inner(input.device(), "all_gather_into_tensor")._allgather_base(output, input, opts));
 }
 
@@ -686,6 +772,23 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::reduce_scatter(std::vector<at::Tensor
     });
     return completed(c10d::OpType::REDUCE_SCATTER, outputs);
   }
+#if defined(COMMLIB_TORCH_CUDA)
+  if (outputs.size() == 1 && inputs.size() == 1 && cuda_reducible(opts.reduceOp, outputs[0].scalar_type()) &&
+      cuda_collective(CollectiveOp::kReduceScatter, outputs, nbytes_of(outputs[0]) * getSize())) {
+    at::Tensor& out = outputs[0];
+    const std::vector<at::Tensor>& ins = inputs[0];
+    check_gather_list("reduce_scatter", ins, out);
+    for (const auto& t : ins) {
+      TORCH_CHECK_TYPE(t.is_cuda() && t.device() == out.device(), "reduce_scatter: every input must be on ",
+                       out.device().str(), "; got ", t.device().str());
+    }
+    return run_cuda("reduce_scatter", c10d::OpType::REDUCE_SCATTER, outputs, ins, opts.asyncOp, [&] {
+      std::vector<at::Tensor> flat;
+      for (const auto& t : ins) flat.push_back(t.reshape({-1}));
+      reduce_scatter_cuda(*comm_, out, at::cat(flat), *to_reduce_op(opts.reduceOp));
+    });
+  }
+#endif
   return fallback(
       inner(device_of(outputs, "reduce_scatter"), "reduce_scatter").reduce_scatter(outputs, inputs, opts));
 }
@@ -706,6 +809,13 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::_reduce_scatter_base(at::Tensor& outp
     });
     return completed(c10d::OpType::_REDUCE_SCATTER_BASE, {output});
   }
+#if defined(COMMLIB_TORCH_CUDA)
+  if (cuda_reducible(opts.reduceOp, input.scalar_type()) &&
+      cuda_collective(CollectiveOp::kReduceScatter, both, nbytes_of(input))) {
+    return run_cuda("reduce_scatter_tensor", c10d::OpType::_REDUCE_SCATTER_BASE, {output}, {input}, opts.asyncOp,
+                    [&] { reduce_scatter_cuda(*comm_, output, input, *to_reduce_op(opts.reduceOp)); });
+  }
+#endif
   return fallback(inner(input.device(), "reduce_scatter_tensor")._reduce_scatter_base(output, input, opts));
 }
 
@@ -737,6 +847,14 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::alltoall_base(at::Tensor& output, at:
     run_fast("all_to_all_single", [&] { all_to_all_v(*comm_, output, input, output_split_sizes, input_split_sizes); });
     return completed(c10d::OpType::ALLTOALL_BASE, {output});
   }
+#if defined(COMMLIB_TORCH_CUDA)
+  // Equal splits only (empty split lists: every rank passes the same form for one call).
+  if (output_split_sizes.empty() && input_split_sizes.empty() && all_of(both, is_movable_type) &&
+      cuda_collective(CollectiveOp::kAllToAll, both, nbytes_of(input))) {
+    return run_cuda("all_to_all_single", c10d::OpType::ALLTOALL_BASE, {output}, {input}, opts.asyncOp,
+                    [&] { all_to_all_cuda(*comm_, output, input); });
+  }
+#endif
   return fallback(inner(input.device(), "all_to_all_single")
                       .alltoall_base(output, input, output_split_sizes, input_split_sizes, opts));
 }

@@ -169,6 +169,14 @@ class DdaBackend final : public c10d::Backend {
 #if defined(COMMLIB_TORCH_CUDA)
   struct CudaState;
   std::unique_ptr<CudaState> cuda_state_;
+  // Whether a CUDA collective `op` of `bytes` takes commlib's kernel: dense CUDA tensors on one
+  // device, the fast path live and the communicator's crossover (Note [ddacomm routing]).
+  bool cuda_collective(CollectiveOp op, const std::vector<at::Tensor>& tensors, size_t bytes) const;
+  // Runs `body` (commlib GPU calls on the current stream of `outputs[0]`'s device) with NCCL's stream
+  // semantics, as the all-reduce route does, and counts a fast call.
+  c10::intrusive_ptr<c10d::Work> run_cuda(const char* what, c10d::OpType op, std::vector<at::Tensor> outputs,
+                                          const std::vector<at::Tensor>& inputs, bool async_op,
+                                          const std::function<void()>& body);
 #endif
 };
 

@@ -1,4 +1,5 @@
-// GPU entry points of the torch layer: all_reduce on CUDA tensors and symmetric tensors.
+// GPU entry points of the torch layer: all_reduce, reduce_scatter, all_gather, broadcast and
+// all_to_all (equal splits) on CUDA tensors, and symmetric tensors.
 // Everything runs on the tensor device's current stream; nothing here synchronises the host.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -35,6 +36,81 @@ void all_reduce_cuda(Communicator& comm, at::Tensor& t, ReduceOp op, Algorithm a
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
   with_contiguous(t, [&](at::Tensor& c) {
     cuda.all_reduce(c.data_ptr(), c.data_ptr(), static_cast<size_t>(c.numel()), dtype, op, algo, stream);
+  });
+}
+
+namespace {
+
+cudaStream_t current_stream(const at::Tensor& t) {
+  return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+}
+
+void check_cuda_pair(const at::Tensor& out, const at::Tensor& in, const char* what) {
+  COMMLIB_CHECK(in.is_cuda() && out.device() == in.device(), TypeMismatch, what,
+                ": input and output must be on the same CUDA device; got ", in.device().str(), " and ",
+                out.device().str());
+  check_same_dtype(out, in, what);
+}
+
+}  // namespace
+
+void reduce_scatter_cuda(Communicator& comm, at::Tensor& out, const at::Tensor& in, ReduceOp op) {
+  const char* what = "reduce_scatter";
+  check_cuda_pair(out, in, what);
+  const DataType dtype = reducible_type(in, what);
+  COMMLIB_CHECK(in.numel() == out.numel() * comm.world_size(), InvalidArgument, what, ": input has ", in.numel(),
+                " elements but must have world_size (", comm.world_size(), ") x output (", out.numel(), ") = ",
+                out.numel() * comm.world_size());
+  CudaComm& cuda = cuda_state(comm, in.device(), what);
+  c10::cuda::CUDAGuard guard(in.device());
+  const at::Tensor src = in.contiguous();
+  with_contiguous(out, [&](at::Tensor& c) {
+    cuda.reduce_scatter(src.data_ptr(), c.data_ptr(), static_cast<size_t>(c.numel()), dtype, op, current_stream(c));
+  });
+}
+
+void all_gather_cuda(Communicator& comm, at::Tensor& out, const at::Tensor& in) {
+  const char* what = "all_gather";
+  check_cuda_pair(out, in, what);
+  to_data_type(in.scalar_type(), what);
+  COMMLIB_CHECK(out.numel() == in.numel() * comm.world_size(), InvalidArgument, what, ": output has ", out.numel(),
+                " elements but must have world_size (", comm.world_size(), ") x input (", in.numel(), ") = ",
+                in.numel() * comm.world_size());
+  CudaComm& cuda = cuda_state(comm, in.device(), what);
+  c10::cuda::CUDAGuard guard(in.device());
+  const at::Tensor src = in.contiguous();
+  with_contiguous(out, [&](at::Tensor& c) {
+    cuda.all_gather(src.data_ptr(), c.data_ptr(), static_cast<size_t>(src.numel()) * src.element_size(),
+                    current_stream(c));
+  });
+}
+
+void broadcast_cuda(Communicator& comm, at::Tensor& t, int src) {
+  const char* what = "broadcast";
+  TORCH_CHECK(t.is_cuda(), what, ": expected a CUDA tensor");
+  to_data_type(t.scalar_type(), what);
+  CudaComm& cuda = cuda_state(comm, t.device(), what);
+  c10::cuda::CUDAGuard guard(t.device());
+  with_contiguous(t, [&](at::Tensor& c) {
+    cuda.broadcast(c.data_ptr(), static_cast<size_t>(c.numel()) * c.element_size(), src, current_stream(c));
+  });
+}
+
+void all_to_all_cuda(Communicator& comm, at::Tensor& out, const at::Tensor& in) {
+  const char* what = "all_to_all";
+  check_cuda_pair(out, in, what);
+  to_data_type(in.scalar_type(), what);
+  const int64_t n = comm.world_size();
+  const int64_t rows = in.dim() == 0 ? 1 : in.size(0);
+  COMMLIB_CHECK(in.numel() == out.numel() && rows % n == 0, InvalidArgument, what, ": input (", in.numel(),
+                " elements, ", rows, " rows) and output (", out.numel(),
+                " elements) must have the same size, with rows divisible by world_size ", n);
+  CudaComm& cuda = cuda_state(comm, in.device(), what);
+  c10::cuda::CUDAGuard guard(in.device());
+  const at::Tensor src = in.contiguous();
+  with_contiguous(out, [&](at::Tensor& c) {
+    cuda.all_to_all(src.data_ptr(), c.data_ptr(), static_cast<size_t>(src.numel()) * src.element_size() / n,
+                    current_stream(c));
   });
 }
 

@@ -191,6 +191,41 @@ void all_reduce_out_meta(const at::Tensor& input, c10::string_view, c10::string_
                     out.scalar_type(), " for input ", input.sym_sizes(), " ", input.scalar_type());
 }
 
+// ---- reduce_scatter / all_gather / broadcast (out and in-place forms only, like the Python API) ----
+
+void reduce_scatter_out_op(const at::Tensor& input, c10::string_view reduce_op, c10::string_view group_name,
+                           at::Tensor& out) {
+  translate_errors([&] {
+    const ReduceOp op = parse_reduce_op("reduce_scatter_out", str(reduce_op));
+    std::shared_ptr<Communicator> comm = communicator_from_group(str(group_name), "reduce_scatter_out");
+    reduce_scatter(*comm, out, input, op);
+  });
+}
+
+void all_gather_out_op(const at::Tensor& input, c10::string_view group_name, at::Tensor& out) {
+  translate_errors([&] {
+    std::shared_ptr<Communicator> comm = communicator_from_group(str(group_name), "all_gather_out");
+    all_gather(*comm, out, input);
+  });
+}
+
+void broadcast_inplace_op(at::Tensor& tensor, int64_t src, c10::string_view group_name) {
+  translate_errors([&] {
+    std::shared_ptr<Communicator> comm = communicator_from_group(str(group_name), "broadcast_");
+    broadcast(*comm, tensor, static_cast<int>(src));
+  });
+}
+
+void reduce_scatter_out_meta(const at::Tensor& input, c10::string_view, c10::string_view, at::Tensor& out) {
+  TORCH_CHECK_VALUE(out.scalar_type() == input.scalar_type(), "reduce_scatter_out: out must have input's dtype");
+}
+
+void all_gather_out_meta(const at::Tensor& input, c10::string_view, at::Tensor& out) {
+  TORCH_CHECK_VALUE(out.scalar_type() == input.scalar_type(), "all_gather_out: out must have input's dtype");
+}
+
+void broadcast_inplace_meta(at::Tensor&, int64_t, c10::string_view) {}
+
 // ---- all_to_all_v ----
 
 std::vector<int64_t> to_vector(at::IntArrayRef a) { return std::vector<int64_t>(a.begin(), a.end()); }
@@ -322,6 +357,9 @@ TORCH_LIBRARY(commlib, m) {
   m.def("all_reduce_(Tensor(a!) input, str reduce_op, str group_name, str algo=\"auto\") -> ()", {pt2});
   m.def("all_reduce_out(Tensor input, str reduce_op, str group_name, str algo=\"auto\", *, Tensor(a!) out) -> ()",
         {pt2});
+  m.def("reduce_scatter_out(Tensor input, str reduce_op, str group_name, *, Tensor(a!) out) -> ()", {pt2});
+  m.def("all_gather_out(Tensor input, str group_name, *, Tensor(a!) out) -> ()", {pt2});
+  m.def("broadcast_(Tensor(a!) tensor, int src, str group_name) -> ()", {pt2});
   m.def("all_to_all_v(Tensor input, SymInt[] output_split_sizes, SymInt[] input_split_sizes, str group_name) -> "
         "Tensor",
         {pt2});
@@ -346,6 +384,9 @@ TORCH_LIBRARY(commlib, m) {
     m.impl("all_reduce", &all_reduce_op);                                               \
     m.impl("all_reduce_", &all_reduce_inplace_op);                                      \
     m.impl("all_reduce_out", &all_reduce_out_op);                                       \
+    m.impl("reduce_scatter_out", &reduce_scatter_out_op);                               \
+    m.impl("all_gather_out", &all_gather_out_op);                                       \
+    m.impl("broadcast_", &broadcast_inplace_op);                                        \
     m.impl("all_to_all_v", &all_to_all_v_op);                                           \
     m.impl("all_to_all_v_out", &all_to_all_v_out_op);                                   \
     m.impl("ep_dispatch", &ep_dispatch_op);                                             \
@@ -362,6 +403,9 @@ TORCH_LIBRARY_IMPL(commlib, Meta, m) {
   m.impl("all_reduce", &all_reduce_meta);
   m.impl("all_reduce_", &all_reduce_inplace_meta);
   m.impl("all_reduce_out", &all_reduce_out_meta);
+  m.impl("reduce_scatter_out", &reduce_scatter_out_meta);
+  m.impl("all_gather_out", &all_gather_out_meta);
+  m.impl("broadcast_", &broadcast_inplace_meta);
   m.impl("all_to_all_v", &all_to_all_v_meta);
   m.impl("all_to_all_v_out", &all_to_all_v_out_meta);
   m.impl("ep_dispatch", &ep_dispatch_meta);

@@ -119,6 +119,9 @@ void reduce_scatter(Communicator& comm, at::Tensor& out, const at::Tensor& in, R
   COMMLIB_CHECK(in.numel() == out.numel() * comm.world_size(), InvalidArgument, what, ": input has ", in.numel(),
                 " elements but must have world_size (", comm.world_size(), ") x output (", out.numel(), ") = ",
                 out.numel() * comm.world_size());
+#if defined(COMMLIB_TORCH_CUDA)
+  if (in.device().is_cuda()) return reduce_scatter_cuda(comm, out, in, op);
+#endif
   require_cpu(in, what);
   const at::Tensor src = in.contiguous();
   with_contiguous(out, [&](at::Tensor& c) {
@@ -136,6 +139,9 @@ void all_gather(Communicator& comm, at::Tensor& out, const at::Tensor& in) {
   COMMLIB_CHECK(out.numel() == in.numel() * comm.world_size(), InvalidArgument, what, ": output has ", out.numel(),
                 " elements but must have world_size (", comm.world_size(), ") x input (", in.numel(), ") = ",
                 in.numel() * comm.world_size());
+#if defined(COMMLIB_TORCH_CUDA)
+  if (in.device().is_cuda()) return all_gather_cuda(comm, out, in);
+#endif
   require_cpu(in, what);
   const at::Tensor src = in.contiguous();
   with_contiguous(out, [&](at::Tensor& c) { comm.all_gather_host(c.data_ptr(), src.data_ptr(), nbytes(src)); });
@@ -145,6 +151,9 @@ void broadcast(Communicator& comm, at::Tensor& t, int src) {
   const char* what = "broadcast";
   check_cpu_or_cuda(t, what, "tensor");
   to_data_type(t.scalar_type(), what);
+#if defined(COMMLIB_TORCH_CUDA)
+  if (t.device().is_cuda()) return broadcast_cuda(comm, t, src);
+#endif
   require_cpu(t, what);
   with_contiguous(t, [&](at::Tensor& c) { comm.broadcast_host(c.data_ptr(), nbytes(c), src); });
 }
@@ -195,6 +204,7 @@ void all_to_all_v(Communicator& comm, at::Tensor& out, const at::Tensor& in, con
   const std::vector<size_t> out_bytes = to_bytes(out, out_splits, "output");
 #if defined(COMMLIB_TORCH_CUDA)
   if (in.is_cuda()) {
+    if (in_splits.empty() && out_splits.empty() && in.numel() == out.numel()) return all_to_all_cuda(comm, out, in);
     at::Tensor ins, outs;
     if (!in_splits.empty() || !out_splits.empty()) {
       auto opts = at::TensorOptions().dtype(at::kLong);

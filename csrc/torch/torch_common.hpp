@@ -97,6 +97,12 @@ void all_to_all_v(Communicator& comm, at::Tensor& out, const at::Tensor& in, con
 #if defined(COMMLIB_TORCH_CUDA)
 // GPU implementations (csrc/torch/cuda_ops.cpp), on the current stream of the tensor's device.
 void all_reduce_cuda(Communicator& comm, at::Tensor& t, ReduceOp op, Algorithm algo);
+// `out` and `in` on one CUDA device, sizes as the CPU versions above require.
+void reduce_scatter_cuda(Communicator& comm, at::Tensor& out, const at::Tensor& in, ReduceOp op);
+void all_gather_cuda(Communicator& comm, at::Tensor& out, const at::Tensor& in);
+void broadcast_cuda(Communicator& comm, at::Tensor& t, int src);
+// Equal splits along dim 0 (in and out of the same size).
+void all_to_all_cuda(Communicator& comm, at::Tensor& out, const at::Tensor& in);
 // csrc/torch/ep_cuda_ops.cpp: splits are int64 [world] tensors on the device (undefined: equal).
 void all_to_all_v_cuda(Communicator& comm, at::Tensor& out, const at::Tensor& in, const at::Tensor& in_splits,
                        const at::Tensor& out_splits);

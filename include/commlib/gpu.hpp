@@ -40,6 +40,24 @@ bool gpu_built();
 void all_reduce_gpu(Communicator& comm, int device, const void* input, void* output, size_t count, DataType dtype,
                     ReduceOp op, Algorithm algo, GpuStream stream);
 
+// The other collectives, one push-exchange kernel each (docs/gpu-collectives.md); any size (the
+// messages larger than a workspace half run as several calls). In the torch backend, sizes above
+// the communicator's crossover (Note [collective crossovers]) go to NCCL instead.
+// reduce_scatter: `output` (count elements) receives this rank's slice of the sum (or avg) of every
+// rank's `input` (world * count elements; float32, float16, bfloat16), reduced as all_reduce does.
+void reduce_scatter_gpu(Communicator& comm, int device, const void* input, void* output, size_t count,
+                        DataType dtype, ReduceOp op, GpuStream stream);
+// all_gather: `output` (world * bytes) receives every rank's `input` (bytes) in rank order; `input`
+// may be this rank's block of `output` (in place).
+void all_gather_gpu(Communicator& comm, int device, const void* input, void* output, size_t bytes,
+                    GpuStream stream);
+// broadcast: every rank's `data` (bytes) receives rank `root`'s.
+void broadcast_gpu(Communicator& comm, int device, void* data, size_t bytes, int root, GpuStream stream);
+// all_to_all with equal splits: block q (block_bytes) of `input` goes to rank q, where it lands as
+// block `rank` of `output`. `input` and `output` must not overlap.
+void all_to_all_gpu(Communicator& comm, int device, const void* input, void* output, size_t block_bytes,
+                    GpuStream stream);
+
 // Fused all-reduce + residual add + RMSNorm (include/commlib/fused_rmsnorm.hpp) on bfloat16 or
 // float16 device pointers, 16-byte aligned. num_sms: CTAs (0: COMMLIB_FUSED_NUM_SMS, else by size).
 void fused_allreduce_rmsnorm_gpu(Communicator& comm, int device, const FusedRmsNormArgs& args, int num_sms,

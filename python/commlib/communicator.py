@@ -241,27 +241,47 @@ class Communicator:
         return _C.select_host_all_reduce_algorithm(int(nbytes), self.world_size)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op="sum") -> torch.Tensor:
-        """``output`` (n elements) receives this rank's slice of the reduction of ``input`` (world × n)."""
+        """``output`` (n elements) receives this rank's slice of the reduction of ``input`` (world × n).
+
+        Out of place into ``output`` (``input`` unchanged); ``output`` may be this rank's slice of
+        ``input``. CUDA: sum or avg of float32 / float16 / bfloat16, reduced as ``all_reduce`` (the
+        same bits as its slice), by commlib's push kernel at every size (docs/gpu-collectives.md).
+        Under ``torch.compile`` this is ``torch.ops.commlib.reduce_scatter_out``."""
         _check_tensor("reduce_scatter", "output", output)
         _check_tensor("reduce_scatter", "input", input)
-        self._comm.reduce_scatter(output, input, _op_name("reduce_scatter", op))
+        op = _op_name("reduce_scatter", op)
+        if torch.compiler.is_compiling():
+            torch.ops.commlib.reduce_scatter_out(input, op, self._group_name, out=output)
+            return output
+        self._comm.reduce_scatter(output, input, op)
         return output
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
-        """``output`` (world × n elements) receives every rank's ``input`` in rank order."""
+        """``output`` (world × n elements) receives every rank's ``input`` in rank order.
+
+        ``input`` may be this rank's block of ``output`` (in place, FSDP's layout). Any dtype. Under
+        ``torch.compile`` this is ``torch.ops.commlib.all_gather_out``."""
         _check_tensor("all_gather", "output", output)
         _check_tensor("all_gather", "input", input)
+        if torch.compiler.is_compiling():
+            torch.ops.commlib.all_gather_out(input, self._group_name, out=output)
+            return output
         self._comm.all_gather(output, input)
         return output
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Copies rank ``src``'s ``tensor`` into every rank's ``tensor``."""
+        """Copies rank ``src``'s ``tensor`` into every rank's ``tensor`` (in place; any dtype). Under
+        ``torch.compile`` this is ``torch.ops.commlib.broadcast_``."""
         _check_tensor("broadcast", "tensor", tensor)
+        if torch.compiler.is_compiling():
+            torch.ops.commlib.broadcast_(tensor, int(src), self._group_name)
+            return tensor
         self._comm.broadcast(tensor, int(src))
         return tensor
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
-        """Equal-split all-to-all along dim 0: block r of ``input`` goes to rank r."""
+        """Equal-split all-to-all along dim 0: block r of ``input`` goes to rank r (CUDA: commlib's
+        push kernel, docs/gpu-collectives.md)."""
         return self.all_to_all_v(output, input, None, None)
 
     def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor,

@@ -14,7 +14,8 @@ The cache (``COMMLIB_TUNE_FILE``, default ``~/.cache/commlib/tune.json``) holds 
                   "fused_num_sms": 16}],
      "all_reduce": [{"world_size": 2, "flat_max_bytes": 262144, "tree_max_bytes": 33554432}],
      "fused_num_sms": [{"world_size": 2, "num_sms": 16}],
-     "host_all_reduce": [{"world_size": 2, "flat_max_bytes": 65536}]}
+     "host_all_reduce": [{"world_size": 2, "flat_max_bytes": 65536}],
+     "collectives": [{"world_size": 2, "op": "all_gather", "max_bytes": 16777216}, ...]}
 
 ``commlib-tune --cp`` also measures ring attention's machine constants (``measure_cp``: attention
 FLOP/s and the copy-engine ring bandwidth) into a top-level ``cp`` list of ``{"key": ...,
@@ -32,7 +33,9 @@ is no NCCL, so ``tree_max_bytes`` is the largest size measured). ``fused_num_sms
 all-reduce + RMSNorm kernel's CTA count, the smallest of FUSED_NUM_SMS_CANDIDATES whose time at
 1024 tokens x hidden 8192 bf16 is within 5% of the best; ``null`` on CPU or when not measured. The
 fused op uses it as the cap of its by-size CTA count when the caller passes ``num_sms=None`` and
-``COMMLIB_FUSED_NUM_SMS`` is 0. Explicit ``COMMLIB_*`` knobs win over the cache; without a
+``COMMLIB_FUSED_NUM_SMS`` is 0. ``collectives`` (GPU, from the entries' ``collectives`` dicts):
+per op (reduce_scatter, all_gather, broadcast, all_to_all) the largest message the torch backend
+gives to commlib's push kernel rather than NCCL (Note [collective crossovers]). Explicit ``COMMLIB_*`` knobs win over the cache; without a
 matching entry the built-in table applies.
 """
 from __future__ import annotations
@@ -125,6 +128,12 @@ def _validate(data, path) -> dict:
         if sms is not None and (isinstance(sms, bool) or not isinstance(sms, int) or sms < 1):
             raise ValueError(f"commlib.tune: {path}: entry {i}: fused_num_sms must be null or an integer >= 1, "
                              f"got {sms!r}")
+        coll = entry.get("collectives")
+        if coll is not None and (not isinstance(coll, dict) or any(
+                op not in COLLECTIVE_OPS or isinstance(v, bool) or not isinstance(v, int) or v < 0
+                for op, v in coll.items())):
+            raise ValueError(f"commlib.tune: {path}: entry {i}: collectives must map {', '.join(COLLECTIVE_OPS)} "
+                             f"to integers >= 0, got {coll!r}")
     return data
 
 
@@ -173,6 +182,9 @@ def save(entry: dict, path: Optional[str] = None) -> Path:
     # Read by csrc/core/algorithm_selector.cc (tuned_fused_num_sms; Note [tune file format]).
     data["fused_num_sms"] = [{"world_size": e["key"]["world_size"], "num_sms": e["fused_num_sms"]}
                              for e in gpu_entries if e.get("fused_num_sms") is not None]
+    # The other CUDA collectives' crossovers (Note [collective crossovers]), same C++ selector.
+    data["collectives"] = [{"world_size": e["key"]["world_size"], "op": op, "max_bytes": int(max_bytes)}
+                           for e in gpu_entries for op, max_bytes in (e.get("collectives") or {}).items()]
     # The CPU all-reduce's flat limit, read by the same C++ selector (resolve_host_all_reduce).
     data["host_all_reduce"] = [{"world_size": e["key"]["world_size"],
                                 "flat_max_bytes": e["all_reduce"]["flat_max_bytes"]}
@@ -372,6 +384,35 @@ def tokenweave_main(np_: int, iters: int, path: Optional[str] = None) -> int:
     return 0
 
 
+COLLECTIVE_OPS = ("reduce_scatter", "all_gather", "broadcast", "all_to_all")
+
+
+def measure_collectives(np_: int, minbytes: str, maxbytes: str, iters: int, ops=COLLECTIVE_OPS) -> dict:
+    """GPU: for each op, commlib's push kernel ("ddacomm:flat": never routed to NCCL) and NCCL timed
+    side by side per size; returns {op: max_bytes}, the single crossover that fits all sizes best
+    (commlib's kernel up to it, NCCL above; 0: NCCL everywhere). An op whose sweep fails is left out
+    (it keeps the built-in limit)."""
+    limits = {}
+    for op in ops:
+        argv = [op, "-b", minbytes, "-e", maxbytes, "-f", "2", "-n", str(iters), "-w", "3", "-np", str(np_),
+                "--device", "cuda", "-d", "bfloat16", "-G", "10", "--backend", "ddacomm:flat", "nccl"]
+        try:
+            result = _run_perf(argv)
+        except RuntimeError as e:
+            print(f"commlib-tune: {op} not measured: {e}", file=sys.stderr)
+            continue
+        rows = {label: [r for r in result["results"] if r["backend"] == label] for label in ("ddacomm:flat", "nccl")}
+        sizes = [r["bytes"] for r in rows["nccl"]]
+        # Out-of-place times (all_to_all has no in-place form), the form the torch verbs take.
+        times = {label: [(r.get("oop") or {}).get("time_us") for r in rs] for label, rs in rows.items()}
+        if sizes and len(rows["ddacomm:flat"]) == len(sizes):
+            limits[op] = int(_threshold(sizes, times["ddacomm:flat"], times["nccl"]))
+            print(f"# {op}: " + ", ".join(
+                f"{s} B {a if a is None else round(a, 2)}/{b if b is None else round(b, 2)} us"
+                for s, a, b in zip(sizes, times["ddacomm:flat"], times["nccl"])) + f" -> max_bytes {limits[op]}")
+    return limits
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="commlib-tune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -385,6 +426,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--cp", action="store_true", help="also measure ring attention's BW and C (commlib.cp.select_mode)")
     p.add_argument("--no-fused", dest="fused", action="store_false",
                    help="GPU: skip the fused kernel's CTA-count sweep (fused_num_sms stays null)")
+    p.add_argument("--no-collectives", dest="collectives", action="store_false",
+                   help="GPU: skip the reduce_scatter / all_gather / broadcast / all_to_all crossovers")
     p.add_argument("--tokenweave", action="store_true",
                    help="GPU: measure only TokenWeave's wave steps, SM budget and split crossover (tokenweave_main)")
     p.add_argument("--hierarchical", action="store_true",
@@ -420,6 +463,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"# fused_allreduce_rmsnorm {FUSED_TUNE_TOKENS} x {FUSED_TUNE_HIDDEN} bf16: "
               + ", ".join(f"{k} CTAs {t:.2f} us" if t else f"{k} CTAs n/a" for k, t in fused.items())
               + f" -> fused_num_sms {entry['fused_num_sms']}")
+    if device == "cuda" and opts.collectives:
+        entry["collectives"] = measure_collectives(np_, opts.minbytes, opts.maxbytes, opts.iters)
     path = save(entry, opts.file)
     print(f"# wrote {path}: {json.dumps(entry)}")
     if opts.cp:

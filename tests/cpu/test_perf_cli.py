@@ -454,10 +454,12 @@ def test_tuner_writes_fused_num_sms_and_the_fused_default_reads_it(tmp_path, mon
         swept.append(np_)
         return {4: 41.0, 8: 30.0, 16: 24.9, 32: 24.0, 64: 24.5}
     monkeypatch.setattr(tune, "measure_fused_num_sms", fake_sweep)
+    monkeypatch.setattr(tune, "measure_collectives", lambda *a: {"all_gather": 4096})
     cache = tmp_path / "gpu.json"
     assert tune.main(["--device", "cuda", "-np", "2", "--file", str(cache)]) == 0
     assert swept == [2]
     data = tune.read_file(str(cache))
+    assert data["collectives"] == [{"world_size": 2, "op": "all_gather", "max_bytes": 4096}]
     assert data["entries"][0]["fused_num_sms"] == 16  # the smallest count within 5% of the best (24.0)
     assert data["fused_num_sms"] == [{"world_size": 2, "num_sms": 16}]
     assert tune.main(["--device", "cuda", "-np", "2", "--file", str(cache), "--no-fused"]) == 0

@@ -106,16 +106,39 @@ class DDAComm(Backend):
             return super().all_reduce_out(out, inp, redop)
         self._call(lambda: self.comm.all_reduce(inp, redop, self.algo, out=out))
 
+    def _collective_to_nccl(self, op: str, t, nbytes: int) -> bool:
+        """Above the op's crossover (Note [collective crossovers]) the torch backend hands a CUDA call
+        to NCCL; with ``auto`` this backend does the same, so its column is what "ddacomm" delivers."""
+        if self.nccl is None or not t.is_cuda:
+            return False
+        key = (op, nbytes)
+        if key not in self._to_nccl:
+            import commlib
+            self._to_nccl[key] = nbytes > commlib._C.collective_max_bytes(op, self.world_size)
+        return self._to_nccl[key]
+
     def reduce_scatter(self, out, inp, redop):
+        if redop in ("sum", "avg") and self._collective_to_nccl("reduce_scatter", inp, inp.numel() * inp.element_size()):
+            dist.reduce_scatter_tensor(out, inp, op=_DIST_OPS[redop], group=self.nccl)
+            return
         self._call(self.comm.reduce_scatter, out, inp, redop)
 
     def all_gather(self, out, inp):
+        if self._collective_to_nccl("all_gather", out, out.numel() * out.element_size()):
+            dist.all_gather_into_tensor(out, inp, group=self.nccl)
+            return
         self._call(self.comm.all_gather, out, inp)
 
     def all_to_all(self, out, inp):
+        if self._collective_to_nccl("all_to_all", inp, inp.numel() * inp.element_size()):
+            dist.all_to_all_single(out, inp, group=self.nccl)
+            return
         self._call(self.comm.all_to_all, out, inp)
 
     def broadcast(self, t, root):
+        if self._collective_to_nccl("broadcast", t, t.numel() * t.element_size()):
+            dist.broadcast(t, src=dist.get_global_rank(self.nccl, root), group=self.nccl)
+            return
         self._call(self.comm.broadcast, t, root)
 
     def close(self) -> None:
