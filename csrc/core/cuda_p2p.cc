@@ -77,8 +77,9 @@ CudaP2p::~CudaP2p() {
   // Queued waits are bounded, so this returns.
   if (send_stream_ != nullptr) cudaStreamSynchronize(send_stream_);
   if (recv_stream_ != nullptr) cudaStreamSynchronize(recv_stream_);
-  if (send_stream_ != nullptr) cudaStreamDestroy(send_stream_);
-  if (recv_stream_ != nullptr) cudaStreamDestroy(recv_stream_);
+  // The two streams are not destroyed: a caching allocator (torch's) records an event on every
+  // stream a freed block was used on, and a tensor recorded on them may be freed after this
+  // communicator is gone. torch's NCCL process group keeps its streams for the same reason.
   buffer_.reset();
   if (poisoned_ != nullptr) cudaFree(poisoned_);
   if (error_host_ != nullptr) cudaFreeHost(error_host_);
