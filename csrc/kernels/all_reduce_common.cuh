@@ -66,6 +66,15 @@ __device__ __forceinline__ Pack<T> reduce_pack(const T* const* srcs, int world, 
 
 inline bool is_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+inline Status check_barrier(const char* what, const BarrierDevice& bar) {
+  if (bar.world_size < 1 || bar.world_size > kMaxDeviceRanks || bar.rank < 0 || bar.rank >= bar.world_size) {
+    return Status(StatusCode::kInvalidArgument, detail::concat(what, ": world_size ", bar.world_size, " / rank ",
+                                                               bar.rank, " invalid; supported world sizes: 1..",
+                                                               kMaxDeviceRanks));
+  }
+  return Status::ok();
+}
+
 inline Status check_common(const char* what, DataType dtype, ReduceOp op, const BarrierDevice& bar) {
   if (op != ReduceOp::kSum && op != ReduceOp::kAvg) {
     return Status(StatusCode::kInvalidArgument, detail::concat(what, ": op ", reduce_op_name(op),
@@ -75,12 +84,7 @@ inline Status check_common(const char* what, DataType dtype, ReduceOp op, const 
     return Status(StatusCode::kInvalidArgument, detail::concat(what, ": dtype ", dtype_name(dtype),
                                                                " not supported; supported: float32, float16, bfloat16"));
   }
-  if (bar.world_size < 1 || bar.world_size > kMaxDeviceRanks || bar.rank < 0 || bar.rank >= bar.world_size) {
-    return Status(StatusCode::kInvalidArgument, detail::concat(what, ": world_size ", bar.world_size, " / rank ",
-                                                               bar.rank, " invalid; supported world sizes: 1..",
-                                                               kMaxDeviceRanks));
-  }
-  return Status::ok();
+  return check_barrier(what, bar);
 }
 
 }  // namespace commlib::kernels

@@ -86,13 +86,4 @@ __device__ __forceinline__ void block_range(size_t num_packs, size_t per_block, 
 
 __host__ __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-inline Status check_barrier(const char* what, const BarrierDevice& bar) {
-  if (bar.world_size < 1 || bar.world_size > kMaxDeviceRanks || bar.rank < 0 || bar.rank >= bar.world_size) {
-    return Status(StatusCode::kInvalidArgument, detail::concat(what, ": world_size ", bar.world_size, " / rank ",
-                                                               bar.rank, " invalid; supported world sizes: 1..",
-                                                               kMaxDeviceRanks));
-  }
-  return Status::ok();
-}
-
 }  // namespace commlib::kernels
