@@ -138,3 +138,30 @@ def run_dispatch_combine(ctx, cases, device="cpu", transport="auto"):
                     buf.check()
             buf.check()  # clear (and nothing pending)
     return True
+
+
+def check_dead_peer_times_out(ctx, name, **buffer_kwargs):
+    """Rank 1 never joins the second dispatch: rank 0's kernel gives up within the communicator's
+    timeout (not a hang) and records whom it waited for. Returns the buffer's kernels name."""
+    from datetime import timedelta
+
+    import pytest
+
+    import commlib
+    dev = torch.device("cuda", ctx.device)
+    comm = ctx.new_comm(name, timeout=timedelta(seconds=2))
+    buf = commlib.EPBuffer(comm, 4, 1024, 8, 2, torch.bfloat16, device=dev, **buffer_kwargs)
+    kernels = buf.kernels
+    idx, w = make_routing(ctx.rank, 4, 8, 2, "random", 3)
+    x, idx, w = make_tokens(ctx.rank, 4, 1024, torch.bfloat16, 3).to(dev), idx.to(dev), w.to(dev)
+    res = buf.dispatch(x, idx, w)
+    buf.combine(res.expert_x, res.handle)
+    torch.cuda.synchronize()
+    comm.barrier()
+    if ctx.rank == 0:
+        buf.dispatch(x, idx, w)
+        torch.cuda.synchronize()
+        with pytest.raises(commlib.CommTimeoutError, match=r"rank 0 waited \d+ ms for rank 1"):
+            comm.check_gpu_error()
+    comm.close()
+    return kernels

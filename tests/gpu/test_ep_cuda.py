@@ -9,7 +9,7 @@ input must deliver. Outputs are poisoned (NaN) before every call, including grap
 """
 import pytest
 import torch
-from ep_reference import expert_fn, make_routing, make_tokens, reference_combine, run_dispatch_combine, simulate
+from ep_reference import check_dead_peer_times_out, expert_fn, make_routing, make_tokens, reference_combine, run_dispatch_combine, simulate
 
 pytestmark = pytest.mark.gpu
 # World sizes of the EPBuffer tests: 1 runs every kernel path except the NVLink traffic on one GPU
@@ -275,28 +275,7 @@ def test_more_ranks(ranks, world_size):
 
 
 def _ll_dead_peer(ctx):
-    # Rank 1 never joins the second dispatch: rank 0's LL kernel must give up within the timeout
-    # (not hang) and record whom it waited for.
-    from datetime import timedelta
-
-    import commlib
-    dev = torch.device("cuda", ctx.device)
-    comm = ctx.new_comm("ep-ll-timeout", timeout=timedelta(seconds=2))
-    buf = commlib.EPBuffer(comm, 4, 1024, 8, 2, torch.bfloat16, device=dev)
-    assert buf.kernels == "ll"
-    idx, w = make_routing(ctx.rank, 4, 8, 2, "random", 3)
-    x, idx, w = make_tokens(ctx.rank, 4, 1024, torch.bfloat16, 3).to(dev), idx.to(dev), w.to(dev)
-    res = buf.dispatch(x, idx, w)
-    buf.combine(res.expert_x, res.handle)
-    torch.cuda.synchronize()
-    comm.barrier()
-    if ctx.rank == 0:
-        buf.dispatch(x, idx, w)
-        torch.cuda.synchronize()
-        with pytest.raises(commlib.CommTimeoutError, match=r"rank 0 waited \d+ ms for rank 1"):
-            comm.check_gpu_error()
-    comm.close()
-    return True
+    return check_dead_peer_times_out(ctx, "ep-ll-timeout") == "ll"
 
 
 def test_ll_dead_peer_times_out(ranks):

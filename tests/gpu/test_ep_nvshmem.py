@@ -8,7 +8,7 @@ every call, including graph replays.
 """
 import pytest
 import torch
-from ep_reference import DTYPES, expert_fn, make_routing, make_tokens, run_dispatch_combine
+from ep_reference import DTYPES, check_dead_peer_times_out, expert_fn, make_routing, make_tokens, run_dispatch_combine
 
 import commlib
 from commlib import _nvshmem
@@ -197,25 +197,9 @@ def test_nvshmem_overflow_flag(ranks, world_size):
 
 
 def _dead_peer(ctx):
-    """Rank 1 never joins the second dispatch: rank 0's NVSHMEM kernel gives up within the
-    communicator's timeout (not a hang) and records whom it waited for, as the peer-memory kernels do."""
-    from datetime import timedelta
-    dev = torch.device("cuda", ctx.device)
-    comm = ctx.new_comm("ep-nvshmem-timeout", timeout=timedelta(seconds=2))
-    buf = commlib.EPBuffer(comm, 4, 1024, 8, 2, torch.bfloat16, device=dev, transport="nvshmem")
-    idx, w = make_routing(ctx.rank, 4, 8, 2, "random", 3)
-    x, idx, w = make_tokens(ctx.rank, 4, 1024, torch.bfloat16, 3).to(dev), idx.to(dev), w.to(dev)
-    res = buf.dispatch(x, idx, w)
-    buf.combine(res.expert_x, res.handle)
-    torch.cuda.synchronize()
-    comm.barrier()
-    if ctx.rank == 0:
-        buf.dispatch(x, idx, w)
-        torch.cuda.synchronize()
-        with pytest.raises(commlib.CommTimeoutError, match=r"rank 0 waited \d+ ms for rank 1"):
-            comm.check_gpu_error()
-    comm.close()
-    return True
+    """The NVSHMEM kernels bound their waits and report whom they waited for, as the peer-memory
+    kernels do."""
+    return check_dead_peer_times_out(ctx, "ep-nvshmem-timeout", transport="nvshmem") == "nvshmem"
 
 
 def test_nvshmem_dead_peer_times_out(ranks):
