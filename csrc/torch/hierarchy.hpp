@@ -31,8 +31,8 @@
 // Note [hierarchical reduction order]
 // An element of a two-level reduction is reduced inside each host first, in the intra path's order
 // (commlib's paths: local ranks 0, 1, ... in rank order as Note [reduction order] says, rounded
-// once to the dtype; CUDA tensors the intra backend does not take: NCCL's), then across hosts by the inter backend (gloo or
-// NCCL) on the rounded per-host values, in that library's order. This is not the single-host order
+// once to the dtype; CUDA tensors the intra backend does not take: NCCL's), then across hosts by
+// the inter backend (gloo or NCCL) on the rounded per-host values, in that library's order. This is not the single-host order
 // (one left-to-right pass over all ranks), so results can differ from a flat reduction in the last
 // bits; they are the same on every rank: each element's final value is computed once per local
 // index by the inter all-reduce (whose result every member receives, bit for bit), and then only
