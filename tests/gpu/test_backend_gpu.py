@@ -8,42 +8,13 @@ three also read the backend's call counters: each call they check went through c
 """
 from __future__ import annotations
 
-import contextlib
-from datetime import timedelta
-
 import pytest
 import torch
+from ddacomm_worlds import ddacomm_world, fast_path_counts
 
 pytestmark = pytest.mark.gpu
 
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
-
-
-@contextlib.contextmanager
-def ddacomm_world(ctx, device_id: bool = False):
-    import commlib  # noqa: F401  (registers "ddacomm")
-    import torch.distributed as dist
-    if dist.is_initialized():
-        dist.destroy_process_group()
-        ctx._gloo = None
-    n = ctx.scratch["worlds"] = ctx.scratch.get("worlds", 0) + 1
-    store = dist.PrefixStore(f"ddacomm-gpu-test/{n}", ctx.store)
-    kwargs = {"device_id": torch.device("cuda", ctx.device)} if device_id else {}
-    dist.init_process_group("ddacomm", store=store, rank=ctx.rank, world_size=ctx.world_size,
-                            timeout=timedelta(seconds=120), **kwargs)
-    try:
-        nccl = dist.new_group(backend="nccl")
-        yield dist.group.WORLD, nccl
-    finally:
-        torch.cuda.synchronize()
-        dist.destroy_process_group()
-
-
-def fast_path_counts(group):
-    """(commlib calls, inner-backend calls) of the group's DdaBackend for CUDA tensors so far."""
-    backend = group._get_backend(torch.device("cuda"))
-    assert type(backend).__name__ == "DdaBackend" and backend.has_fast_path, type(backend).__name__
-    return backend.num_fast_calls, backend.num_fallback_calls
 
 
 def rand(rank, count, dtype, salt=0, device="cuda"):

@@ -13,12 +13,12 @@ checked went through commlib's path (num_fast_calls), none to the inner NCCL (nu
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from datetime import timedelta
 
 import pytest
 import torch
+from ddacomm_worlds import ddacomm_world, fast_path_counts
 
 pytestmark = pytest.mark.gpu
 
@@ -384,36 +384,12 @@ def test_other_world_sizes(ranks, world_size):
 
 # ---- the "ddacomm" torch backend ----
 
-@contextlib.contextmanager
-def ddacomm_world(ctx, with_nccl=False):
-    import commlib  # noqa: F401  (registers "ddacomm")
-    import torch.distributed as dist
-    if dist.is_initialized():
-        dist.destroy_process_group()
-        ctx._gloo = None
-    k = ctx.scratch["coll-worlds"] = ctx.scratch.get("coll-worlds", 0) + 1
-    store = dist.PrefixStore(f"ddacomm-coll-test/{k}", ctx.store)
-    dist.init_process_group("ddacomm", store=store, rank=ctx.rank, world_size=ctx.world_size,
-                            timeout=timedelta(seconds=120), device_id=torch.device("cuda", ctx.device))
-    try:
-        yield dist.group.WORLD, (dist.new_group(backend="nccl") if with_nccl else None)
-    finally:
-        torch.cuda.synchronize()
-        dist.destroy_process_group()
-
-
-def fast_path_counts(group):
-    backend = group._get_backend(torch.device("cuda"))
-    assert type(backend).__name__ == "DdaBackend" and backend.has_fast_path, type(backend).__name__
-    return backend.num_fast_calls, backend.num_fallback_calls
-
-
 def _backend_ops(ctx, async_op):
     """Every routed verb once per size/dtype: exact results and one fast call each, no fallback."""
     import torch.distributed as dist
     n, r = ctx.world_size, ctx.rank
     dev = torch.device("cuda", ctx.device)
-    with ddacomm_world(ctx) as (world, _):
+    with ddacomm_world(ctx, device_id=True, with_nccl=False) as (world, _):
         for dtype in (torch.bfloat16, torch.float32, torch.int64):
             for count in (0, 1, 7, 4097, 65537):
                 salt = count + 11
@@ -467,7 +443,7 @@ def _backend_graph(ctx):
     import torch.distributed as dist
     n, r = ctx.world_size, ctx.rank
     count = 8192
-    with ddacomm_world(ctx) as (world, _):
+    with ddacomm_world(ctx, device_id=True, with_nccl=False) as (world, _):
         x = torch.empty(count * n, device="cuda", dtype=torch.bfloat16)
         rs = torch.empty(count, device="cuda", dtype=torch.bfloat16)
         ag = torch.empty(count * n, device="cuda", dtype=torch.bfloat16)
@@ -500,7 +476,7 @@ def _backend_vs_nccl(ctx):
     import torch.distributed as dist
     n, r = ctx.world_size, ctx.rank
     dev = torch.device("cuda", ctx.device)
-    with ddacomm_world(ctx, with_nccl=True) as (world, nccl):
+    with ddacomm_world(ctx, device_id=True) as (world, nccl):
         for dtype in FLOATS.values():
             for count in (3, 4096, 262147, 4 << 20):
                 x = rank_input(r, count * n, dtype, 9).to(dev)
