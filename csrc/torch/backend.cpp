@@ -476,6 +476,19 @@ namespace {
   return op && (*op == ReduceOp::kSum || *op == ReduceOp::kAvg) && is_reducible_type(type);
 }
 
+// The list forms of reduce_scatter / all_gather / gather run the tensor form on one flat buffer:
+// the inputs concatenated, or the output rows copied out.
+at::Tensor cat_flat(const std::vector<at::Tensor>& list) {
+  std::vector<at::Tensor> flat;
+  flat.reserve(list.size());
+  for (const auto& t : list) flat.push_back(t.reshape({-1}));
+  return at::cat(flat);
+}
+
+void copy_rows(const at::Tensor& rows, std::vector<at::Tensor>& outs) {
+  for (size_t r = 0; r < outs.size(); ++r) outs[r].copy_(rows[static_cast<int64_t>(r)].view(outs[r].sizes()));
+}
+
 }  // namespace
 
 c10::intrusive_ptr<c10d::Work> DdaBackend::allreduce_sparse(std::vector<at::Tensor>& tensors,
@@ -552,13 +565,11 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::allgather(std::vector<std::vector<at:
   if (inputs.size() == 1 && outputs.size() == 1 &&
       two_level(HierOp::kAllGather, inputs, inputs[0].numel() * inputs[0].element_size())) {
     std::vector<at::Tensor>& outs = outputs[0];
-    TORCH_CHECK_VALUE(static_cast<int>(outs.size()) == getSize(), "allgather: got ", outs.size(),
-                      " output tensors; expected world_size = ", getSize());
     check_gather_list("allgather", outs, inputs[0]);
     return run_two_level(c10d::OpType::ALLGATHER, inputs[0].device(), outs, [&] {
       at::Tensor flat = at::empty({getSize(), inputs[0].numel()}, inputs[0].options());
       hier_->all_gather(flat, inputs[0]);
-      for (int r = 0; r < getSize(); ++r) outs[r].copy_(flat[r].view(outs[r].sizes()));
+      copy_rows(flat, outs);
     });
   }
   if (inputs.size() == 1 && outputs.size() == 1 && cpu_fast(inputs) && cpu_fast(outputs[0]) &&
@@ -576,7 +587,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::allgather(std::vector<std::vector<at:
     run_fast("all_gather", [&] {
       at::Tensor flat = at::empty({getSize(), in.numel()}, in.options());
       all_gather(*comm_, flat, in);
-      for (int r = 0; r < getSize(); ++r) outs[r].copy_(flat[r].view(outs[r].sizes()));
+      copy_rows(flat, outs);
     });
     return completed(c10d::OpType::ALLGATHER, outputs[0]);
   }
@@ -593,7 +604,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::allgather(std::vector<std::vector<at:
     return run_cuda("all_gather", c10d::OpType::ALLGATHER, outs, inputs, opts.asyncOp, [&] {
       at::Tensor flat = at::empty({getSize(), in.numel()}, in.options());
       all_gather_cuda(*comm_, flat, in);
-      for (int r = 0; r < getSize(); ++r) outs[r].copy_(flat[r].view(outs[r].sizes()));
+      copy_rows(flat, outs);
     });
   }
 #endif
@@ -698,9 +709,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::gather(std::vector<std::vector<at::Te
     run_fast("gather", [&] {
       at::Tensor flat = is_root ? at::empty({getSize(), in.numel()}, in.options()) : at::Tensor();
       host::gather(*comm_, is_root ? flat.data_ptr() : nullptr, in.data_ptr(), bytes, root);
-      if (is_root) {
-        for (int r = 0; r < getSize(); ++r) outputs[0][r].copy_(flat[r].view(outputs[0][r].sizes()));
-      }
+      if (is_root) copy_rows(flat, outputs[0]);
     });
     return completed(c10d::OpType::GATHER, is_root ? outputs[0] : std::vector<at::Tensor>{});
   }
@@ -746,9 +755,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::reduce_scatter(std::vector<at::Tensor
     check_gather_list("reduce_scatter", inputs[0], out);
     if (auto op = to_reduce_op(opts.reduceOp)) check_reduction("reduce_scatter", out.scalar_type(), *op);
     return run_two_level(c10d::OpType::REDUCE_SCATTER, out.device(), outputs, [&] {
-      std::vector<at::Tensor> flat;
-      for (const auto& t : inputs[0]) flat.push_back(t.reshape({-1}));
-      hier_->reduce_scatter(out, at::cat(flat), opts.reduceOp);
+      hier_->reduce_scatter(out, cat_flat(inputs[0]), opts.reduceOp);
     });
   }
   if (outputs.size() == 1 && inputs.size() == 1 && cpu_fast(outputs) && cpu_fast(inputs[0]) &&
@@ -757,17 +764,14 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::reduce_scatter(std::vector<at::Tensor
     const std::vector<at::Tensor>& ins = inputs[0];
     TORCH_CHECK_VALUE(static_cast<int>(ins.size()) == getSize(), "reduce_scatter: got ", ins.size(),
                       " input tensors; expected world_size = ", getSize());
-    std::vector<at::Tensor> flat_inputs;
-    flat_inputs.reserve(ins.size());
     for (size_t r = 0; r < ins.size(); ++r) {
       TORCH_CHECK_TYPE(ins[r].scalar_type() == out.scalar_type(), "reduce_scatter: input ", r, " is ",
                        dtype_str(ins[r].scalar_type()), " but output is ", dtype_str(out.scalar_type()));
       TORCH_CHECK_VALUE(ins[r].numel() == out.numel(), "reduce_scatter: input ", r, " has ", ins[r].numel(),
                         " elements but output has ", out.numel(), "; they must match");
-      flat_inputs.push_back(ins[r].reshape({-1}));
     }
     run_fast("reduce_scatter", [&] {
-      host_reduce_scatter(*comm_, out, at::cat(flat_inputs), *host_type(out.scalar_type()),
+      host_reduce_scatter(*comm_, out, cat_flat(ins), *host_type(out.scalar_type()),
                           *to_reduce_op(opts.reduceOp));
     });
     return completed(c10d::OpType::REDUCE_SCATTER, outputs);
@@ -783,9 +787,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::reduce_scatter(std::vector<at::Tensor
                        out.device().str(), "; got ", t.device().str());
     }
     return run_cuda("reduce_scatter", c10d::OpType::REDUCE_SCATTER, outputs, ins, opts.asyncOp, [&] {
-      std::vector<at::Tensor> flat;
-      for (const auto& t : ins) flat.push_back(t.reshape({-1}));
-      reduce_scatter_cuda(*comm_, out, at::cat(flat), *to_reduce_op(opts.reduceOp));
+      reduce_scatter_cuda(*comm_, out, cat_flat(ins), *to_reduce_op(opts.reduceOp));
     });
   }
 #endif
