@@ -76,9 +76,10 @@ def reference_combine(me, inputs, rows, num_experts, world_size, hidden, dtype, 
     return out.to(dtype), out64
 
 
-def run_dispatch_combine(ctx, cases, device="cpu", transport="auto"):
+def run_dispatch_combine(ctx, cases, device="cpu", transport="auto", comm=None):
     """Every case twice on one buffer (the second with split phases and poisoned rows): expert rows and
-    counts bit for bit, combine bit for bit and within rounding of fp64, overflow raised by check()."""
+    counts bit for bit, combine bit for bit and within rounding of fp64, overflow raised by check().
+    ``comm``: the communicator (default ``ctx.comm``)."""
     import pytest
 
     import commlib
@@ -87,8 +88,8 @@ def run_dispatch_combine(ctx, cases, device="cpu", transport="auto"):
         (num_experts, topk, hidden, dtype_name, kind, max_tokens, tokens_of, capacity) = case
         ctx.progress(f"EP {case}")
         dtype = DTYPES[dtype_name]
-        buf = commlib.EPBuffer(ctx.comm, max_tokens, hidden, num_experts, topk, dtype, device=device, capacity=capacity,
-                               transport=transport)
+        buf = commlib.EPBuffer(comm or ctx.comm, max_tokens, hidden, num_experts, topk, dtype, device=device,
+                               capacity=capacity, transport=transport)
         cap = buf.capacity
         L = num_experts // n
         prev = None

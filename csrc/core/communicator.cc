@@ -2,6 +2,10 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -34,13 +38,46 @@ std::string next_prefix(const std::string& name, int rank) {
   return "commlib/" + name + "/" + std::to_string(created[{name, rank}]++);
 }
 
+constexpr size_t kHostIdBytes = 128;
+
 struct Hello {
   int32_t world_size;
   int32_t rank;
   int64_t pid;
+  uint64_t host_hash;       // FNV-1a of the whole host id
+  char host[kHostIdBytes];  // the host id, cut to fit (for messages)
 };
 
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
 }  // namespace
+
+std::string host_id() {
+  const std::string override = env::get("COMMLIB_TEST_HOST_ID");
+  if (!override.empty()) return override;
+  char name[HOST_NAME_MAX + 1] = {};
+  if (::gethostname(name, sizeof(name) - 1) != 0) name[0] = '\0';
+  std::string boot;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
+  return std::string(name) + "/" + boot;
+}
+
+// Note [communicator hosts]
+// A communicator may span hosts (an EPBuffer over NVSHMEM across nodes is built on one). The hello
+// carries every rank's host id (host_id()); hosts are numbered in the order of their lowest rank,
+// as the "ddacomm" backend numbers them (python/commlib/backend_registration.py, HostLayout).
+// Shared memory and CUDA peer memory exist only inside one host, so across hosts:
+//   * host() (the CPU collectives, the CPU EPBuffer) and host_p2p() (CPU send / recv) raise
+//     InvalidArgument naming two ranks' hosts, before touching anything, so the communicator stays
+//     usable;
+//   * the GPU state maps no peer memory (CudaIpc reports the hosts as its problem: the peer-memory
+//     kernels and GPU send / recv raise PeerError) and keeps what needs no peer: the error word and
+//     the call state the NVSHMEM EP kernels use;
+//   * set-up exchanges (control_all_gather, control_barrier) and barrier_host go over the store.
 
 Communicator::Communicator(std::shared_ptr<Store> store, int rank, int world_size, std::string name,
                            CommunicatorOptions options)
@@ -62,9 +99,15 @@ Communicator::Communicator(std::shared_ptr<Store> store, int rank, int world_siz
   // Hello: every rank announces its world size; a rank that disagrees with rank 0 raises at once
   // and tells the others through the abort key, so nobody waits for a rank that does not exist.
   const std::string abort_key = prefix_ + "/abort";
-  const Hello mine{world_size_, rank_, static_cast<int64_t>(::getpid())};
+  Hello mine{world_size_, rank_, static_cast<int64_t>(::getpid()), 0, {}};
+  const std::string my_host = host_id();
+  mine.host_hash = fnv1a(my_host);
+  std::strncpy(mine.host, my_host.c_str(), kHostIdBytes - 1);
   store_->set(prefix_ + "/hello/" + std::to_string(rank_), to_bytes(mine));
   peer_pids_.assign(world_size_, 0);
+  host_of_.assign(world_size_, 0);
+  std::vector<uint64_t> host_hashes;  // of host k, in numbering order
+  std::string first_host, other_host;  // for hosts_problem_
   const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
   for (int r = 0; r < world_size_; ++r) {
     const std::string key = prefix_ + "/hello/" + std::to_string(r);
@@ -85,6 +128,18 @@ Communicator::Communicator(std::shared_ptr<Store> store, int rank, int world_siz
       throw PeerError(why);
     }
     peer_pids_[r] = theirs.pid;
+    const auto known = std::find(host_hashes.begin(), host_hashes.end(), theirs.host_hash);
+    host_of_[r] = static_cast<int>(known - host_hashes.begin());
+    if (known == host_hashes.end()) host_hashes.push_back(theirs.host_hash);
+    if (host_hashes.size() == 2 && other_host.empty()) {
+      other_host = detail::concat("rank ", r, " on '", std::string(theirs.host, strnlen(theirs.host, kHostIdBytes)), "'");
+    }
+    if (r == 0) first_host.assign(theirs.host, strnlen(theirs.host, kHostIdBytes));
+  }
+  num_hosts_ = static_cast<int>(host_hashes.size());
+  if (num_hosts_ > 1) {
+    hosts_problem_ = detail::concat("its ", world_size_, " ranks span ", num_hosts_, " hosts (rank 0 on '", first_host,
+                                    "', ", other_host, ")");
   }
 }
 
@@ -105,6 +160,9 @@ void Communicator::check_open(const char* what) const {
 
 HostShm& Communicator::host() {
   check_open("host transport");
+  COMMLIB_CHECK(num_hosts_ == 1, InvalidArgument, "Communicator '", name_,
+                "': CPU tensors go through shared memory, which needs every rank on one host; ", hosts_problem_,
+                ". Across hosts use a \"ddacomm\" process group (docs/multinode.md)");
   if (!host_) {
     size_t slot = options_.shm_slot_bytes != 0 ? options_.shm_slot_bytes
                                                : static_cast<size_t>(env::get_int("COMMLIB_SHM_SLOT_BYTES"));
@@ -117,6 +175,26 @@ HostShm& Communicator::host() {
   }
   host_->check_usable("host transport");
   return *host_;
+}
+
+void Communicator::control_all_gather(void* out, const void* in, size_t bytes) {
+  check_open("control_all_gather");
+  if (num_hosts_ == 1) return all_gather_host(out, in, bytes);
+  Bootstrap bootstrap(*store_, prefix_ + "/control", rank_, world_size_, options_.timeout);
+  const auto* p = static_cast<const uint8_t*>(in);
+  const auto all = bootstrap.all_gather(std::to_string(control_calls_++), std::vector<uint8_t>(p, p + bytes));
+  for (int r = 0; r < world_size_; ++r) {
+    COMMLIB_CHECK(all[r].size() == bytes, PeerError, "control_all_gather: rank ", r, " sent ", all[r].size(),
+                  " bytes; rank ", rank_, " expected ", bytes);
+    std::memcpy(static_cast<uint8_t*>(out) + r * bytes, all[r].data(), bytes);
+  }
+}
+
+void Communicator::control_barrier() {
+  check_open("control_barrier");
+  if (num_hosts_ == 1) return barrier_host();
+  Bootstrap(*store_, prefix_ + "/control", rank_, world_size_, options_.timeout)
+      .barrier(std::to_string(control_calls_++));
 }
 
 const CommConfig& Communicator::config() {

@@ -74,7 +74,7 @@ CudaComm::CudaComm(Communicator& comm, int device)
   DeviceGuard guard(device_);
   cuda_check(cudaFree(nullptr), what, "cudaFree(0) (context creation)");
   ipc_ = std::make_unique<CudaIpc>(comm.store(), comm.prefix(), rank_, world_size_, device_, comm.peer_pids()[0],
-                                   comm.timeout());
+                                   comm.timeout(), comm.hosts_problem());
   cuda_check(cudaMalloc(&state_, sizeof(BarrierCallState)), what, "cudaMalloc");
   cuda_check(cudaMemset(state_, 0, sizeof(BarrierCallState)), what, "cudaMemset");
   cuda_check(cudaHostAlloc(&error_host_, sizeof(DeviceErrorWord), cudaHostAllocMapped), what, "cudaHostAlloc");
@@ -142,7 +142,10 @@ std::shared_ptr<SymmetricBuffer> CudaComm::find_symmetric(const void* ptr, size_
 
 BarrierDevice CudaComm::barrier_handle() const {
   BarrierDevice bar{};
-  for (int r = 0; r < world_size_; ++r) bar.flags[r] = static_cast<uint64_t*>(signal_pad_->peer(r));
+  // Without peer memory (Note [communicator hosts]) no flags: the NVSHMEM EP kernels use the rest.
+  for (int r = 0; signal_pad_ != nullptr && r < world_size_; ++r) {
+    bar.flags[r] = static_cast<uint64_t*>(signal_pad_->peer(r));
+  }
   bar.state = state_;
   bar.error = error_device_;
   // The communicator's timeout now (set_timeout may have changed it since creation).

@@ -101,7 +101,7 @@ static void setup_nvshmem(EPBufferGpu::Impl& s, Communicator& comm, const EPConf
   // signalling before that.
   cuda_check(cudaMemset(s.heap.get(), 0, layout.control_end), what, "cudaMemset");
   cuda_check(cudaDeviceSynchronize(), what, "cudaDeviceSynchronize");
-  comm.barrier_host();
+  comm.control_barrier();
   s.nv.heap = static_cast<char*>(s.heap.get());
   s.nv.layout = layout;
   s.nv.num_blocks = num_blocks;
@@ -131,7 +131,7 @@ EPBufferGpu::EPBufferGpu(Communicator& comm, const EPConfig& config_in, int devi
   };
   std::vector<Wish> wishes(n);
   const Wish mine{num_sms, cuda.config().ep.want_ll ? 1 : 0};
-  comm.all_gather_host(wishes.data(), &mine, sizeof(Wish));  // collective
+  comm.control_all_gather(wishes.data(), &mine, sizeof(Wish));  // collective
   int32_t min_sms = num_sms;
   bool all_ll = true;
   for (const Wish& w : wishes) {
@@ -156,7 +156,7 @@ EPBufferGpu::EPBufferGpu(Communicator& comm, const EPConfig& config_in, int devi
     // region is written before it is read); the host barrier keeps peers from raising flags before that.
     cuda_check(cudaMemset(s.sym->local(), 0, layout.control_end), what, "cudaMemset");
     cuda_check(cudaDeviceSynchronize(), what, "cudaDeviceSynchronize");
-    comm.barrier_host();
+    comm.control_barrier();
   }
 
   kernels::EPParams& p = s.params;

@@ -101,7 +101,7 @@ std::shared_ptr<void> ep_nvshmem_allocate(Communicator& comm, size_t bytes, cons
     }
   }
   std::vector<int32_t> all(comm.world_size());
-  comm.all_gather_host(all.data(), &mine, sizeof(mine));  // collective
+  comm.control_all_gather(all.data(), &mine, sizeof(mine));  // collective
   bool same = mine >= 0;
   for (int32_t id : all) same = same && id == mine;
   std::lock_guard<std::mutex> lock(p.mu);

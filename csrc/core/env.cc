@@ -131,9 +131,10 @@ const std::vector<Knob>& knobs() {
        "tests/conftest.py: 1 lets a test's ranks share the GPUs there are (rank r on GPU r mod count), "
        "so world sizes above the GPU count run on one machine; 0: such tests skip."},
       {"COMMLIB_TEST_HOST_ID", "", KnobCategory::kTestOnly,
-       "Testing only: when set, a \"ddacomm\" group takes this string as the host of the calling rank "
-       "instead of the host name and boot id (python/commlib/backend_registration.py), so that ranks on "
-       "one machine can act as several hosts (the hierarchical paths); empty: the real host."},
+       "Testing only: when set, a communicator or \"ddacomm\" group created by the calling rank takes this "
+       "string as its host instead of the host name and boot id (commlib::host_id), so that ranks on one "
+       "machine can act as several hosts (the hierarchical paths, Note [communicator hosts]); empty: the "
+       "real host."},
       {"COMMLIB_TEST_HIER_INTER_GLOO", "0", KnobCategory::kTestOnly,
        "Testing only: 1 makes a multi-host \"ddacomm\" group carry the inter-host leg of CUDA tensors on its "
        "gloo group (through host copies) instead of NCCL, which refuses two ranks on one GPU "

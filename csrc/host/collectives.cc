@@ -357,6 +357,7 @@ void Communicator::all_to_all_v_host(void* out, const void* in, const std::vecto
 }
 
 void Communicator::barrier_host() {
+  if (num_hosts_ > 1) return control_barrier();  // Note [communicator hosts]
   HostShm& shm = host();
   shm.next_buffer();
   shm.barrier("barrier", "barrier", OpTag{static_cast<uint32_t>(HostOp::kBarrier), 0, 0, 0});

@@ -410,6 +410,9 @@ void HostP2p::wait(const Handle& request, const char* what) {
 // A Communicator member, defined in the host layer that owns HostP2p (the core may not include it).
 HostP2p& Communicator::host_p2p() {
   check_open("host p2p");
+  COMMLIB_CHECK(num_hosts_ == 1, InvalidArgument, "Communicator '", name(),
+                "': send / recv of CPU tensors go through shared memory, which needs every rank on one host; ",
+                hosts_problem_);
   if (!host_p2p_) host_p2p_ = std::make_shared<HostP2p>(*store_, prefix_, rank_, world_size_, options_.timeout, peer_pids_);
   return *host_p2p_;
 }

@@ -46,6 +46,22 @@ void bind_communicator(py::module_& m) {
       .def_property_readonly("name", &Communicator::name)
       .def_property_readonly("closed", &Communicator::closed)
       .def_property_readonly("peer_pids", &Communicator::peer_pids)
+      .def_property_readonly("num_hosts", &Communicator::num_hosts)
+      .def_property_readonly("host_of", &Communicator::host_of)
+      .def(
+          "control_all_gather",
+          [](Communicator& c, const py::bytes& mine) {
+            std::string in = mine;
+            std::string out(in.size() * static_cast<size_t>(c.world_size()), '\0');
+            {
+              py::gil_scoped_release release;
+              c.control_all_gather(out.data(), in.data(), in.size());
+            }
+            std::vector<py::bytes> all;
+            for (int r = 0; r < c.world_size(); ++r) all.emplace_back(out.substr(r * in.size(), in.size()));
+            return all;
+          },
+          py::arg("mine"))
       .def("close", &Communicator::close, py::call_guard<py::gil_scoped_release>())
       .def(
           "all_reduce",
@@ -101,6 +117,8 @@ PYBIND11_MODULE(_C, m) {
   bind_communicator(m);
   m.def("last_error_class", [] { return std::string(last_error_class); },
         "commlib.errors class name of this thread's last DistBackendError from a torch.ops.commlib op");
+  m.def("host_id", &commlib::host_id,
+        "This process's host id (COMMLIB_TEST_HOST_ID when set, else host name and boot id)");
   m.def("knobs", [] {
     std::vector<std::tuple<std::string, std::string, std::string>> out;
     for (const auto& k : commlib::env::knobs()) out.emplace_back(k.name, k.default_value, k.meaning);

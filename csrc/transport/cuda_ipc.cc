@@ -72,7 +72,7 @@ sockaddr_un make_addr(const std::string& name, socklen_t& len) {
 }  // namespace
 
 CudaIpc::CudaIpc(Store& store, std::string prefix, int rank, int world_size, int device, int64_t rank0_pid,
-                 std::chrono::milliseconds timeout)
+                 std::chrono::milliseconds timeout, std::string unreachable)
     : store_(store),
       prefix_(std::move(prefix)),
       rank_(rank),
@@ -81,6 +81,11 @@ CudaIpc::CudaIpc(Store& store, std::string prefix, int rank, int world_size, int
       rank0_pid_(rank0_pid),
       timeout_(timeout) {
   const char* what = "cuda ipc";
+  if (!unreachable.empty()) {
+    p2p_ok_ = false;
+    problem_ = std::move(unreachable);
+    return;
+  }
   COMMLIB_CHECK(world_size_ <= kMaxDeviceRanks, InvalidArgument, what, ": world_size ", world_size_,
                 " too large for GPU peer memory; supported: 1..", kMaxDeviceRanks);
   Bootstrap bootstrap(store_, prefix_ + "/cuda", rank_, world_size_, timeout_);

@@ -1,4 +1,5 @@
-// Communicator: one rank's membership in a group of processes on one node.
+// Communicator: one rank's membership in a group of processes, on one host or several (Note
+// [communicator hosts] in csrc/core/communicator.cc).
 //
 // Created collectively: every rank of the group constructs it with the same store, name and
 // world size (the constructor exchanges through the store and throws PeerError on any rank whose
@@ -33,6 +34,9 @@ struct CommunicatorOptions {
   size_t shm_slot_bytes = 0;  // 0: COMMLIB_SHM_SLOT_BYTES
 };
 
+// This process's host id: COMMLIB_TEST_HOST_ID when set (tests), else "<host name>/<boot id>".
+std::string host_id();
+
 class Communicator {
  public:
   Communicator(std::shared_ptr<Store> store, int rank, int world_size, std::string name,
@@ -53,6 +57,11 @@ class Communicator {
   void set_timeout(std::chrono::milliseconds timeout);
   Store& store() { return *store_; }
   const std::vector<int64_t>& peer_pids() const { return peer_pids_; }
+  // Hosts of the group (numbered in the order of their lowest rank) and the host of each rank.
+  int num_hosts() const { return num_hosts_; }
+  const std::vector<int>& host_of() const { return host_of_; }
+  // Empty on one host; else why shared and peer memory are unavailable (names two ranks' hosts).
+  const std::string& hosts_problem() const { return hosts_problem_; }
   bool closed() const { return closed_; }
   void close();
 
@@ -71,8 +80,14 @@ class Communicator {
   // out_bytes[r]: bytes it receives from rank r (packed in rank order in `out`).
   void all_to_all_v_host(void* out, const void* in, const std::vector<size_t>& in_bytes,
                          const std::vector<size_t>& out_bytes);
+  // Across hosts: over the store (no data, so the slow path costs only set-up time).
   void barrier_host();
+  // Shared memory of this host's ranks; InvalidArgument naming the hosts when the ranks span several.
   HostShm& host();
+  // Set-up exchanges (never on a hot path): over shared memory on one host, over the store across
+  // hosts. Collective; `out` receives world_size blocks of `bytes`, block r from rank r.
+  void control_all_gather(void* out, const void* in, size_t bytes);
+  void control_barrier();
   // Point-to-point messages over shared memory, created on first use. Not collective: only the two
   // ranks of a pair take part in setting up their channel (Note [host p2p]).
   HostP2p& host_p2p();
@@ -104,6 +119,10 @@ class Communicator {
   std::string prefix_;
   CommunicatorOptions options_;
   std::vector<int64_t> peer_pids_;
+  std::vector<int> host_of_;
+  int num_hosts_ = 1;
+  std::string hosts_problem_;
+  uint64_t control_calls_ = 0;  // store keys of each control exchange across hosts
   bool closed_ = false;
   int multicast_attempts_ = 0;  // store keys of each multicast workspace attempt
   std::unique_ptr<HostShm> host_;

@@ -19,7 +19,6 @@ See csrc/torch/backend.cpp, Note [ddacomm routing], for which calls take which p
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 
 BACKEND_NAME = "ddacomm"
@@ -27,15 +26,9 @@ _registered = False
 
 
 def _host_id() -> str:
-    override = os.environ.get("COMMLIB_TEST_HOST_ID", "")
-    if override:  # tests: ranks of one machine act as several hosts
-        return override
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    """This process's host id (the communicator's: ``commlib::host_id``, Note [communicator hosts])."""
+    from . import _C
+    return _C.host_id()
 
 
 def _host_ids(store, rank: int, world_size: int, timeout: timedelta) -> list:

@@ -58,7 +58,7 @@ def _check_out(what: str, tensor: torch.Tensor, out) -> None:
 
 
 class Communicator:
-    """One rank's membership in a group of processes on one node.
+    """One rank's membership in a group of processes, usually on one node.
 
     Created collectively: every rank calls ``Communicator(store, rank, world_size, name)`` with the
     same store, name and world size (keys are prefixed by ``name``). Collective methods must be
@@ -70,7 +70,10 @@ class Communicator:
     it must be unique among this process's open communicators.
 
     CPU tensors go through POSIX shared memory; CUDA tensors through peer GPU memory, on the
-    caller's current stream. ``close()`` releases everything; it also runs at interpreter exit and
+    caller's current stream. Both exist only inside one host: on a communicator whose ranks span
+    several hosts (``num_hosts > 1``) only ``barrier()`` (over the store) and ``EPBuffer`` with CUDA
+    tensors (NVSHMEM) work, and the collectives raise ``ValueError`` naming the hosts; for
+    collectives across hosts use a "ddacomm" process group (docs/multinode.md). ``close()`` releases everything; it also runs at interpreter exit and
     when the object is collected.
     """
 
@@ -116,6 +119,11 @@ class Communicator:
     @property
     def name(self) -> str:
         return self._comm.name
+
+    @property
+    def num_hosts(self) -> int:
+        """Hosts the ranks run on (host name and boot id; Note [communicator hosts])."""
+        return self._comm.num_hosts
 
     @property
     def group_name(self) -> str:

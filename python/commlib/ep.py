@@ -24,27 +24,29 @@ _TRANSPORTS = ("auto", "peer", "nvshmem")
 _buffer_ids = itertools.count()
 
 
-def _spans_hosts(comm, key: str) -> bool:
-    """True when the ranks of ``comm`` run on more than one host (collective over its store; a native
-    communicator has none, and ``ddacomm`` makes one only for a single-host group)."""
-    store = getattr(comm, "_store", None)
-    if store is None or comm.world_size == 1:
-        return False
-    from .backend_registration import _host_id
-    mine = _host_id()
-    store.set(f"{key}/{comm.rank}", mine)
-    return any(store.get(f"{key}/{r}").decode() != mine for r in range(comm.world_size))
+def _num_hosts(comm) -> int:
+    """Hosts the ranks of ``comm`` run on (Note [communicator hosts])."""
+    native = comm.native if hasattr(comm, "native") else comm
+    return getattr(native, "num_hosts", 1)
 
 
-def _resolve_transport(comm, transport: str, device: torch.device, key: str) -> str:
+def _resolve_transport(comm, transport: str, device: torch.device) -> str:
     if transport not in _TRANSPORTS:
         raise ValueError(f"EPBuffer: transport '{transport}' not supported; supported: {', '.join(_TRANSPORTS)}")
+    hosts = _num_hosts(comm)
     if device.type != "cuda":
         if transport == "nvshmem":
             raise ValueError(f"EPBuffer: transport 'nvshmem' not supported on {device}; supported: auto, peer")
+        if hosts > 1:
+            raise ValueError(f"EPBuffer: device {device} needs every rank on one host (shared memory); the "
+                             f"communicator's ranks span {hosts} hosts: use CUDA tensors (transport 'auto' or "
+                             "'nvshmem')")
         return "peer"
     if transport == "auto":
-        transport = "nvshmem" if _spans_hosts(comm, f"commlib/ep_hosts/{key}") else "peer"
+        transport = "nvshmem" if hosts > 1 else "peer"
+    if transport == "peer" and hosts > 1:
+        raise ValueError(f"EPBuffer: transport 'peer' needs every rank on one host (CUDA peer memory); the "
+                         f"communicator's ranks span {hosts} hosts; supported here: auto, nvshmem")
     if transport == "nvshmem":
         from . import _nvshmem
         _nvshmem.attach(comm, device.index)
@@ -112,7 +114,7 @@ class EPBuffer:
         self.device = device
         native = comm.native if hasattr(comm, "native") else comm
         self.name = str(name) if name is not None else f"{comm.name}/ep{next(_buffer_ids)}"
-        self.transport = _resolve_transport(comm, transport, device, self.name)
+        self.transport = _resolve_transport(comm, transport, device)
         self._buf = _C.EPBuffer(native, max_tokens_per_rank, hidden, num_experts, topk, int(capacity or 0),
                                 _DTYPES[dtype], str(device), self.transport)
         self.capacity = self._buf.capacity

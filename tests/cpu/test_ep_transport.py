@@ -12,10 +12,10 @@ from commlib import _C, _nvshmem, ep
 
 
 class _FakeComm:
-    """What transport resolution reads of a communicator: rank, world_size and the store."""
+    """What transport resolution reads of a communicator: rank, world_size, num_hosts and the store."""
 
-    def __init__(self, rank, world_size, store):
-        self.rank, self.world_size, self._store = rank, world_size, store
+    def __init__(self, rank, world_size, store, num_hosts=1):
+        self.rank, self.world_size, self._store, self.num_hosts = rank, world_size, store, num_hosts
 
 
 def _store():
@@ -24,7 +24,7 @@ def _store():
 
 def test_bad_transport_names_the_allowed_set():
     with pytest.raises(ValueError, match="transport 'ucx' not supported; supported: auto, peer, nvshmem"):
-        ep._resolve_transport(_FakeComm(0, 1, _store()), "ucx", torch.device("cpu"), "k")
+        ep._resolve_transport(_FakeComm(0, 1, _store()), "ucx", torch.device("cpu"))
 
 
 def test_nvshmem_on_cpu_tensors_is_refused(ranks):
@@ -40,21 +40,27 @@ def _nvshmem_on_cpu(ctx):
 
 
 def test_auto_picks_peer_memory_on_one_host():
-    from commlib.backend_registration import _host_id
-    store = _store()
-    store.set("commlib/ep_hosts/b0/1", _host_id())  # rank 1, on this host
-    comm = _FakeComm(0, 2, store)
-    assert ep._resolve_transport(comm, "auto", torch.device("cuda", 0), "b0") == "peer"
-    assert ep._resolve_transport(comm, "auto", torch.device("cpu"), "b0") == "peer"
+    comm = _FakeComm(0, 2, _store())
+    assert ep._resolve_transport(comm, "auto", torch.device("cuda", 0)) == "peer"
+    assert ep._resolve_transport(comm, "auto", torch.device("cpu")) == "peer"
 
 
 def test_auto_picks_nvshmem_across_hosts(monkeypatch):
-    store = _store()
-    store.set("commlib/ep_hosts/b1/1", "another-host")
     attached = []
     monkeypatch.setattr(_nvshmem, "attach", lambda comm, device: attached.append((comm.rank, device)))
-    assert ep._resolve_transport(_FakeComm(0, 2, store), "auto", torch.device("cuda", 3), "b1") == "nvshmem"
+    comm = _FakeComm(0, 4, _store(), num_hosts=2)
+    assert ep._resolve_transport(comm, "auto", torch.device("cuda", 3)) == "nvshmem"
     assert attached == [(0, 3)]
+
+
+def test_peer_memory_and_cpu_across_hosts_are_refused(monkeypatch):
+    monkeypatch.setattr(_nvshmem, "attach", lambda comm, device: pytest.fail("attach must not run"))
+    comm = _FakeComm(1, 4, _store(), num_hosts=2)
+    with pytest.raises(ValueError, match="transport 'peer' needs every rank on one host .* span 2 hosts; "
+                                         "supported here: auto, nvshmem"):
+        ep._resolve_transport(comm, "peer", torch.device("cuda", 0))
+    with pytest.raises(ValueError, match="device cpu needs every rank on one host .* span 2 hosts"):
+        ep._resolve_transport(comm, "auto", torch.device("cpu"))
 
 
 def test_nvshmem_without_cuda_build_is_a_clear_error(monkeypatch):

@@ -1,5 +1,7 @@
 """EPBuffer over NVSHMEM (transport="nvshmem"; Note [EP NVSHMEM protocol]) at world 1 and 2 (with
-COMMLIB_TEST_SHARE_GPUS=1 two PEs share one GPU).
+COMMLIB_TEST_SHARE_GPUS=1 two PEs share one GPU), and on a communicator whose ranks act as two hosts
+(COMMLIB_TEST_HOST_ID; Note [communicator hosts]): no peer memory is mapped there, so only NVSHMEM
+carries the rows, and "auto" picks it.
 
 References: the pure-torch simulation of every rank (tests/ep_reference.py; Note [EP layout]) bit
 for bit, and the peer-memory kernels (transport="peer") on the same inputs, bit for bit: expert
@@ -9,6 +11,9 @@ every call, including graph replays.
 import pytest
 import torch
 from ep_reference import DTYPES, check_dead_peer_times_out, expert_fn, make_routing, make_tokens, run_dispatch_combine
+
+import contextlib
+import os
 
 import commlib
 from commlib import _nvshmem
@@ -196,6 +201,46 @@ def test_nvshmem_overflow_flag(ranks, world_size):
     ranks(world_size).run(_overflow)
 
 
+@contextlib.contextmanager
+def _as_own_host(ctx):
+    """This rank acts as a host of its own while communicators are created."""
+    os.environ["COMMLIB_TEST_HOST_ID"] = f"host-{ctx.rank}"
+    try:
+        yield
+    finally:
+        os.environ.pop("COMMLIB_TEST_HOST_ID", None)
+
+
+def _across_hosts(ctx):
+    """Every case on a communicator spanning hosts: "auto" is NVSHMEM, the results are the
+    simulation's bit for bit, peer memory is refused with a clear error and the buffer still works."""
+    dev = f"cuda:{ctx.device}"
+    with _as_own_host(ctx):
+        comm = ctx.new_comm("ep-hosts")
+    try:
+        assert comm.num_hosts == ctx.world_size
+        buf = commlib.EPBuffer(comm, 4, 64, 8, 2, torch.float32, device=dev)
+        assert buf.transport == "nvshmem" and buf.kernels == "nvshmem"
+        with pytest.raises(ValueError, match="transport 'peer' needs every rank on one host"):
+            commlib.EPBuffer(comm, 4, 64, 8, 2, torch.float32, device=dev, transport="peer")
+        with pytest.raises(commlib.PeerError, match=r"GPU peer memory unavailable: its 2 ranks span 2 hosts"):
+            comm.all_reduce(torch.randn(1000, device=dev))
+        run_dispatch_combine(ctx, _cases(ctx), dev, transport="auto", comm=comm)
+    finally:
+        comm.close()
+        torch.cuda.empty_cache()
+    return True
+
+
+def test_nvshmem_across_emulated_hosts(ranks):
+    assert ranks(2).run(_across_hosts) == [True, True]
+
+
+def _dead_peer_across_hosts(ctx):
+    with _as_own_host(ctx):
+        return check_dead_peer_times_out(ctx, "ep-hosts-timeout") == "nvshmem"
+
+
 def _dead_peer(ctx):
     """The NVSHMEM kernels bound their waits and report whom they waited for, as the peer-memory
     kernels do."""
@@ -204,3 +249,7 @@ def _dead_peer(ctx):
 
 def test_nvshmem_dead_peer_times_out(ranks):
     assert all(ranks(2).run(_dead_peer, timeout=120))
+
+
+def test_nvshmem_dead_peer_times_out_across_hosts(ranks):
+    assert all(ranks(2).run(_dead_peer_across_hosts, timeout=120))
