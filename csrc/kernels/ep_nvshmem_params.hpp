@@ -50,12 +50,13 @@
 // is not ordered for the other blocks of the same kernel); in split mode and in the combine, from
 // the meta slot (an earlier kernel wrote it).
 // World size: up to kMaxRanks (a multi-node EP group), not kMaxDeviceRanks. Rank sets are 64-bit
-// masks (bit r: rank r); per-rank work runs on threads r of the block, or on lanes r, r + 32 of a
-// warp, never one lane per rank; an owner set is reduced over a warp in two 32-bit halves. Every
+// masks (bit r: rank r); per-rank work runs on thread r of the block, or in laps of 32 ranks over a
+// warp (lane l: ranks l and l + 32); an owner set is reduced over a warp in two 32-bit halves. Every
 // order that decides a result (sources in rank order for positions, owners in rank order in the
 // combine's sum) is the same at every world size, so wherever the peer-memory kernels also run
-// (world <= 8) the results match theirs bit for bit. Of the communicator's BarrierDevice the kernels use only state (poisoned), error and
-// timeout: its per-rank arrays (kMaxDeviceRanks) are never indexed.
+// (world <= 8) the results match theirs bit for bit. Of the communicator's BarrierDevice the
+// kernels use only state (poisoned), error and timeout: its per-rank arrays (kMaxDeviceRanks) are
+// never indexed.
 #pragma once
 
 #include <cstddef>
