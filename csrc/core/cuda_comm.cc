@@ -143,7 +143,7 @@ std::shared_ptr<SymmetricBuffer> CudaComm::find_symmetric(const void* ptr, size_
 BarrierDevice CudaComm::barrier_handle() const {
   BarrierDevice bar{};
   // Without peer memory (Note [communicator hosts]) no flags: the NVSHMEM EP kernels use the rest.
-  for (int r = 0; signal_pad_ != nullptr && r < world_size_; ++r) {
+  for (int r = 0; signal_pad_ != nullptr && r < std::min(world_size_, kMaxDeviceRanks); ++r) {
     bar.flags[r] = static_cast<uint64_t*>(signal_pad_->peer(r));
   }
   bar.state = state_;

@@ -113,8 +113,9 @@ EPBufferGpu::EPBufferGpu(Communicator& comm, const EPConfig& config_in, int devi
   const char* what = "EPBuffer";
   const int n = comm.world_size();
   const EPConfig config = validate_ep_config(config_in, n);
-  COMMLIB_CHECK(n <= kMaxDeviceRanks, InvalidArgument, what, ": world_size ", n, " not supported on CUDA; valid: 1..",
-                kMaxDeviceRanks);
+  const int max_ranks = transport == EPTransport::kNvshmem ? nvshmem_ep::kMaxRanks : kMaxDeviceRanks;
+  COMMLIB_CHECK(n <= max_ranks, InvalidArgument, what, ": world_size ", n, " not supported on CUDA with transport '",
+                transport == EPTransport::kNvshmem ? "nvshmem" : "peer", "'; valid: 1..", max_ranks);
   COMMLIB_CHECK(config.num_experts <= kernels::kEPMaxExpertsCuda, InvalidArgument, what, ": num_experts ",
                 config.num_experts, " not supported on CUDA; valid: up to ", kernels::kEPMaxExpertsCuda);
   CudaComm& cuda = comm.cuda(device);

@@ -49,20 +49,42 @@
 // The own routing in a fused dispatch comes from topk_idx itself (block 0's copy into the meta slot
 // is not ordered for the other blocks of the same kernel); in split mode and in the combine, from
 // the meta slot (an earlier kernel wrote it).
+// World size: up to kMaxRanks (a multi-node EP group), not kMaxDeviceRanks. Rank sets are 64-bit
+// masks (bit r: rank r); per-rank work runs on thread r of the block, or in laps of 32 ranks over a
+// warp (lane l: ranks l and l + 32); an owner set is reduced over a warp in two 32-bit halves. Every
+// order that decides a result (sources in rank order for positions, owners in rank order in the
+// combine's sum) is the same at every world size, so wherever the peer-memory kernels also run
+// (world <= 8) the results match theirs bit for bit. Of the communicator's BarrierDevice the
+// kernels use only state (poisoned), error and timeout: its per-rank arrays (kMaxDeviceRanks) are
+// never indexed.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 
 #include "kernels/ep_params.hpp"
 
 namespace commlib::nvshmem_ep {
 
 constexpr int kApiVersion = 1;
+// Largest world (rank sets are uint64 masks; Note [EP NVSHMEM protocol]).
+constexpr int kMaxRanks = 64;
 // Largest grid (the per-block control words and signals are sized by it).
 constexpr int kMaxBlocks = 64;
 // Messages of one source's routing per call (Note [EP NVSHMEM protocol]).
 constexpr uint64_t kMetaMessages = 3;
+
+// Rank sets (bit r: rank r), right for every world of 1..kMaxRanks (a shift by 64 is undefined, so
+// the full set is built from its complement). constexpr: the kernels call them too.
+constexpr uint64_t rank_bit(int r) { return uint64_t{1} << r; }
+constexpr uint64_t all_ranks(int n) { return n >= 64 ? ~uint64_t{0} : rank_bit(n) - 1u; }
+constexpr uint64_t other_ranks(int n, int me) { return all_ranks(n) & ~rank_bit(me); }
+
+static_assert(all_ranks(1) == 1u && all_ranks(8) == 0xffu && all_ranks(32) == 0xffffffffu);
+static_assert(all_ranks(33) == 0x1ffffffffu && all_ranks(kMaxRanks) == ~uint64_t{0});
+static_assert(other_ranks(1, 0) == 0u && other_ranks(8, 3) == 0xf7u && other_ranks(64, 63) == (~uint64_t{0} >> 1));
+static_assert(other_ranks(64, 0) == (~uint64_t{0} << 1) && other_ranks(40, 35) == 0xf7ffffffffu);
 
 // Byte offsets in one buffer on the symmetric heap (the same on every PE).
 struct Layout {
@@ -119,6 +141,38 @@ struct Params {
   int num_blocks = 1;
   int64_t tokens_per_block = 1;
 };
+
+// Whether the kernels can run `q` (every launch checks it); if not, false and a message naming
+// `what`, the value and the valid range in `message` (len bytes).
+inline bool check_params(const Params& q, const char* what, char* message, size_t len) {
+  const EPConfig& c = q.base.config;
+  const int n = q.base.world_size;
+  auto fail = [&](const char* field, long long value, long long lo, long long hi) {
+    if (message != nullptr && len > 0) {
+      std::snprintf(message, len, "%s: %s %lld not supported; valid: %lld..%lld", what, field, value, lo, hi);
+    }
+    return false;
+  };
+  if (n < 1 || n > kMaxRanks) return fail("world_size", n, 1, kMaxRanks);
+  if (q.base.rank < 0 || q.base.rank >= n) return fail("rank", q.base.rank, 0, n - 1);
+  if (c.topk < 1 || c.topk > kEPMaxTopk) return fail("topk", c.topk, 1, kEPMaxTopk);
+  if (c.num_experts < n || c.num_experts % n != 0 || c.num_experts > kernels::kEPMaxExpertsCuda) {
+    return fail("num_experts (a multiple of world_size)", c.num_experts, n, kernels::kEPMaxExpertsCuda);
+  }
+  if (q.num_blocks < 1 || q.num_blocks > kMaxBlocks) return fail("num_blocks", q.num_blocks, 1, kMaxBlocks);
+  if (q.tokens_per_block < 1 || q.tokens_per_block * q.num_blocks < c.max_tokens_per_rank) {
+    if (message != nullptr && len > 0) {
+      std::snprintf(message, len, "%s: a grid of %d blocks x %lld tokens does not cover max_tokens_per_rank %lld",
+                    what, q.num_blocks, static_cast<long long>(q.tokens_per_block),
+                    static_cast<long long>(c.max_tokens_per_rank));
+    }
+    return false;
+  }
+  if (q.base.num_tokens < 0 || q.base.num_tokens > c.max_tokens_per_rank) {
+    return fail("num_tokens", q.base.num_tokens, 0, c.max_tokens_per_rank);
+  }
+  return true;
+}
 
 // The library's entry table (commlib_nvshmem_ep_api). Functions returning int return 0 on success,
 // else write a message into `message` (len bytes).

@@ -59,44 +59,58 @@ struct Routing {
   }
 };
 
-// Whole warp: the ranks owning an expert of token t of source s (bit r: rank r).
-__device__ __forceinline__ unsigned owner_ranks(const Routing& routing, int s, int64_t t, int lane) {
+// One lane per route (topk <= 32), so that a token's routing loads in one round trip.
+static_assert(kEPMaxTopk <= 32);
+
+__device__ __forceinline__ bool in_set(uint64_t ranks, int r) { return ((ranks >> r) & 1u) != 0u; }
+
+// Whole warp: the ranks owning an expert of token t of source s (bit r: rank r). Reduced in 32-bit
+// halves; the upper one only in worlds past 32 (n is the same on every lane).
+__device__ __forceinline__ uint64_t owner_ranks(const Routing& routing, int s, int64_t t, int lane) {
   const EPConfig& c = routing.q.base.config;
-  const int64_t num_local = c.num_experts / routing.q.base.world_size;
-  unsigned bit = 0;
+  const int n = routing.q.base.world_size;
+  const int64_t num_local = c.num_experts / n;
+  uint64_t bit = 0;
   if (lane < c.topk) {
     const int32_t e = routing.expert(s, t * c.topk + lane);
-    if (e >= 0) bit = 1u << (e / num_local);
+    if (e >= 0) bit = rank_bit(static_cast<int>(e / num_local));
   }
-  return __reduce_or_sync(kFullMask, bit);
+  const uint64_t low = __reduce_or_sync(kFullMask, static_cast<unsigned>(bit));
+  if (n <= 32) return low;
+  const uint64_t high = __reduce_or_sync(kFullMask, static_cast<unsigned>(bit >> 32));
+  return high << 32 | low;
 }
 
 // Block-wide: counts[r] = tokens of `range` of source s owned (also) by rank r, for each rank r in
-// `ranks` (shared memory, zeroed here).
-__device__ __forceinline__ void count_owned_tokens(const Routing& routing, int s, TokenRange range, unsigned ranks,
+// `ranks` (shared memory, [kMaxRanks], zeroed here).
+__device__ __forceinline__ void count_owned_tokens(const Routing& routing, int s, TokenRange range, uint64_t ranks,
                                                    int32_t* counts) {
   const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
-  if (threadIdx.x < 32) counts[threadIdx.x] = 0;
+  const int n = routing.q.base.world_size;
+  if (threadIdx.x < kMaxRanks) counts[threadIdx.x] = 0;
   __syncthreads();
   for (int64_t t = range.begin + warp; t < range.end; t += kWarps) {
-    const unsigned owners = owner_ranks(routing, s, t, lane) & ranks;
-    if (lane < routing.q.base.world_size && ((owners >> lane) & 1u) != 0u) atomicAdd(&counts[lane], 1);
+    const uint64_t owners = owner_ranks(routing, s, t, lane) & ranks;
+    for (int r = lane; r < n; r += 32) {
+      if (in_set(owners, r)) atomicAdd(&counts[r], 1);
+    }
   }
   __syncthreads();
 }
 
-// Warp 0, lane r for r in `ranks`: waits until signals[slot(r)] reaches expected[r] + counts[r] + extra
-// and advances expected[r]. Block-wide (every thread calls it); true if a wait failed.
+// Thread r of the block for r in `ranks`: waits until signals[slot(r)] reaches expected[r] +
+// counts[r] + extra and advances expected[r]. Block-wide (every thread calls it); true if a wait failed.
 template <typename Slot>
 __device__ __forceinline__ bool wait_counts(const Params& q, const uint64_t* signals, Slot&& slot, uint64_t* expected,
-                                            const int32_t* counts, uint64_t extra, unsigned ranks, Phase phase,
+                                            const int32_t* counts, uint64_t extra, uint64_t ranks, Phase phase,
                                             uint64_t seq) {
-  const int lane = static_cast<int>(threadIdx.x);
+  static_assert(kMaxRanks <= kThreads);
+  const int r = static_cast<int>(threadIdx.x);
   bool failed = false;
-  if (lane < q.base.world_size && ((ranks >> lane) & 1u) != 0u) {
-    const uint64_t target = expected[lane] + static_cast<uint64_t>(counts[lane]) + extra;
-    failed = !device::wait_flag(q.base.barrier, signals + slot(lane), target, lane, static_cast<int>(phase), seq);
-    if (!failed) expected[lane] = target;
+  if (r < q.base.world_size && in_set(ranks, r)) {
+    const uint64_t target = expected[r] + static_cast<uint64_t>(counts[r]) + extra;
+    failed = !device::wait_flag(q.base.barrier, signals + slot(r), target, r, static_cast<int>(phase), seq);
+    if (!failed) expected[r] = target;
   }
   return __syncthreads_or(failed) != 0;
 }
@@ -124,7 +138,7 @@ __global__ void __launch_bounds__(kThreads, 1) ep_nvshmem_dispatch_kernel(const 
   T* land_x = at<T>(q, q.layout.land_x);
   uint64_t* meta_signal = at<uint64_t>(q, q.layout.meta_signal);
   uint64_t* data_signal = at<uint64_t>(q, q.layout.data_signal);
-  const unsigned others = ((1u << n) - 1u) & ~(1u << me);
+  const uint64_t others = other_ranks(n, me);
   const Routing routing{q, has(mode, EPMode::kSend)};
 
   if (has(mode, EPMode::kSend)) {
@@ -157,14 +171,14 @@ __global__ void __launch_bounds__(kThreads, 1) ep_nvshmem_dispatch_kernel(const 
     const TokenRange range = token_range(q, p.num_tokens);
     const T* x = static_cast<const T*>(p.x);
     for (int64_t t = range.begin + warp; t < range.end; t += kWarps) {
-      const unsigned targets = owner_ranks(routing, me, t, lane) & others;
+      const uint64_t targets = owner_ranks(routing, me, t, lane) & others;
       if (targets == 0u) continue;
       T* stage = land_x + kernels::row(p, me, t);
       kernels::copy_row<T>(&stage, 1, x + t * hidden, hidden, {0, hidden}, lane);
       // The staged row is complete (every lane's part) before the put reads it.
       __syncwarp();
-      for (unsigned rest = targets; rest != 0u; rest &= rest - 1u) {
-        const int d = __ffs(rest) - 1;
+      for (uint64_t rest = targets; rest != 0u; rest &= rest - 1u) {
+        const int d = __ffsll(static_cast<long long>(rest)) - 1;
         nvshmemx_putmem_signal_nbi_warp(stage, stage, row_bytes, data_signal + signal_slot(q, me, b), 1,
                                         NVSHMEM_SIGNAL_ADD, d);
       }
@@ -175,10 +189,10 @@ __global__ void __launch_bounds__(kThreads, 1) ep_nvshmem_dispatch_kernel(const 
   extern __shared__ int32_t smem[];
   int32_t* base = smem;                   // [num_local]: routes of the sources before s, per local expert
   int32_t* run = smem + num_local;        // [max(num_local, num_experts)]: scratch counts
-  __shared__ int32_t counts[32];
+  __shared__ int32_t counts[kMaxRanks];
   __shared__ T* dsts[kWarps][kEPMaxTopk];
 
-  // Every peer's routing (warp 0, lane s).
+  // Every peer's routing (thread s).
   {
     bool failed = false;
     if (threadIdx.x < n && static_cast<int>(threadIdx.x) != me) {
@@ -230,7 +244,7 @@ __global__ void __launch_bounds__(kThreads, 1) ep_nvshmem_dispatch_kernel(const 
   uint64_t* expected = at<uint64_t>(q, q.layout.data_expected) + count_slot(q, b, 0);
   for (int s = 0; s < n; ++s) {
     if (s == me) continue;
-    count_owned_tokens(routing, s, token_range(q, routing.num_tokens(s)), 1u << me, counts);
+    count_owned_tokens(routing, s, token_range(q, routing.num_tokens(s)), rank_bit(me), counts);
     bool failed = false;
     if (threadIdx.x == 0) {
       const uint64_t target = expected[s] + static_cast<uint64_t>(counts[me]);
@@ -305,11 +319,13 @@ __global__ void __launch_bounds__(kThreads, 1) ep_nvshmem_combine_kernel(const P
   T* land_y = at<T>(q, q.layout.land_y);
   T* send_y = at<T>(q, q.layout.send_y);
   uint64_t* combine_signal = at<uint64_t>(q, q.layout.combine_signal);
-  const unsigned others = ((1u << n) - 1u) & ~(1u << me);
+  const uint64_t others = other_ranks(n, me);
   const Routing routing{q, false};
+  // Per warp: a token's local routes (local_routes), then its owner ranks' partials; at most topk
+  // of either.
   __shared__ const T* srcs[kWarps][32];
   __shared__ float weights[kWarps][32];
-  __shared__ int32_t counts[32];
+  __shared__ int32_t counts[kMaxRanks];
 
   if (has(mode, EPMode::kSend)) {
     for (int s = 0; s < n; ++s) {
@@ -345,10 +361,15 @@ __global__ void __launch_bounds__(kThreads, 1) ep_nvshmem_combine_kernel(const P
   }
   T* out = static_cast<T*>(p.out);
   for (int64_t t = range.begin + warp; t < range.end; t += kWarps) {
-    const unsigned owners = owner_ranks(routing, me, t, lane);
-    const bool keep = lane < n && ((owners >> lane) & 1u) != 0u;
-    const int count = kernels::warp_list(srcs[warp], keep, static_cast<const T*>(land_y + kernels::row(p, lane, t)),
-                                         lane);
+    const uint64_t owners = owner_ranks(routing, me, t, lane);
+    // The owners' partials in rank order (the sum's order, Note [EP layout]), 32 ranks at a time.
+    int count = 0;
+    for (int first = 0; first < n; first += 32) {
+      const int r = first + lane;
+      const bool keep = r < n && in_set(owners, r);
+      const T* partial = keep ? land_y + kernels::row(p, r, t) : nullptr;
+      count += kernels::warp_list(srcs[warp] + count, keep, partial, lane);
+    }
     kernels::weighted_sum_row<T, kernels::kSumLarge.unroll, kernels::kSumLarge.sources>(
         out + t * hidden, srcs[warp], nullptr, count, hidden, {0, hidden}, lane);
     __syncwarp();
@@ -414,10 +435,11 @@ int launch(const Params* q, int mode_in, void* stream_in, char* message, size_t 
   const EPMode mode = static_cast<EPMode>(mode_in);
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_in);
   const EPConfig& c = q->base.config;
+  const char* what = kDispatch ? "EPBuffer.dispatch (nvshmem)" : "EPBuffer.combine (nvshmem)";
+  if (!check_params(*q, what, message, len)) return 1;
   const int64_t num_local = c.num_experts / q->base.world_size;
   const size_t smem =
       kDispatch ? static_cast<size_t>(num_local + std::max(num_local, c.num_experts)) * sizeof(int32_t) : 0;
-  const char* what = kDispatch ? "EPBuffer.dispatch (nvshmem)" : "EPBuffer.combine (nvshmem)";
   cudaError_t e = cudaSuccess;
   switch (c.dtype) {
     case DataType::kFloat32: e = launch_typed<kDispatch, float>(*q, mode, stream, smem); break;

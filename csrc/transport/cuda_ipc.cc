@@ -81,13 +81,15 @@ CudaIpc::CudaIpc(Store& store, std::string prefix, int rank, int world_size, int
       rank0_pid_(rank0_pid),
       timeout_(timeout) {
   const char* what = "cuda ipc";
+  if (unreachable.empty() && world_size_ > kMaxDeviceRanks) {
+    unreachable = detail::concat("world_size ", world_size_, " above the ", kMaxDeviceRanks,
+                                 " ranks GPU peer memory supports");
+  }
   if (!unreachable.empty()) {
     p2p_ok_ = false;
     problem_ = std::move(unreachable);
     return;
   }
-  COMMLIB_CHECK(world_size_ <= kMaxDeviceRanks, InvalidArgument, what, ": world_size ", world_size_,
-                " too large for GPU peer memory; supported: 1..", kMaxDeviceRanks);
   Bootstrap bootstrap(store_, prefix_ + "/cuda", rank_, world_size_, timeout_);
 
   // P2P reachability of every pair, agreed by all ranks.

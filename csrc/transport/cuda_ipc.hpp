@@ -32,8 +32,8 @@ enum class ZeroFill { kNo, kYes };
 class CudaIpc {
  public:
   // Collective: checks P2P reachability of every pair and opens this rank's socket. A non-empty
-  // `unreachable` (ranks on several hosts: Note [communicator hosts]) is the problem at once, with
-  // no exchange, no socket and no limit on the world size.
+  // `unreachable` (ranks on several hosts: Note [communicator hosts]), or a world above
+  // kMaxDeviceRanks, is the problem at once: no exchange, no socket.
   CudaIpc(Store& store, std::string prefix, int rank, int world_size, int device, int64_t rank0_pid,
           std::chrono::milliseconds timeout, std::string unreachable = {});
   ~CudaIpc();

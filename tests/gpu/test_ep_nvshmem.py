@@ -1,19 +1,21 @@
 """EPBuffer over NVSHMEM (transport="nvshmem"; Note [EP NVSHMEM protocol]) at world 1 and 2 (with
-COMMLIB_TEST_SHARE_GPUS=1 two PEs share one GPU), and on a communicator whose ranks act as two hosts
-(COMMLIB_TEST_HOST_ID; Note [communicator hosts]): no peer memory is mapped there, so only NVSHMEM
-carries the rows, and "auto" picks it.
+COMMLIB_TEST_SHARE_GPUS=1 two PEs share one GPU), on a communicator whose ranks act as two hosts
+(COMMLIB_TEST_HOST_ID; Note [communicator hosts]: no peer memory is mapped there, so only NVSHMEM
+carries the rows, and "auto" picks it), and at wider worlds (4, 12: past the peer-memory kernels' 8
+ranks; 33: past one warp of ranks, the upper half of the 64-bit rank sets) against the simulation,
+with a dead peer of rank >= 8 (and >= 32) timing out.
 
 References: the pure-torch simulation of every rank (tests/ep_reference.py; Note [EP layout]) bit
 for bit, and the peer-memory kernels (transport="peer") on the same inputs, bit for bit: expert
 rows, counts, positions, combine output and the overflow word. Outputs are poisoned (NaN) before
 every call, including graph replays.
 """
+import contextlib
+import os
+
 import pytest
 import torch
 from ep_reference import DTYPES, check_dead_peer_times_out, expert_fn, make_routing, make_tokens, run_dispatch_combine
-
-import contextlib
-import os
 
 import commlib
 from commlib import _nvshmem
@@ -253,3 +255,67 @@ def test_nvshmem_dead_peer_times_out(ranks):
 
 def test_nvshmem_dead_peer_times_out_across_hosts(ranks):
     assert all(ranks(2).run(_dead_peer_across_hosts, timeout=120))
+
+
+# Worlds past the peer-memory kernels' 8 ranks. The simulation is the reference (the peer-memory
+# kernels match it bit for bit where they run). On one GPU every PE takes turns with the others, so
+# the cases are small; each spreads every source's tokens over ranks across the whole world.
+WIDE_WORLDS = [4, 12]
+# One past a warp of ranks: the rank sets' upper 32 bits, the per-rank loops' second lap.
+PAST_WARP_WORLD = 33
+
+
+def _wide_cases(n):
+    # (num_experts, topk, hidden, dtype, routing, max_tokens, tokens of each rank (cycled), capacity)
+    return [
+        (2 * n, 2, 64, "bfloat16", "random", 9, (9, 0, 5, 1), None),
+        (4 * n, 8, 40, "float32", "masked", 5, (5, 3), None),            # many owners a token
+        (n, 1, 33, "float16", "random", 4, (4, 1), None),                # odd hidden: element path
+        (2 * n, 4, 64, "bfloat16", "duplicates", 6, (6, 2), 3),           # overflow, small capacity
+    ]
+
+
+def _wide_simulation(ctx):
+    try:
+        return run_dispatch_combine(ctx, _wide_cases(ctx.world_size), f"cuda:{ctx.device}", transport="nvshmem")
+    finally:
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("world_size", WIDE_WORLDS)
+def test_nvshmem_wide_world_matches_simulation(ranks, world_size):
+    ranks(world_size).run(_wide_simulation, timeout=1200)
+
+
+@pytest.mark.parametrize("world_size", [PAST_WARP_WORLD])
+def test_nvshmem_past_one_warp_of_ranks(ranks, world_size):
+    ranks(world_size).run(_wide_simulation, timeout=1800)
+
+
+def _wide_dead_peer(ctx):
+    """The last rank never joins the second dispatch: every other rank's kernel gives up within the
+    timeout and records the last rank as the one it waited for (a peer past the communicator's
+    per-rank device tables, kMaxDeviceRanks)."""
+    from datetime import timedelta
+    n, last = ctx.world_size, ctx.world_size - 1
+    dev = torch.device("cuda", ctx.device)
+    comm = ctx.new_comm("ep-nvshmem-wide-timeout", timeout=timedelta(seconds=20))
+    buf = commlib.EPBuffer(comm, 4, 64, 2 * n, 2, torch.bfloat16, device=dev, transport="nvshmem")
+    idx, w = make_routing(ctx.rank, 4, 2 * n, 2, "random", 3)
+    x, idx, w = make_tokens(ctx.rank, 4, 64, torch.bfloat16, 3).to(dev), idx.to(dev), w.to(dev)
+    res = buf.dispatch(x, idx, w)
+    buf.combine(expert_fn(res.expert_x, ctx.rank * buf.num_local_experts), res.handle)
+    torch.cuda.synchronize()
+    comm.barrier()
+    if ctx.rank != last:
+        buf.dispatch(x, idx, w)
+        torch.cuda.synchronize()
+        with pytest.raises(commlib.CommTimeoutError, match=rf"rank {ctx.rank} waited \d+ ms for rank {last} "):
+            comm.check_gpu_error()
+    comm.close()
+    return True
+
+
+@pytest.mark.parametrize("world_size", [WIDE_WORLDS[-1], PAST_WARP_WORLD])
+def test_nvshmem_wide_dead_peer_times_out(ranks, world_size):
+    assert all(ranks(world_size).run(_wide_dead_peer, timeout=600))
