@@ -1,11 +1,23 @@
 """A "ddacomm" process group inside a test rank, and its CUDA call counters (shared by the GPU
-backend tests)."""
+backend tests); ``as_host``, which makes a rank act as a host of its own."""
 from __future__ import annotations
 
 import contextlib
+import os
 from datetime import timedelta
 
 import torch
+
+
+@contextlib.contextmanager
+def as_host(host):
+    """This rank acts as host ``host`` (COMMLIB_TEST_HOST_ID) while communicators and groups are
+    created (Note [communicator hosts])."""
+    os.environ["COMMLIB_TEST_HOST_ID"] = f"host-{host}"
+    try:
+        yield
+    finally:
+        os.environ.pop("COMMLIB_TEST_HOST_ID", None)
 
 
 @contextlib.contextmanager

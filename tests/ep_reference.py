@@ -141,28 +141,32 @@ def run_dispatch_combine(ctx, cases, device="cpu", transport="auto", comm=None):
     return True
 
 
-def check_dead_peer_times_out(ctx, name, **buffer_kwargs):
-    """Rank 1 never joins the second dispatch: rank 0's kernel gives up within the communicator's
-    timeout (not a hang) and records whom it waited for. Returns the buffer's kernels name."""
+def check_dead_peer_times_out(ctx, name, dead=None, timeout_s=2.0, **buffer_kwargs):
+    """Rank ``dead`` (default: the last) never joins the second dispatch: every other rank's kernel
+    gives up within the communicator's timeout (not a hang) and records that it waited for ``dead``.
+    Returns the buffer's kernels name."""
     from datetime import timedelta
 
     import pytest
 
     import commlib
+    n = ctx.world_size
+    dead = n - 1 if dead is None else dead
+    num_experts = 8 if n <= 4 else 2 * n
     dev = torch.device("cuda", ctx.device)
-    comm = ctx.new_comm(name, timeout=timedelta(seconds=2))
-    buf = commlib.EPBuffer(comm, 4, 1024, 8, 2, torch.bfloat16, device=dev, **buffer_kwargs)
+    comm = ctx.new_comm(name, timeout=timedelta(seconds=timeout_s))
+    buf = commlib.EPBuffer(comm, 4, 1024, num_experts, 2, torch.bfloat16, device=dev, **buffer_kwargs)
     kernels = buf.kernels
-    idx, w = make_routing(ctx.rank, 4, 8, 2, "random", 3)
+    idx, w = make_routing(ctx.rank, 4, num_experts, 2, "random", 3)
     x, idx, w = make_tokens(ctx.rank, 4, 1024, torch.bfloat16, 3).to(dev), idx.to(dev), w.to(dev)
     res = buf.dispatch(x, idx, w)
-    buf.combine(res.expert_x, res.handle)
+    buf.combine(expert_fn(res.expert_x, ctx.rank * buf.num_local_experts), res.handle)
     torch.cuda.synchronize()
     comm.barrier()
-    if ctx.rank == 0:
+    if ctx.rank != dead:
         buf.dispatch(x, idx, w)
         torch.cuda.synchronize()
-        with pytest.raises(commlib.CommTimeoutError, match=r"rank 0 waited \d+ ms for rank 1"):
+        with pytest.raises(commlib.CommTimeoutError, match=rf"rank {ctx.rank} waited \d+ ms for rank {dead} "):
             comm.check_gpu_error()
     comm.close()
     return kernels

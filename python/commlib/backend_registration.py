@@ -37,7 +37,6 @@ def _host_ids(store, rank: int, world_size: int, timeout: timedelta) -> list:
     Waits at most the group's ``timeout`` (not the store's own) for the other ranks."""
     import torch.distributed as dist
     store.set(f"host/{rank}", _host_id())
-    mine = _host_id()
     for r in range(world_size):
         try:
             store.wait([f"host/{r}"], timeout)

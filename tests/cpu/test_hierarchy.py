@@ -9,26 +9,16 @@ counters prove which path ran.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 
 import pytest
 import torch
 
+from ddacomm_worlds import as_host
 from test_backend import ALL_DTYPES, any_values, backend_of, ddacomm_world, exact_reference, poison
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"]
-
-
-@contextlib.contextmanager
-def as_hosts(host_of_rank):
-    """This rank pretends to be on host ``host_of_rank`` while groups are created."""
-    os.environ["COMMLIB_TEST_HOST_ID"] = f"host-{host_of_rank}"
-    try:
-        yield
-    finally:
-        os.environ.pop("COMMLIB_TEST_HOST_ID", None)
 
 
 def same_on_every_rank(t, gloo, what):
@@ -60,7 +50,7 @@ def _collectives(ctx, hosts):
     """``hosts[r]``: the host of rank r. Every op, against gloo, through init_process_group."""
     import torch.distributed as dist
     n, me = ctx.world_size, ctx.rank
-    with as_hosts(hosts[me]), ddacomm_world(ctx) as (world, gloo):
+    with as_host(hosts[me]), ddacomm_world(ctx) as (world, gloo):
         backend = backend_of(world)
         sizes = [hosts.count(h) for h in sorted(set(hosts))]
         assert not backend.has_fast_path and backend.hierarchical
@@ -179,7 +169,7 @@ def test_collectives_match_gloo(ranks, hosts):
 def _uneven(ctx, hosts):
     import torch.distributed as dist
     n, me = ctx.world_size, ctx.rank
-    with as_hosts(hosts[me]), ddacomm_world(ctx) as (world, gloo):
+    with as_host(hosts[me]), ddacomm_world(ctx) as (world, gloo):
         backend = backend_of(world)
         assert not backend.hierarchical and backend.host_layout is None
         x = any_values(me, 1001, torch.float32)
@@ -209,7 +199,7 @@ def _forced_flat(ctx):
     me = ctx.rank
     os.environ["COMMLIB_HIER_ALGO"] = "flat"
     try:
-        with as_hosts(me // 2), ddacomm_world(ctx) as (world, gloo):
+        with as_host(me // 2), ddacomm_world(ctx) as (world, gloo):
             backend = backend_of(world)
             assert backend.hierarchical
             x = any_values(me, 100, torch.float32)
@@ -231,11 +221,9 @@ def test_hier_algo_flat_keeps_the_flat_path(ranks):
 
 # ---------------------------------------------------------------------------------------------
 def _fused(ctx, hosts):
-    import torch.distributed as dist
-
     from commlib.fused import fused_allreduce_rmsnorm, reference_rmsnorm
     n, me = ctx.world_size, ctx.rank
-    with as_hosts(hosts[me]), ddacomm_world(ctx) as (world, gloo):
+    with as_host(hosts[me]), ddacomm_world(ctx) as (world, gloo):
         backend = backend_of(world)
         assert backend.hierarchical
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -291,7 +279,7 @@ def _crossover(ctx, tmpdir):
     from commlib import tune
     me = ctx.rank
     path = os.path.join(tmpdir, f"tune-{me}.json")
-    with as_hosts(me // 2), ddacomm_world(ctx) as (world, gloo):
+    with as_host(me // 2), ddacomm_world(ctx) as (world, gloo):
         # measured on this group's layout: one entry per op, every rank the same answer
         entries = tune.measure_hierarchical(sizes=(1024, 65536), iters=2, device="cpu")
         assert [e["op"] for e in entries] == list(tune.HIER_OPS)

@@ -4,12 +4,11 @@ clear errors (on every rank, leaving the communicator usable) of everything that
 memory. The CUDA side (no peer mapping; EPBuffer over NVSHMEM) is tests/gpu/test_ep_nvshmem.py."""
 from __future__ import annotations
 
-import contextlib
-import os
 from datetime import timedelta
 
 import pytest
 import torch
+from ddacomm_worlds import as_host
 
 import commlib
 
@@ -17,17 +16,8 @@ import commlib
 LAYOUTS = [(4, (0, 0, 1, 1)), (3, (0, 1, 0)), (6, (0, 1, 2, 0, 1, 2))]
 
 
-@contextlib.contextmanager
-def on_host(name):
-    os.environ["COMMLIB_TEST_HOST_ID"] = name
-    try:
-        yield
-    finally:
-        os.environ.pop("COMMLIB_TEST_HOST_ID", None)
-
-
 def _comm(ctx, hosts, name, **kwargs):
-    with on_host(f"host-{hosts[ctx.rank]}"):
+    with as_host(hosts[ctx.rank]):
         return ctx.new_comm(name, **kwargs)
 
 
@@ -113,3 +103,25 @@ def _dead_peer(ctx):
 
 def test_a_missing_peer_times_out_across_hosts(ranks):
     assert ranks(2).run(_dead_peer) == [True, True]
+
+
+def _from_multihost_group(ctx, hosts):
+    """The documented way to an EPBuffer across hosts: a communicator over a "ddacomm" group that
+    spans hosts, numbered as the group numbers its hosts."""
+    from test_backend import backend_of, ddacomm_world
+    with as_host(hosts[ctx.rank]), ddacomm_world(ctx) as (world, _):
+        num_hosts, _, host_index, _ = backend_of(world).host_layout
+        comm = commlib.Communicator.from_group(world)
+    try:
+        assert comm.num_hosts == num_hosts == len(set(hosts))
+        assert comm.native.host_of[ctx.rank] == host_index
+        comm.barrier()
+        with pytest.raises(ValueError, match="device cpu needs every rank on one host"):
+            commlib.EPBuffer(comm, 4, 16, 8, 2, torch.float32, device="cpu")
+        return True
+    finally:
+        comm.close()
+
+
+def test_communicator_from_a_group_spanning_hosts(ranks):
+    assert ranks(4).run(_from_multihost_group, (0, 1, 0, 1)) == [True] * 4

@@ -10,11 +10,9 @@ for bit, and the peer-memory kernels (transport="peer") on the same inputs, bit 
 rows, counts, positions, combine output and the overflow word. Outputs are poisoned (NaN) before
 every call, including graph replays.
 """
-import contextlib
-import os
-
 import pytest
 import torch
+from ddacomm_worlds import as_host
 from ep_reference import DTYPES, check_dead_peer_times_out, expert_fn, make_routing, make_tokens, run_dispatch_combine
 
 import commlib
@@ -203,21 +201,11 @@ def test_nvshmem_overflow_flag(ranks, world_size):
     ranks(world_size).run(_overflow)
 
 
-@contextlib.contextmanager
-def _as_own_host(ctx):
-    """This rank acts as a host of its own while communicators are created."""
-    os.environ["COMMLIB_TEST_HOST_ID"] = f"host-{ctx.rank}"
-    try:
-        yield
-    finally:
-        os.environ.pop("COMMLIB_TEST_HOST_ID", None)
-
-
 def _across_hosts(ctx):
     """Every case on a communicator spanning hosts: "auto" is NVSHMEM, the results are the
     simulation's bit for bit, peer memory is refused with a clear error and the buffer still works."""
     dev = f"cuda:{ctx.device}"
-    with _as_own_host(ctx):
+    with as_host(ctx.rank):
         comm = ctx.new_comm("ep-hosts")
     try:
         assert comm.num_hosts == ctx.world_size
@@ -239,7 +227,7 @@ def test_nvshmem_across_emulated_hosts(ranks):
 
 
 def _dead_peer_across_hosts(ctx):
-    with _as_own_host(ctx):
+    with as_host(ctx.rank):
         return check_dead_peer_times_out(ctx, "ep-hosts-timeout") == "nvshmem"
 
 
@@ -296,24 +284,7 @@ def _wide_dead_peer(ctx):
     """The last rank never joins the second dispatch: every other rank's kernel gives up within the
     timeout and records the last rank as the one it waited for (a peer past the communicator's
     per-rank device tables, kMaxDeviceRanks)."""
-    from datetime import timedelta
-    n, last = ctx.world_size, ctx.world_size - 1
-    dev = torch.device("cuda", ctx.device)
-    comm = ctx.new_comm("ep-nvshmem-wide-timeout", timeout=timedelta(seconds=20))
-    buf = commlib.EPBuffer(comm, 4, 64, 2 * n, 2, torch.bfloat16, device=dev, transport="nvshmem")
-    idx, w = make_routing(ctx.rank, 4, 2 * n, 2, "random", 3)
-    x, idx, w = make_tokens(ctx.rank, 4, 64, torch.bfloat16, 3).to(dev), idx.to(dev), w.to(dev)
-    res = buf.dispatch(x, idx, w)
-    buf.combine(expert_fn(res.expert_x, ctx.rank * buf.num_local_experts), res.handle)
-    torch.cuda.synchronize()
-    comm.barrier()
-    if ctx.rank != last:
-        buf.dispatch(x, idx, w)
-        torch.cuda.synchronize()
-        with pytest.raises(commlib.CommTimeoutError, match=rf"rank {ctx.rank} waited \d+ ms for rank {last} "):
-            comm.check_gpu_error()
-    comm.close()
-    return True
+    return check_dead_peer_times_out(ctx, "ep-nvshmem-wide-timeout", timeout_s=20, transport="nvshmem") == "nvshmem"
 
 
 @pytest.mark.parametrize("world_size", [WIDE_WORLDS[-1], PAST_WARP_WORLD])
