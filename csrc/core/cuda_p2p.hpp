@@ -31,7 +31,9 @@
 // later wait returns at once, so queued work drains instead of hanging, and check_error() raises.
 // The data never goes through an SM; the waits hold one thread each while they spin.
 // Streams: sends run on send_stream(), receives on recv_stream() (so a rank blocked sending to a
-// peer still drains what that peer sends it); callers order them after their own stream.
+// peer still drains what that peer sends it); callers order them after their own stream. They are
+// this channel's own, not a pool's: a wait parks on its stream until the peer arrives, and work of
+// others sharing a pool stream would queue behind it.
 // Thread-safety: one thread drives a communicator at a time.
 #pragma once
 
