@@ -142,16 +142,9 @@ void CudaP2p::send(const void* src, size_t bytes, uint32_t dtype, int dst, int64
     p.tag = static_cast<int32_t>(tag);
     p.dtype = dtype;
     p.bytes = bytes;
-    throw_if_error(kernels::launch_p2p_wait(p, stream));
     kernels::P2pSlotHeader* h = header(dst, rank_, lane, slot);
-    if (offset == 0) {
-      // Land before the chunk's ready word (stream order; the v2 entry points take no
-      // CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER, so each write carries its barrier).
-      write_word(stream, &h->tag, static_cast<uint32_t>(static_cast<int32_t>(tag)), 0, what);
-      write_word(stream, &h->bytes_lo, static_cast<uint32_t>(bytes), 0, what);
-      write_word(stream, &h->bytes_hi, static_cast<uint32_t>(static_cast<uint64_t>(bytes) >> 32), 0, what);
-      write_word(stream, &h->dtype, dtype, 0, what);
-    }
+    if (offset == 0) p.fill = h;  // the message's header, written by the wait kernel
+    throw_if_error(kernels::launch_p2p_wait(p, stream));
     if (n != 0) {
       cuda_check(cudaMemcpyAsync(data(dst, rank_, lane, slot), static_cast<const uint8_t*>(src) + offset, n,
                                  cudaMemcpyDeviceToDevice, stream),

@@ -13,8 +13,8 @@
 // while the receiver drains the other). Both ends count a lane's chunks on the host, so they pick
 // the same slots; the words return to 0 after every chunk, so the count needs no reset and a
 // captured CUDA graph replays the same operations.
-//   sender, on its stream: wait busy == 0 and set it to 1 (p2p_wait kernel, bounded); first chunk:
-//     write the header's tag, bytes and dtype (stream memory operations); copy the chunk into the
+//   sender, on its stream: wait busy == 0 and set it to 1, and for the first chunk write the
+//     header's tag, bytes and dtype at the receiver (p2p_wait kernel, bounded); copy the chunk into the
 //     receiver's slot (cudaMemcpyAsync between peer-mapped addresses: a copy-engine transfer);
 //     write ready = 1 at the receiver (cuStreamWriteValue32 with its memory barrier: the chunk
 //     and the header land first).

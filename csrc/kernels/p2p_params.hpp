@@ -53,6 +53,9 @@ struct P2pWaitParams {
   uint32_t next = 0;         // then store this (the word's next state)
   // Receiver, first chunk of a message: the header to compare with the receive; else null.
   const P2pSlotHeader* header = nullptr;
+  // Sender, first chunk of a message: the receiver's header to fill with tag, dtype and bytes after
+  // the wait (before the chunk's ready word, which a later stream write sets); else null.
+  P2pSlotHeader* fill = nullptr;
   int32_t tag = 0;
   uint32_t dtype = 0;
   uint64_t bytes = 0;

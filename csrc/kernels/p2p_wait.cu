@@ -63,6 +63,16 @@ __global__ void p2p_wait_kernel(const P2pWaitParams p) {
       return;
     }
   }
+  if (p.fill != nullptr) {
+    // The slot is free (the receiver has read the previous header); the ready word that follows on
+    // the stream is written with a memory barrier, and this fence orders these stores before it too.
+    volatile P2pSlotHeader* h = p.fill;
+    h->tag = p.tag;
+    h->dtype = p.dtype;
+    h->bytes_lo = static_cast<uint32_t>(p.bytes);
+    h->bytes_hi = static_cast<uint32_t>(p.bytes >> 32);
+    __threadfence_system();
+  }
   // Only this rank writes the word now (the peer waits for the handshake that follows on the
   // stream, which is ordered after this kernel's completion).
   *static_cast<volatile uint32_t*>(p.flag) = p.next;

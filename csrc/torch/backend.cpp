@@ -113,13 +113,10 @@ void host_all_reduce(Communicator& comm, at::Tensor& t, DataType dtype, ReduceOp
 }
 
 void host_reduce_scatter(Communicator& comm, at::Tensor& out, const at::Tensor& in, DataType dtype, ReduceOp op) {
+  // Called inside run_fast, which raises InvalidArgument / TypeMismatch as ValueError / TypeError.
   const char* what = "reduce_scatter";
-  TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), what, ": dtype mismatch: output is ",
-                   dtype_str(out.scalar_type()), " but input is ", dtype_str(in.scalar_type()),
-                   "; both must have the same dtype");
-  TORCH_CHECK_VALUE(in.numel() == out.numel() * comm.world_size(), what, ": input has ", in.numel(),
-                    " elements but must have world_size (", comm.world_size(), ") x output (", out.numel(), ") = ",
-                    out.numel() * comm.world_size());
+  check_same_dtype(out, in, what);
+  check_world_multiple(what, "input", in, "output", out, comm.world_size());
   const at::Tensor src = in.contiguous();
   with_contiguous(out, [&](at::Tensor& c) {
     comm.reduce_scatter_host(c.data_ptr(), src.data_ptr(), static_cast<size_t>(c.numel()), dtype, op);
@@ -276,11 +273,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::run_two_level(c10d::OpType op, const 
 c10d::Backend& DdaBackend::nccl(const char* what) {
   std::lock_guard<std::mutex> lock(nccl_mutex_);
   if (!nccl_) {
-    TORCH_CHECK_TYPE(static_cast<bool>(nccl_factory_), what,
-                     ": CUDA tensors need the NCCL backend, which this torch build or machine lacks; "
-                     "supported here: cpu tensors");
-    nccl_ = nccl_factory_();
-    TORCH_CHECK(nccl_, what, ": creating the inner NCCL backend failed");
+    nccl_ = create_nccl(nccl_factory_, what, "inner");
     if (auto device = getBoundDeviceId()) nccl_->setBoundDeviceId(device);
   }
   if (coalescing_ && !nccl_coalescing_) {

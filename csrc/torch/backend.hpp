@@ -36,7 +36,7 @@ namespace commlib::torch_layer {
 class DdaBackend final : public c10d::Backend {
  public:
   // Creates the NCCL backend on first CUDA use (Python side; see backend_registration.py).
-  using InnerFactory = std::function<c10::intrusive_ptr<c10d::Backend>()>;
+  using InnerFactory = torch_layer::InnerFactory;
 
   struct Config {
     std::chrono::milliseconds timeout{std::chrono::minutes(30)};

@@ -58,9 +58,7 @@ void reduce_scatter_cuda(Communicator& comm, at::Tensor& out, const at::Tensor& 
   const char* what = "reduce_scatter";
   check_cuda_pair(out, in, what);
   const DataType dtype = reducible_type(in, what);
-  COMMLIB_CHECK(in.numel() == out.numel() * comm.world_size(), InvalidArgument, what, ": input has ", in.numel(),
-                " elements but must have world_size (", comm.world_size(), ") x output (", out.numel(), ") = ",
-                out.numel() * comm.world_size());
+  check_world_multiple(what, "input", in, "output", out, comm.world_size());
   CudaComm& cuda = cuda_state(comm, in.device(), what);
   c10::cuda::CUDAGuard guard(in.device());
   const at::Tensor src = in.contiguous();
@@ -73,9 +71,7 @@ void all_gather_cuda(Communicator& comm, at::Tensor& out, const at::Tensor& in) 
   const char* what = "all_gather";
   check_cuda_pair(out, in, what);
   to_data_type(in.scalar_type(), what);
-  COMMLIB_CHECK(out.numel() == in.numel() * comm.world_size(), InvalidArgument, what, ": output has ", out.numel(),
-                " elements but must have world_size (", comm.world_size(), ") x input (", in.numel(), ") = ",
-                in.numel() * comm.world_size());
+  check_world_multiple(what, "output", out, "input", in, comm.world_size());
   CudaComm& cuda = cuda_state(comm, in.device(), what);
   c10::cuda::CUDAGuard guard(in.device());
   const at::Tensor src = in.contiguous();

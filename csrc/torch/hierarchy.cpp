@@ -7,6 +7,8 @@
 
 #include <algorithm>
 
+#include "torch/torch_common.hpp"
+
 namespace commlib::torch_layer {
 namespace {
 
@@ -28,6 +30,15 @@ Options leg_options(std::chrono::milliseconds timeout) {
 }
 
 }  // namespace
+
+c10::intrusive_ptr<c10d::Backend> create_nccl(const InnerFactory& factory, const char* what, const char* which) {
+  TORCH_CHECK_TYPE(static_cast<bool>(factory), what,
+                   ": CUDA tensors need the NCCL backend, which this torch build or machine lacks; "
+                   "supported here: cpu tensors");
+  c10::intrusive_ptr<c10d::Backend> backend = factory();
+  TORCH_CHECK(backend, what, ": creating the ", which, " NCCL backend failed");
+  return backend;
+}
 
 Hierarchy::Hierarchy(HostLayout layout, c10::intrusive_ptr<c10d::Backend> intra,
                      c10::intrusive_ptr<c10d::Backend> inter_gloo, InnerFactory inter_nccl_factory,
@@ -69,11 +80,7 @@ const c10::intrusive_ptr<c10d::Backend>& Hierarchy::inter(const at::Device& devi
                    " are not supported; supported: cpu, cuda");
   std::lock_guard<std::mutex> lock(nccl_mutex_);
   if (!inter_nccl_) {
-    TORCH_CHECK_TYPE(static_cast<bool>(inter_nccl_factory_), what,
-                     ": CUDA tensors need the NCCL backend, which this torch build or machine lacks; "
-                     "supported here: cpu tensors");
-    inter_nccl_ = inter_nccl_factory_();
-    TORCH_CHECK(inter_nccl_, what, ": creating the inter-host NCCL backend failed");
+    inter_nccl_ = create_nccl(inter_nccl_factory_, what, "inter-host");
   }
   return inter_nccl_;
 }
@@ -137,9 +144,7 @@ void Hierarchy::reduce_scatter(at::Tensor& output, const at::Tensor& input, cons
   const int W = layout_.world_size(), H = layout_.num_hosts, L = layout_.local_size;
   TORCH_CHECK_TYPE(input.scalar_type() == output.scalar_type(), "reduce_scatter_tensor: input is ",
                    input.scalar_type(), " but output is ", output.scalar_type(), "; both must have the same dtype");
-  TORCH_CHECK_VALUE(input.numel() == output.numel() * W, "reduce_scatter_tensor: input has ", input.numel(),
-                    " elements but must have world_size (", W, ") x output (", output.numel(), ") = ",
-                    output.numel() * W);
+  translate_errors([&] { check_world_multiple("reduce_scatter_tensor", "input", input, "output", output, W); });
   const int64_t n = output.numel();
   if (n == 0) return;
   const c10d::ReduceOp legs = leg_op(op);
@@ -169,9 +174,7 @@ void Hierarchy::all_gather(at::Tensor& output, const at::Tensor& input) {
   const int W = layout_.world_size(), H = layout_.num_hosts, L = layout_.local_size;
   TORCH_CHECK_TYPE(input.scalar_type() == output.scalar_type(), "all_gather_into_tensor: input is ",
                    input.scalar_type(), " but output is ", output.scalar_type(), "; both must have the same dtype");
-  TORCH_CHECK_VALUE(output.numel() == input.numel() * W, "all_gather_into_tensor: output has ", output.numel(),
-                    " elements but must have world_size (", W, ") x input (", input.numel(), ") = ",
-                    input.numel() * W);
+  translate_errors([&] { check_world_multiple("all_gather_into_tensor", "output", output, "input", input, W); });
   const int64_t n = input.numel();
   if (n == 0) return;
   const at::Tensor in = input.contiguous().reshape({-1});

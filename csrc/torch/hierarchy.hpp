@@ -61,9 +61,14 @@ struct HostLayout {
   int world_size() const { return num_hosts * local_size; }
 };
 
+// Creates an inner backend on first use (the NCCL ones: a CPU-only process never creates one).
+using InnerFactory = std::function<c10::intrusive_ptr<c10d::Backend>()>;
+// The NCCL backend `factory` makes; raises naming `what` when there is no factory (no CUDA or NCCL
+// here) or it made none. `which` names the backend in that message ("inner", "inter-host").
+c10::intrusive_ptr<c10d::Backend> create_nccl(const InnerFactory& factory, const char* what, const char* which);
+
 class Hierarchy {
  public:
-  using InnerFactory = std::function<c10::intrusive_ptr<c10d::Backend>()>;
 
   // How CUDA tensors cross hosts: NCCL, or (tests whose ranks share one GPU, which NCCL refuses)
   // host copies over the inter-host gloo group.

@@ -63,6 +63,13 @@ void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* wha
                 " but input is on ", b.device().str());
 }
 
+void check_world_multiple(const char* what, const char* whole_name, const at::Tensor& whole, const char* part_name,
+                          const at::Tensor& part, int world_size) {
+  COMMLIB_CHECK(whole.numel() == part.numel() * world_size, InvalidArgument, what, ": ", whole_name, " has ",
+                whole.numel(), " elements but must have world_size (", world_size, ") x ", part_name, " (",
+                part.numel(), ") = ", part.numel() * world_size);
+}
+
 namespace {
 
 size_t nbytes(const at::Tensor& t) { return static_cast<size_t>(t.numel()) * t.element_size(); }
@@ -116,13 +123,11 @@ void reduce_scatter(Communicator& comm, at::Tensor& out, const at::Tensor& in, R
   check_same_dtype(out, in, what);
   check_same_device(out, in, what);
   const DataType dtype = reducible_type(in, what);
-  COMMLIB_CHECK(in.numel() == out.numel() * comm.world_size(), InvalidArgument, what, ": input has ", in.numel(),
-                " elements but must have world_size (", comm.world_size(), ") x output (", out.numel(), ") = ",
-                out.numel() * comm.world_size());
 #if defined(COMMLIB_TORCH_CUDA)
   if (in.device().is_cuda()) return reduce_scatter_cuda(comm, out, in, op);
 #endif
   require_cpu(in, what);
+  check_world_multiple(what, "input", in, "output", out, comm.world_size());
   const at::Tensor src = in.contiguous();
   with_contiguous(out, [&](at::Tensor& c) {
     comm.reduce_scatter_host(c.data_ptr(), src.data_ptr(), static_cast<size_t>(c.numel()), dtype, op);
@@ -136,13 +141,11 @@ void all_gather(Communicator& comm, at::Tensor& out, const at::Tensor& in) {
   check_same_dtype(out, in, what);
   check_same_device(out, in, what);
   to_data_type(in.scalar_type(), what);
-  COMMLIB_CHECK(out.numel() == in.numel() * comm.world_size(), InvalidArgument, what, ": output has ", out.numel(),
-                " elements but must have world_size (", comm.world_size(), ") x input (", in.numel(), ") = ",
-                in.numel() * comm.world_size());
 #if defined(COMMLIB_TORCH_CUDA)
   if (in.device().is_cuda()) return all_gather_cuda(comm, out, in);
 #endif
   require_cpu(in, what);
+  check_world_multiple(what, "output", out, "input", in, comm.world_size());
   const at::Tensor src = in.contiguous();
   with_contiguous(out, [&](at::Tensor& c) { comm.all_gather_host(c.data_ptr(), src.data_ptr(), nbytes(src)); });
 }

@@ -25,6 +25,10 @@ DataType reducible_type(const at::Tensor& t, const char* what);
 void check_cpu_or_cuda(const at::Tensor& t, const char* what, const char* arg);
 void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* what);
 void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* what);
+// `whole` (reduce_scatter's input, all_gather's output) must hold world_size x `part`'s elements;
+// InvalidArgument naming `what` and both arguments otherwise.
+void check_world_multiple(const char* what, const char* whole_name, const at::Tensor& whole, const char* part_name,
+                          const at::Tensor& part, int world_size);
 
 // Runs `body` on a contiguous view of `t` and copies back when `t` was not contiguous.
 template <typename F>
