@@ -96,10 +96,22 @@ class RankContext:
         import torch.distributed as dist
         if self._gloo is None:
             if not dist.is_initialized():
-                dist.init_process_group("gloo", store=dist.PrefixStore("gloo", self.store), rank=self.rank,
+                # A fresh key prefix each time: a gloo group made again after drop_default_group must
+                # not read the rendezvous addresses the last one left in the store (a connect
+                # timeout when a rank reads them before its peer has written its new address).
+                n = self.scratch["gloo-groups"] = self.scratch.get("gloo-groups", 0) + 1
+                dist.init_process_group("gloo", store=dist.PrefixStore(f"gloo/{n}", self.store), rank=self.rank,
                                         world_size=self.world_size, timeout=timedelta(seconds=120))
             self._gloo = dist.group.WORLD
         return self._gloo
+
+    def drop_default_group(self):
+        """Destroys the default process group (the pool's gloo group or a test's own), so a test can
+        make its own; the next gloo() makes a new one."""
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._gloo = None
 
 
 def _worker(rank, world_size, port, sys_path, conn, env):

@@ -26,9 +26,7 @@ def ddacomm_world(ctx, device_id: bool = False, with_nccl: bool = True):
     group of the same ranks when with_nccl; yields (world, nccl or None)."""
     import commlib  # noqa: F401  (registers "ddacomm")
     import torch.distributed as dist
-    if dist.is_initialized():
-        dist.destroy_process_group()
-        ctx._gloo = None
+    ctx.drop_default_group()
     n = ctx.scratch["ddacomm-worlds"] = ctx.scratch.get("ddacomm-worlds", 0) + 1
     store = dist.PrefixStore(f"ddacomm-gpu-test/{n}", ctx.store)
     kwargs = {"device_id": torch.device("cuda", ctx.device)} if device_id else {}

@@ -26,9 +26,7 @@ def ddacomm_world(ctx, timeout_s: float = 120.0):
     """A default process group on "ddacomm" (and a gloo group of the same ranks for reference)."""
     import commlib  # noqa: F401  (registers "ddacomm")
     import torch.distributed as dist
-    if dist.is_initialized():  # e.g. the pool's gloo helper from another test module
-        dist.destroy_process_group()
-        ctx._gloo = None
+    ctx.drop_default_group()
     n = ctx.scratch["worlds"] = ctx.scratch.get("worlds", 0) + 1
     store = dist.PrefixStore(f"ddacomm-test/{n}", ctx.store)
     dist.init_process_group("ddacomm", store=store, rank=ctx.rank, world_size=ctx.world_size,

@@ -25,9 +25,7 @@ pytestmark = pytest.mark.gpu
 def hier_world(ctx, host, inter_gloo):
     import commlib  # noqa: F401  (registers "ddacomm")
     import torch.distributed as dist
-    if dist.is_initialized():
-        dist.destroy_process_group()
-        ctx._gloo = None
+    ctx.drop_default_group()
     env = {"COMMLIB_TEST_HOST_ID": f"host-{host}", "COMMLIB_TEST_HIER_INTER_GLOO": "1" if inter_gloo else "0"}
     os.environ.update(env)
     n = ctx.scratch["worlds"] = ctx.scratch.get("worlds", 0) + 1

@@ -302,9 +302,7 @@ def test_world1_has_no_peer(ranks):
 def _init_ddacomm(ctx, name):
     import commlib  # noqa: F401  (registers "ddacomm")
     import torch.distributed as dist
-    if dist.is_initialized():
-        dist.destroy_process_group()
-        ctx._gloo = None
+    ctx.drop_default_group()
     store = dist.PrefixStore(f"p2p-gpu/{name}", ctx.store)
     dist.init_process_group("ddacomm", store=store, rank=ctx.rank, world_size=ctx.world_size,
                             timeout=timedelta(seconds=120))
