@@ -303,7 +303,8 @@ def _init_ddacomm(ctx, name):
     import commlib  # noqa: F401  (registers "ddacomm")
     import torch.distributed as dist
     ctx.drop_default_group()
-    store = dist.PrefixStore(f"p2p-gpu/{name}", ctx.store)
+    n = ctx.scratch["p2p-worlds"] = ctx.scratch.get("p2p-worlds", 0) + 1  # fresh keys for each group
+    store = dist.PrefixStore(f"p2p-gpu/{name}/{n}", ctx.store)
     dist.init_process_group("ddacomm", store=store, rank=ctx.rank, world_size=ctx.world_size,
                             timeout=timedelta(seconds=120))
     backend = dist.group.WORLD._get_backend(torch.device("cuda"))
