@@ -82,12 +82,24 @@ class HostLayout:
         return [host[self.local_rank] for host in self.hosts]
 
 
+def _creation_store(store, world_size: int):
+    """The keys of this creation of the group. torch names a group again after
+    destroy_process_group (the name counter restarts), so the group's store prefix comes back with
+    the keys the last creation left; read as this one's, they pair ranks with stale tokens and
+    addresses. Every member adds 1 to a counter once per creation, as its first step, and no member
+    finishes a creation before all have started it, so (count - 1) // world_size numbers the creation
+    the same on every rank."""
+    import torch.distributed as dist
+    joined = store.add("ddacomm/joined", 1)
+    return dist.PrefixStore(f"ddacomm/{(joined - 1) // world_size}/", store)
+
+
 def _group_token(store, rank: int, timeout: timedelta) -> str:
     """A random token chosen by rank 0, the same on every rank of the group."""
     import uuid
 
     import torch.distributed as dist
-    key = "ddacomm/token"
+    key = "token"
     if rank == 0:
         store.set(key, uuid.uuid4().hex)
     try:
@@ -134,25 +146,25 @@ def _create_backend(dist_opts, backend_options=None):
 
     from . import _C
 
-    store = dist_opts.store
     rank, world_size = dist_opts.group_rank, dist_opts.group_size
+    store = _creation_store(dist_opts.store, world_size)
     timeout = dist_opts.timeout
     group_name = str(dist_opts.group_id)
     global_ranks = list(dist_opts.global_ranks_in_group) or list(range(world_size))
 
     _forget_hierarchy(group_name)  # a destroyed group's of the same name
     comm = None
-    layout = HostLayout(_host_ids(dist.PrefixStore("ddacomm/", store), rank, world_size, timeout), rank)
+    layout = HostLayout(_host_ids(store, rank, world_size, timeout), rank)
     if layout.num_hosts == 1:
         # A name no other communicator of this process has: the core numbers communicators of one
         # name in creation order, and a rank creates only the subgroups it belongs to, so a name
         # reused per group id ("2") would number differently on different ranks.
-        comm = _C.Communicator(dist.PrefixStore("ddacomm/commlib/", store), rank, world_size,
+        comm = _C.Communicator(dist.PrefixStore("commlib/", store), rank, world_size,
                                f"ddacomm-{group_name}-{_group_token(store, rank, timeout)}", timeout.total_seconds())
         # torch.ops.commlib ops name it 'ddacomm-<group name>' (docs/ops.md).
         _C.register_group(f"ddacomm-{group_name}", comm, replace=True)
-    gloo = _make_gloo(dist.PrefixStore("ddacomm/gloo/", store), rank, world_size, timeout, group_name, global_ranks)
-    nccl = _nccl_factory(dist.PrefixStore("ddacomm/nccl/", store), rank, world_size, timeout, group_name,
+    gloo = _make_gloo(dist.PrefixStore("gloo/", store), rank, world_size, timeout, group_name, global_ranks)
+    nccl = _nccl_factory(dist.PrefixStore("nccl/", store), rank, world_size, timeout, group_name,
                          global_ranks, backend_options)
     backend = _C.DdaBackend(rank, world_size, comm, gloo, nccl, timeout, group_name, global_ranks)
     if layout.num_hosts > 1 and layout.uniform:
@@ -169,7 +181,7 @@ def _attach_hierarchy(backend, layout: HostLayout, store, rank: int, timeout: ti
     from . import _C
     h, l, size = layout.host_index, layout.local_rank, layout.local_size
     host_ranks = [global_ranks[r] for r in layout.hosts[h]]
-    intra_store = dist.PrefixStore(f"ddacomm/host{h}/", store)
+    intra_store = dist.PrefixStore(f"host{h}/", store)
     token = _group_token(store, rank, timeout)
     intra_comm = _C.Communicator(dist.PrefixStore("commlib/", intra_store), l, size,
                                  f"ddacomm-{group_name}-host{h}-{token}", timeout.total_seconds())
@@ -180,7 +192,7 @@ def _attach_hierarchy(backend, layout: HostLayout, store, rank: int, timeout: ti
                                         host_ranks, backend_options),
                           timeout, intra_name, host_ranks)
     peer_ranks = [global_ranks[r] for r in layout.peers()]
-    inter_store = dist.PrefixStore(f"ddacomm/local{l}/", store)
+    inter_store = dist.PrefixStore(f"local{l}/", store)
     inter_name = f"{group_name}/local{l}"
     inter_gloo = _make_gloo(dist.PrefixStore("gloo/", inter_store), h, layout.num_hosts, timeout, inter_name,
                             peer_ranks)

@@ -41,7 +41,7 @@ def _self_comm(h: Hierarchy):
     if h.self_comm is None:
         rank = h.layout.hosts[h.layout.host_index][h.layout.local_rank]
         name = f"{h.intra_comm.name}-self{rank}"
-        h.self_comm = _C.Communicator(dist.PrefixStore(f"ddacomm/self{rank}/", h.store), 0, 1, name,
+        h.self_comm = _C.Communicator(dist.PrefixStore(f"self{rank}/", h.store), 0, 1, name,
                                       h.timeout.total_seconds())
         _C.register_group(name, h.self_comm, replace=True)
     return h.self_comm

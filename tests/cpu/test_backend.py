@@ -712,6 +712,45 @@ def test_multi_host_group_runs_two_level(ranks):
 
 
 # ---------------------------------------------------------------------------------------------
+def _reinit_same_store(ctx):
+    """destroy_process_group, then "ddacomm" again on the same store, three times: torch names the
+    groups as before, so their store keys come back; a late rank (rank 0 in round 1, rank 1 in
+    round 2) must not pair with what the last creation left there."""
+    import time
+
+    import torch.distributed as dist
+    ctx.drop_default_group()
+    n = ctx.scratch["reinit"] = ctx.scratch.get("reinit", 0) + 1
+    store = dist.PrefixStore(f"ddacomm-reinit/{n}", ctx.store)
+    timeout = timedelta(seconds=20)  # a regression fails here instead of waiting for torch's 30 min
+    sums = []
+    for round_ in range(3):
+        if round_ > 0 and ctx.rank == round_ - 1:
+            time.sleep(1.5)
+        dist.init_process_group("ddacomm", store=store, rank=ctx.rank, world_size=ctx.world_size, timeout=timeout)
+        try:
+            sub = dist.new_group(list(range(ctx.world_size)), timeout=timeout)
+            x = rand(ctx.rank, 1001, torch.float32, salt=50 + round_)
+            dist.all_reduce(x)
+            y = rand(ctx.rank, 7, torch.float32, salt=60 + round_)
+            dist.all_reduce(y, group=sub)
+            assert backend_of(dist.group.WORLD).num_fast_calls >= 1
+            sums.append((x.double(), y.double()))
+        finally:
+            dist.destroy_process_group()
+    for round_, (x, y) in enumerate(sums):
+        expect_x = sum(rand(r, 1001, torch.float32, salt=50 + round_).double() for r in range(ctx.world_size))
+        expect_y = sum(rand(r, 7, torch.float32, salt=60 + round_).double() for r in range(ctx.world_size))
+        torch.testing.assert_close(x, expect_x, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(y, expect_y, rtol=1e-5, atol=1e-5)
+    return True
+
+
+def test_reinit_on_the_same_store(ranks):
+    ranks(2).run(_reinit_same_store)
+
+
+# ---------------------------------------------------------------------------------------------
 def _expect_group_timeout(ctx, call, what, phase, key):
     """Rank 0 runs `call` alone and must get the group's timeout; rank 1 waits for it to finish."""
     import re
