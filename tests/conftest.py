@@ -96,9 +96,8 @@ class RankContext:
         import torch.distributed as dist
         if self._gloo is None:
             if not dist.is_initialized():
-                # A fresh key prefix each time: a gloo group made again after drop_default_group must
-                # not read the rendezvous addresses the last one left in the store (a connect
-                # timeout when a rank reads them before its peer has written its new address).
+                # A fresh key prefix each time: a gloo group made again after drop_default_group
+                # shares no rendezvous key with the last one (torch names it "0" again).
                 n = self.scratch["gloo-groups"] = self.scratch.get("gloo-groups", 0) + 1
                 dist.init_process_group("gloo", store=dist.PrefixStore(f"gloo/{n}", self.store), rank=self.rank,
                                         world_size=self.world_size, timeout=timedelta(seconds=120))
