@@ -59,6 +59,15 @@ const std::vector<Knob>& knobs() {
        "and barrier run two-level (commlib inside each host, gloo / NCCL between hosts) from the tune file's "
        "or the built-in crossover on (Note [hierarchical crossover]); hier: always two-level; flat: always "
        "the group's inner gloo / NCCL. Read once per group."},
+      {"COMMLIB_KV_SLOTS", "128", KnobCategory::kRuntime,
+       "commlib.kv: requests in flight from one sending rank to one receiving rank (notification "
+       "records per lane, read by the receiving agent when it registers); a sender that finds none free "
+       "raises PeerError until the receiver's poll() / wait() reports finished requests."},
+      {"COMMLIB_KV_CTAS", "32", KnobCategory::kTuning,
+       "commlib.kv on CUDA: CTAs (SMs) of the KV copy kernel, 1..1024; read by the sending agent."},
+      {"COMMLIB_KV_STAGING_BYTES", "16777216", KnobCategory::kRuntime,
+       "commlib.kv on CUDA: bytes of the sending agent's block-id staging (pinned host + device); a "
+       "request holds 8 bytes per block until its last layer is sent."},
       {"COMMLIB_HOST_TREE_THRESHOLD", "262144", KnobCategory::kTuning,
        "CPU all_reduce: messages of at least this many bytes use tree (reduce-scatter + "
        "all-gather), smaller ones flat."},

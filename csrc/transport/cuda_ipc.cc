@@ -14,6 +14,7 @@
 #include "bootstrap/bootstrap.hpp"
 #include "commlib/errors.hpp"
 #include "transport/cuda_driver.hpp"
+#include "transport/fd_server.hpp"
 
 namespace commlib {
 namespace {
@@ -57,16 +58,6 @@ struct DeviceInfo {
 
 void cuda_check(cudaError_t err, const char* what, const char* call) {
   COMMLIB_CHECK(err == cudaSuccess, CudaError, what, ": ", call, " failed: ", cudaGetErrorString(err));
-}
-
-sockaddr_un make_addr(const std::string& name, socklen_t& len) {
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  // Abstract namespace: sun_path[0] == '\0', nothing on the file system to clean up.
-  const size_t n = std::min(name.size(), sizeof(addr.sun_path) - 2);
-  std::memcpy(addr.sun_path + 1, name.data(), n);
-  len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + n);
-  return addr;
 }
 
 }  // namespace
@@ -123,7 +114,7 @@ CudaIpc::CudaIpc(Store& store, std::string prefix, int rank, int world_size, int
   listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   COMMLIB_CHECK(listen_fd_ >= 0, Error, what, ": socket() failed: ", std::strerror(errno));
   socklen_t len = 0;
-  sockaddr_un addr = make_addr(socket_name(rank_), len);
+  sockaddr_un addr = abstract_socket_address(socket_name(rank_), len);
   COMMLIB_CHECK(::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), len) == 0, Error, what,
                 ": bind() of the abstract socket '", socket_name(rank_), "' failed: ", std::strerror(errno));
   COMMLIB_CHECK(::listen(listen_fd_, world_size_ + 8) == 0, Error, what, ": listen() failed: ", std::strerror(errno));
@@ -142,7 +133,7 @@ void CudaIpc::send_fd(int r, int my_fd, uint64_t sequence, size_t bytes, const c
   const int s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   COMMLIB_CHECK(s >= 0, Error, what, ": socket() failed: ", std::strerror(errno));
   socklen_t len = 0;
-  sockaddr_un addr = make_addr(socket_name(r), len);
+  sockaddr_un addr = abstract_socket_address(socket_name(r), len);
   if (::connect(s, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
     const int e = errno;
     ::close(s);

@@ -8,7 +8,7 @@ import warnings
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C
-from . import cp, fused, hierarchy, tokenweave
+from . import cp, fused, hierarchy, kv, tokenweave
 from .communicator import Communicator
 from .ep import EPBuffer, EPDispatchResult, EPHandle
 from .errors import CommError, CommTimeoutError, PeerError

@@ -5,6 +5,7 @@ symmetric memory in one run.
     commlib-perf all_reduce -b 8 -e 256M -f 2 -G 20 --backend ddacomm nccl symm
     commlib-perf fused_allreduce_rmsnorm --tokens 1,128,1024 -d bfloat16 -G 20   # tokens x --hidden
     commlib-perf ep_dispatch_combine --tokens 1,32,512 -d bfloat16             # vs the host-synced a2a
+    commlib-perf kv_transfer --device cuda --kv-blocks 1000,20000             # prefill -> decode KV push
     torchrun --nproc-per-node 2 -m commlib.perf all_gather -d bfloat16
 
 Exit code: 0 when every result is right, 1 when any #wrong is non-zero, 2 on errors.
@@ -118,10 +119,12 @@ def resolve(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if opts.np < 1 or (opts.device == "cuda" and opts.np > gpus):
         parser.error(f"-np {opts.np} out of range; valid: 1..{gpus if opts.device == 'cuda' else 'any'}")
     ops = _split(opts.ops) if opts.ops else ["all_reduce"]
-    opts.ops = registry.names() if ops == ["all"] else ops
+    opts.ops = registry.table_names() if ops == ["all"] else ops
     for op in opts.ops:
         if op not in registry.names():
             parser.error(f"operation '{op}' not known; known: {', '.join(registry.names())}")
+        if registry.get(op).standalone is not None and len(opts.ops) > 1:
+            parser.error(f"operation '{op}' has a table of its own: run it alone")
     types = _split(opts.datatype)
     types = list(registry.DTYPES) if types == ["all"] else [registry.DTYPE_ALIASES.get(t, t) for t in types]
     for t in types:
@@ -172,6 +175,9 @@ def resolve(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[List[str]] = None) -> int:
     opts = resolve(argv)
+    standalone = registry.get(opts.ops[0]).standalone
+    if standalone is not None:
+        return standalone(opts)
     from .runner import launch
     return launch(opts)
 

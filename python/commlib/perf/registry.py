@@ -91,6 +91,9 @@ class Collective:
     has_redop: bool = False
     has_root: bool = False
     sizes: Optional[Callable[[List[int], int, int, dict], List[int]]] = None
+    # An operation with a table of its own (kv_transfer: two instances, post and completion
+    # times): ``standalone(opts) -> exit code`` runs instead of the backend table; it runs alone.
+    standalone: Optional[Callable[[argparse.Namespace], int]] = None
 
 
 _REGISTRY: Dict[str, Collective] = {}
@@ -145,6 +148,11 @@ def get(name: str) -> Collective:
 
 def names() -> List[str]:
     return list(_REGISTRY)
+
+
+def table_names() -> List[str]:
+    """The operations of the backend table (``all``): every one without a table of its own."""
+    return [n for n, d in _REGISTRY.items() if d.standalone is None]
 
 
 # ---------------------------------------------------------------------------------------------
