@@ -13,7 +13,7 @@ Columns, on prefill rank 0, medians over ``-n`` requests after ``-w`` warm-up on
 * post: host time of ``agent.send`` (checks, block-id staging, record writes, the launch);
 * complete: from the start of ``send`` until the sender sees every layer's flag (host polling);
 * GPU: CUDA-event time of the request's stream work (block-id upload + copy kernel);
-* GB/s: request bytes / GPU time; D2D: the same bytes as one contiguous ``cudaMemcpyAsync``
+* GB/s: request bytes / GPU time (CPU: / completion time); D2D: the same bytes as one contiguous ``cudaMemcpyAsync``
   device-to-device on this GPU, and the ratio (the issue's target: >= 70 % at 16 KiB blocks, >= 50 %
   at 4 KiB, transforms included);
 * wrong: bytes of one more request on fresh data that differ from the reference (indexing), read
@@ -114,7 +114,7 @@ def _cache(layout: str, layers: int, blocks: int, bs: int, heads: int, head_dim:
     return caches, canon
 
 
-def _row_worker(rank: int, world_size: int, store, opts, rows) -> List[dict]:
+def _row_worker(rank: int, world_size: int, store, opts, rows, run_id: str) -> List[dict]:
     from .. import kv
     cpu = opts.device == "cpu"
     device = torch.device("cpu") if cpu else torch.device("cuda", 0)
@@ -124,7 +124,7 @@ def _row_worker(rank: int, world_size: int, store, opts, rows) -> List[dict]:
     for r, (case, block_bytes, blocks) in enumerate(rows):
         P, D, src_layout, dst_layout, bs_ratio, layers = CASES[case]
         bs, heads_p, heads, head_dim = _shape(block_bytes, P, D, layers, cpu)
-        tag = f"kvperf-{os.getpid() if rank == 0 else 0}-{r}"
+        tag = f"kvperf-{run_id}-{r}"
         dst_bs = bs * bs_ratio
         dst_blocks = -(-blocks * bs // dst_bs)
         role = "prefill" if rank < P else "decode" if rank < P + D else None
@@ -253,7 +253,7 @@ def main_kv(opts) -> int:
             if c != "llama70b" or b == 4096]
     rows = list(dict.fromkeys(rows))
     try:
-        results = harness.spawn(_row_worker, 3, opts, rows)
+        results = harness.spawn(_row_worker, 3, opts, rows, f"{os.getpid()}-{int(time.time())}")
     except SystemExit as e:
         return int(e.code or 2)
     lines = _table(results, cpu)
@@ -279,7 +279,8 @@ def _table(results, cpu: bool) -> List[str]:
             f"{'GPU us':>8} {'GB/s':>7} {'D2D GB/s':>8} {'% D2D':>6} {'wrong':>5}  NIXL")
     lines = [head]
     for r in results:
-        gbps = r["bytes"] / (r["gpu_us"] * 1e3) if r["gpu_us"] == r["gpu_us"] else float("nan")
+        t = r["gpu_us"] if r["gpu_us"] == r["gpu_us"] else r["complete_us"]  # CPU: no GPU time
+        gbps = r["bytes"] / (t * 1e3)
         d2d = r["bytes"] / (r["d2d_us"] * 1e3) if r.get("d2d_us", float("nan")) == r.get("d2d_us") else float("nan")
         pct = 100 * gbps / d2d if d2d == d2d and gbps == gbps else float("nan")
         lines.append(f"{r['case']:>9} {r['block_bytes'] // 1024:>5}K {r['blocks']:>6} {r['layers']:>6} "
