@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <numeric>
 #include <thread>
@@ -158,7 +159,17 @@ void coalesce(KvCopyParams& p) {
 
 }  // namespace
 
-bool kv_process_alive(int64_t pid) { return pid <= 0 || ::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM; }
+bool kv_process_alive(int64_t pid) {
+  if (pid <= 0) return true;
+  if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno != EPERM) return false;
+  // A killed process its parent has not reaped yet still answers kill(); /proc says it is a zombie.
+  std::FILE* f = std::fopen(detail::concat("/proc/", pid, "/stat").c_str(), "r");
+  if (f == nullptr) return true;
+  char state = 'R';
+  const int got = std::fscanf(f, "%*d (%*[^)]) %c", &state);
+  std::fclose(f);
+  return got != 1 || (state != 'Z' && state != 'X');
+}
 
 uint64_t kv_request_hash(const std::string& request_id) {
   uint64_t h = 1469598103934665603ull;
