@@ -578,37 +578,36 @@ uint64_t KvAgent::begin(const std::string& peer_name, const std::string& request
                 InvalidArgument, what, ": request '", request_id, "' of ", num_tokens, " tokens needs ",
                 (num_tokens + bs - 1) / bs, " source blocks of ", bs, " tokens and ", (num_tokens + bd - 1) / bd,
                 " destination blocks of ", bd, " tokens; got ", num_src, " and ", num_dst);
-  for (size_t i = 0; i < num_src; ++i) {
+  int32_t lo = 0, hi = 0;
+  for (size_t i = 0; i < num_src; ++i) {  // min / max first: one vectorised pass
+    lo = std::min(lo, src_blocks[i]);
+    hi = std::max(hi, src_blocks[i]);
+  }
+  for (size_t i = 0; (lo < 0 || hi >= layout_.num_blocks) && i < num_src; ++i) {
     COMMLIB_CHECK(src_blocks[i] >= 0 && src_blocks[i] < layout_.num_blocks, InvalidArgument, what, ": request '",
                   request_id, "': source block id ", src_blocks[i], " (position ", i, ") out of range; valid: 0..",
                   layout_.num_blocks - 1);
   }
-  // Duplicates: one bit per destination block, kept by the peer and cleared again after the check.
-  std::vector<uint64_t>& seen = p.dst_seen;
-  seen.resize(static_cast<size_t>((p.peer_blocks + 63) / 64));
-  auto clear_seen = [&](size_t upto) {
-    for (size_t i = 0; i < upto; ++i) {
-      if (dst_blocks[i] >= 0 && dst_blocks[i] < p.peer_blocks) seen[dst_blocks[i] / 64] = 0;
-    }
-  };
+  // Duplicates: a stamp per destination block, this check's number where it saw the block (no
+  // clearing between requests).
+  std::vector<uint32_t>& stamp = p.dst_stamp;
+  if (stamp.size() != static_cast<size_t>(p.peer_blocks) || ++p.stamp_now == 0) {
+    stamp.assign(static_cast<size_t>(p.peer_blocks), 0);
+    p.stamp_now = 1;
+  }
+  const uint32_t now = p.stamp_now;
   for (size_t i = 0; i < num_dst; ++i) {
     const int32_t id = dst_blocks[i];
-    if (id < 0 || id >= p.peer_blocks) {
-      clear_seen(i);
-      throw InvalidArgument(detail::concat(what, ": request '", request_id, "': destination block id ", id,
-                                           " (position ", i, ") out of range; valid: 0..", p.peer_blocks - 1));
-    }
-    uint64_t& word = seen[id / 64];
-    if ((word >> (id % 64)) & 1u) {
+    COMMLIB_CHECK(id >= 0 && id < p.peer_blocks, InvalidArgument, what, ": request '", request_id,
+                  "': destination block id ", id, " (position ", i, ") out of range; valid: 0..", p.peer_blocks - 1);
+    if (stamp[static_cast<size_t>(id)] == now) {
       size_t first = 0;
       while (dst_blocks[first] != id) ++first;
-      clear_seen(i);
       throw InvalidArgument(detail::concat(what, ": request '", request_id, "': destination block ", id,
                                            " appears twice (positions ", first, " and ", i, ")"));
     }
-    word |= 1ull << (id % 64);
+    stamp[static_cast<size_t>(id)] = now;
   }
-  clear_seen(num_dst);
   auto s = std::make_unique<Send>();
   s->peer = &p;
   s->request_id = request_id;

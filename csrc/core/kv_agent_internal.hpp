@@ -57,7 +57,8 @@ struct KvAgent::Peer {
   uint64_t align_gcd = 0;    // gcd of strides and bases (kv_vector_bytes)
   int64_t peer_blocks = 0;
   int32_t peer_block_size = 0;
-  std::vector<uint64_t> dst_seen;  // begin()'s duplicate check: all zero between calls
+  std::vector<uint32_t> dst_stamp;  // begin()'s duplicate check (stamp_now: the current check)
+  uint32_t stamp_now = 0;
 };
 
 struct KvAgent::Send {

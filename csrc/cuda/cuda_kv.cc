@@ -207,11 +207,12 @@ class CudaKvEngine final : public KvEngine {
     DeviceGuard guard(device_);
     params.tile_counters = counters_ + static_cast<size_t>(next_context_) * kernels::kKvMaxLayers;
     next_context_ = (next_context_ + 1) % kContexts;
+    // Enough CTAs of 512 threads for 8 accesses each (the kernel's unroll), at most the budget.
     const int64_t units = static_cast<int64_t>(params.num_dests) * params.num_planes * params.num_dst_blocks;
-    params.num_ctas = static_cast<int32_t>(std::min<int64_t>(params.num_ctas, units));
-    const int64_t unit_vectors =
-        static_cast<int64_t>(params.dst.block_size) * params.num_heads * (params.row_bytes / params.vector_bytes);
-    params.threads = static_cast<int32_t>(std::clamp<int64_t>((unit_vectors / 4 + 31) / 32 * 32, 64, 512));
+    const int64_t vectors =
+        units * params.dst.block_size * params.num_heads * (params.row_bytes / params.vector_bytes);
+    params.num_ctas = static_cast<int32_t>(std::clamp<int64_t>((vectors + 4095) / 4096, 1, std::min<int64_t>(params.num_ctas, units)));
+    params.threads = static_cast<int32_t>(std::clamp<int64_t>((vectors / params.num_ctas / 8 + 31) / 32 * 32, 64, 512));
     throw_if_error(kernels::launch_kv_copy(params, static_cast<cudaStream_t>(stream)));
   }
 

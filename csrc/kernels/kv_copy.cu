@@ -10,7 +10,7 @@
 namespace commlib::kernels {
 namespace {
 
-constexpr int kUnroll = 4;  // accesses in flight per thread: loads of a batch issue before its stores
+constexpr int kUnroll = 8;  // accesses in flight per thread: loads of a batch issue before its stores
 
 // n / d for n < 2^31 by multiply and shift (the divisor is fixed per launch).
 struct FastDiv {
@@ -41,6 +41,9 @@ template <>
 struct Pack<1> { using T = uint8_t; };
 
 struct KvDivisors {
+  FastDiv unit;          // vectors of one unit: dst block_size x heads x vecs_per_row
+  FastDiv dst_blocks;    // destination blocks of the request
+  FastDiv planes;
   FastDiv vecs_per_row;  // row_bytes / vector bytes
   FastDiv inner;         // rows of the inner loop: heads (token-major destination) or block_size (head-major)
   FastDiv src_block;     // source block size
@@ -50,56 +53,56 @@ template <int kBytes>
 __global__ void __launch_bounds__(512) kv_copy_kernel(const KvCopyParams p, const KvDivisors div) {
   using T = typename Pack<kBytes>::T;
   const uint32_t vecs = div.vecs_per_row.divisor;
+  const uint32_t unit_vectors = div.unit.divisor;
   const bool head_major = p.dst.head_stride > p.dst.token_stride;  // HND destination: heads outer
-  const uint32_t unit_vectors = static_cast<uint32_t>(p.dst.block_size) * p.num_heads * vecs;
+  // Each CTA owns a contiguous span of the layer's vectors, across units, so every thread has
+  // kUnroll accesses in flight whatever the block size (small blocks are small units).
   const int64_t units = static_cast<int64_t>(p.num_dests) * p.num_planes * p.num_dst_blocks;
-  const int64_t first = units * blockIdx.x / gridDim.x;
-  const int64_t last = units * (blockIdx.x + 1) / gridDim.x;
+  const int64_t first_unit = units * blockIdx.x / gridDim.x;
+  const uint32_t span = static_cast<uint32_t>((units * (blockIdx.x + 1) / gridDim.x - first_unit) * unit_vectors);
   for (int li = 0; li < p.num_layers; ++li) {
     const int layer = p.layer_begin + li;
-    for (int64_t u = first; u < last; ++u) {
-      const int64_t k = u % p.num_dst_blocks;  // destination block of the request
-      const int plane = static_cast<int>((u / p.num_dst_blocks) % p.num_planes);
-      const int j = static_cast<int>(u / (p.num_dst_blocks * p.num_planes));
-      const char* src_plane = reinterpret_cast<const char*>(p.src_planes[layer * p.num_planes + plane]);
-      char* dst_block = reinterpret_cast<char*>(
-                            p.dst_planes[(static_cast<int64_t>(j) * p.num_layers_total + layer) * p.num_planes + plane]) +
-                        static_cast<int64_t>(p.dst_blocks[k]) * p.dst.block_stride;
-      const int64_t token0 = k * p.dst.block_size;
-      const uint32_t tokens = static_cast<uint32_t>(min(static_cast<int64_t>(p.dst.block_size), p.num_tokens - token0));
-      const int32_t src_head0 = p.src_head0[j];
-      const int32_t dst_head0 = p.dst_head0[j];
-      for (uint32_t base = threadIdx.x; base < unit_vectors; base += blockDim.x * kUnroll) {
-        T values[kUnroll];
-        char* dst_at[kUnroll];
+    for (uint32_t base = threadIdx.x; base < span; base += blockDim.x * kUnroll) {
+      T values[kUnroll];
+      char* dst_at[kUnroll];
 #pragma unroll
-        for (int x = 0; x < kUnroll; ++x) {
-          dst_at[x] = nullptr;
-          const uint32_t e = base + x * blockDim.x;
-          if (e >= unit_vectors) continue;
-          const uint32_t row = div.vecs_per_row.div(e);
-          const uint32_t v = e - row * vecs;
-          const uint32_t outer = div.inner.div(row);
-          const uint32_t inner = row - outer * div.inner.divisor;
-          const uint32_t t = head_major ? inner : outer;
-          const uint32_t h = head_major ? outer : inner;
-          if (t >= tokens) continue;  // past the request's last token
-          const uint32_t i = static_cast<uint32_t>(token0) + t;
-          const uint32_t sb = div.src_block.div(i);
-          const uint32_t st = i - sb * div.src_block.divisor;
-          const char* s = src_plane + static_cast<int64_t>(p.src_blocks[sb]) * p.src.block_stride +
-                          static_cast<int64_t>(st) * p.src.token_stride +
-                          static_cast<int64_t>(src_head0 + static_cast<int32_t>(h)) * p.src.head_stride +
-                          static_cast<int64_t>(v) * kBytes;
-          values[x] = *reinterpret_cast<const T*>(s);
-          dst_at[x] = dst_block + static_cast<int64_t>(t) * p.dst.token_stride +
-                      static_cast<int64_t>(dst_head0 + static_cast<int32_t>(h)) * p.dst.head_stride +
-                      static_cast<int64_t>(v) * kBytes;
-        }
+      for (int x = 0; x < kUnroll; ++x) {
+        dst_at[x] = nullptr;
+        const uint32_t local = base + x * blockDim.x;
+        if (local >= span) continue;
+        const uint32_t unit_in_span = div.unit.div(local);
+        const uint32_t e = local - unit_in_span * unit_vectors;
+        const int64_t u = first_unit + unit_in_span;
+        const uint32_t dp = div.dst_blocks.div(static_cast<uint32_t>(u));  // (dest, plane) of the unit
+        const uint32_t k = static_cast<uint32_t>(u) - dp * div.dst_blocks.divisor;  // destination block
+        const uint32_t j = div.planes.div(dp);
+        const uint32_t plane = dp - j * div.planes.divisor;
+        const uint32_t row = div.vecs_per_row.div(e);
+        const uint32_t v = e - row * vecs;
+        const uint32_t outer = div.inner.div(row);
+        const uint32_t inner = row - outer * div.inner.divisor;
+        const uint32_t t = head_major ? inner : outer;
+        const uint32_t h = head_major ? outer : inner;
+        const uint32_t i = k * static_cast<uint32_t>(p.dst.block_size) + t;  // token of the request
+        if (i >= static_cast<uint64_t>(p.num_tokens)) continue;             // past its last token
+        const uint32_t sb = div.src_block.div(i);
+        const uint32_t st = i - sb * div.src_block.divisor;
+        const char* s = reinterpret_cast<const char*>(p.src_planes[layer * p.num_planes + plane]) +
+                        static_cast<int64_t>(p.src_blocks[sb]) * p.src.block_stride +
+                        static_cast<int64_t>(st) * p.src.token_stride +
+                        static_cast<int64_t>(p.src_head0[j] + static_cast<int32_t>(h)) * p.src.head_stride +
+                        static_cast<int64_t>(v) * kBytes;
+        values[x] = *reinterpret_cast<const T*>(s);
+        dst_at[x] = reinterpret_cast<char*>(
+                        p.dst_planes[(static_cast<int64_t>(j) * p.num_layers_total + layer) * p.num_planes + plane]) +
+                    static_cast<int64_t>(p.dst_blocks[k]) * p.dst.block_stride +
+                    static_cast<int64_t>(t) * p.dst.token_stride +
+                    static_cast<int64_t>(p.dst_head0[j] + static_cast<int32_t>(h)) * p.dst.head_stride +
+                    static_cast<int64_t>(v) * kBytes;
+      }
 #pragma unroll
-        for (int x = 0; x < kUnroll; ++x) {
-          if (dst_at[x] != nullptr) *reinterpret_cast<T*>(dst_at[x]) = values[x];
-        }
+      for (int x = 0; x < kUnroll; ++x) {
+        if (dst_at[x] != nullptr) *reinterpret_cast<T*>(dst_at[x]) = values[x];
       }
     }
     __syncthreads();  // every thread's stores of this layer issued before thread 0 publishes
@@ -138,7 +141,20 @@ Status launch_kv_copy(const KvCopyParams& p, Stream stream) {
                                  p.row_bytes, " bytes, vector ", vector_bytes, ", ", p.num_dests, " destinations, ",
                                  p.num_layers, " layers, ", p.num_dst_blocks, " blocks)"));
   }
+  const uint64_t unit_vectors =
+      static_cast<uint64_t>(p.dst.block_size) * p.num_heads * static_cast<uint64_t>(p.row_bytes / vector_bytes);
+  const uint64_t units = static_cast<uint64_t>(p.num_dests) * p.num_planes * p.num_dst_blocks;
+  // Indices are 32-bit: a CTA's span, and every unit and token index, below 2^31.
+  if ((units / static_cast<uint64_t>(p.num_ctas) + 1) * unit_vectors >= (1ull << 31) || units >= (1ull << 31) ||
+      static_cast<uint64_t>(p.num_tokens) >= (1ull << 31)) {
+    return Status(StatusCode::kInvalidArgument,
+                  detail::concat("kv copy: ", units, " units of ", unit_vectors, " vectors over ", p.num_ctas,
+                                 " CTAs exceed 32-bit indexing; send fewer blocks per request"));
+  }
   KvDivisors div;
+  div.unit = FastDiv(static_cast<uint32_t>(unit_vectors));
+  div.dst_blocks = FastDiv(static_cast<uint32_t>(p.num_dst_blocks));
+  div.planes = FastDiv(static_cast<uint32_t>(p.num_planes));
   div.vecs_per_row = FastDiv(static_cast<uint32_t>(p.row_bytes / vector_bytes));
   const bool head_major = p.dst.head_stride > p.dst.token_stride;
   div.inner = FastDiv(static_cast<uint32_t>(head_major ? p.dst.block_size : p.num_heads));

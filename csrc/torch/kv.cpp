@@ -49,18 +49,19 @@ void bind_kv(py::module_& m) {
   py::class_<KvAgent, std::shared_ptr<KvAgent>>(m, "KVAgent")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, const std::string& instance,
                        const std::string& role, int tp_rank, int tp_size, const std::string& device, int device_index,
-                       double timeout_s) {
+                       double timeout_s, int num_ctas) {
              KvAgentOptions options;
              options.instance = instance;
              options.role = parse_role(role);
              options.tp_rank = tp_rank;
              options.tp_size = tp_size;
              options.timeout = millis(timeout_s);
+             options.num_ctas = num_ctas;
              auto engine = device == "cuda" ? make_cuda_kv_engine(device_index) : make_host_kv_engine();
              return std::make_shared<KvAgent>(std::make_shared<TorchStore>(store), options, std::move(engine));
            }),
            py::arg("store"), py::arg("instance"), py::arg("role"), py::arg("tp_rank"), py::arg("tp_size"),
-           py::arg("device"), py::arg("device_index"), py::arg("timeout_s"))
+           py::arg("device"), py::arg("device_index"), py::arg("timeout_s"), py::arg("num_ctas") = 0)
       .def(
           "register_cache",
           [](KvAgent& a, const std::string& layout, const std::string& dtype, int elem_bytes, int num_layers,

@@ -140,11 +140,13 @@ class KVAgent:
     share it); ``role`` "prefill" (sends), "decode" (receives) or "both"; ``device`` where the cache
     lives. ``timeout`` bounds every wait: a receiver reports a request failed when no layer of it
     landed for that long (``CommTimeoutError``) or at once when its sender exited (``PeerError``).
+    ``num_ctas``: the CUDA copy kernel's largest grid, its SM budget (default ``COMMLIB_KV_CTAS``).
     One thread drives an agent; ``close()`` (or collection) releases everything.
     """
 
     def __init__(self, store: dist.Store, instance: str, role: str, tp_rank: int = 0, tp_size: int = 1,
-                 device: Union[str, torch.device] = "cpu", timeout: timedelta = timedelta(seconds=300)):
+                 device: Union[str, torch.device] = "cpu", timeout: timedelta = timedelta(seconds=300),
+                 num_ctas: Optional[int] = None):
         if not isinstance(store, dist.Store):
             raise TypeError(f"KVAgent: store must be a torch.distributed.Store, got {type(store).__name__}")
         if role not in ROLES:
@@ -159,7 +161,8 @@ class KVAgent:
         self.instance, self.role, self.tp_rank, self.tp_size = str(instance), role, int(tp_rank), int(tp_size)
         self.device, self.timeout = device, timeout
         self._native = _C.KVAgent(store, self.instance, role, self.tp_rank, self.tp_size, device.type,
-                                  device.index if device.index is not None else -1, timeout.total_seconds())
+                                  device.index if device.index is not None else -1, timeout.total_seconds(),
+                                  int(num_ctas or 0))
         self._caches = None
         self.num_layers = 0
 

@@ -60,6 +60,8 @@ def _add(group: argparse._ArgumentGroup) -> None:
                        help=f"{NAME}: blocks per request (default 128,1000,4000,20000 on GPU, 16,128 on CPU)")
     group.add_argument("--kv-block-bytes", dest="kv_block_bytes", type=_sizes, default=None, metavar="B1,B2",
                        help=f"{NAME}: bytes of one K or V block of one layer (default 4K,16K)")
+    group.add_argument("--kv-ctas", dest="kv_ctas", type=_int_list, default=None, metavar="N1,N2",
+                       help=f"{NAME}: copy-kernel CTA budgets to time side by side (default: COMMLIB_KV_CTAS)")
     group.add_argument("--kv-cases", dest="kv_cases", default=",".join(CASES), metavar="C1,C2",
                        help=f"{NAME}: layout / TP cases, of {', '.join(CASES)} (default all)")
 
@@ -121,7 +123,7 @@ def _row_worker(rank: int, world_size: int, store, opts, rows, run_id: str) -> L
     if not cpu:
         torch.cuda.set_device(device)
     results = []
-    for r, (case, block_bytes, blocks) in enumerate(rows):
+    for r, (case, block_bytes, blocks, ctas) in enumerate(rows):
         P, D, src_layout, dst_layout, bs_ratio, layers = CASES[case]
         bs, heads_p, heads, head_dim = _shape(block_bytes, P, D, layers, cpu)
         tag = f"kvperf-{run_id}-{r}"
@@ -132,7 +134,8 @@ def _row_worker(rank: int, world_size: int, store, opts, rows, run_id: str) -> L
         if role is not None:
             tp_rank = rank if role == "prefill" else rank - P
             tp = P if role == "prefill" else D
-            agent = kv.KVAgent(store, f"{tag}-{role}", role, tp_rank, tp, device=device, timeout=timedelta(seconds=60))
+            agent = kv.KVAgent(store, f"{tag}-{role}", role, tp_rank, tp, device=device, timeout=timedelta(seconds=60),
+                               num_ctas=ctas)
             if role == "prefill":
                 caches, canon = _cache(src_layout, layers, blocks, bs, heads_p, head_dim, device,
                                        lambda s: torch.empty(s, dtype=torch.bfloat16, device=device))
@@ -156,7 +159,7 @@ def _row_worker(rank: int, world_size: int, store, opts, rows, run_id: str) -> L
                 time.sleep(0.001)
             agent.close()
         if rank == 0:
-            result.update(case=case, block_bytes=block_bytes, blocks=blocks, layers=layers,
+            result.update(case=case, block_bytes=block_bytes, blocks=blocks, layers=layers, ctas=ctas,
                           bytes=blocks * block_bytes * 2 * layers)
             results.append(result)
         store.add(f"{tag}/row", 1)
@@ -249,7 +252,8 @@ def main_kv(opts) -> int:
     blocks = opts.kv_blocks or ([16, 128] if cpu else [128, 1000, 4000, 20000])
     sizes = opts.kv_block_bytes or [4096, 16384]
     cases = opts.kv_cases.split(",")
-    rows = [(c, b, n) for c in cases for b in sizes for n in (blocks if c != "llama70b" else [118])
+    ctas = opts.kv_ctas or [None]
+    rows = [(c, b, n, k) for c in cases for b in sizes for n in (blocks if c != "llama70b" else [118]) for k in ctas
             if c != "llama70b" or b == 4096]
     rows = list(dict.fromkeys(rows))
     try:
@@ -275,7 +279,7 @@ def main_kv(opts) -> int:
 
 
 def _table(results, cpu: bool) -> List[str]:
-    head = (f"{'case':>9} {'block':>6} {'blocks':>6} {'layers':>6} {'MB/req':>8} {'post us':>8} {'complete us':>11} "
+    head = (f"{'case':>9} {'block':>6} {'blocks':>6} {'layers':>6} {'CTAs':>5} {'MB/req':>8} {'post us':>8} {'complete us':>11} "
             f"{'GPU us':>8} {'GB/s':>7} {'D2D GB/s':>8} {'% D2D':>6} {'wrong':>5}  NIXL")
     lines = [head]
     for r in results:
@@ -283,7 +287,8 @@ def _table(results, cpu: bool) -> List[str]:
         gbps = r["bytes"] / (t * 1e3)
         d2d = r["bytes"] / (r["d2d_us"] * 1e3) if r.get("d2d_us", float("nan")) == r.get("d2d_us") else float("nan")
         pct = 100 * gbps / d2d if d2d == d2d and gbps == gbps else float("nan")
-        lines.append(f"{r['case']:>9} {r['block_bytes'] // 1024:>5}K {r['blocks']:>6} {r['layers']:>6} "
+        ctas = str(r["ctas"]) if r["ctas"] else os.environ.get("COMMLIB_KV_CTAS", "dflt")
+        lines.append(f"{r['case']:>9} {r['block_bytes'] // 1024:>5}K {r['blocks']:>6} {r['layers']:>6} {ctas:>5} "
                      f"{r['bytes'] / 1e6:>8.2f} {r['post_us']:>8.1f} {r['complete_us']:>11.1f} {r['gpu_us']:>8.1f} "
                      f"{gbps:>7.1f} {d2d:>8.1f} {pct:>6.1f} {r['wrong']:>5}  n/a (not in this build)")
     return lines
