@@ -64,7 +64,9 @@ const std::vector<Knob>& knobs() {
        "records per lane, read by the receiving agent when it registers); a sender that finds none free "
        "raises PeerError until the receiver's poll() / wait() reports finished requests."},
       {"COMMLIB_KV_CTAS", "132", KnobCategory::kTuning,
-       "commlib.kv on CUDA: largest grid (CTAs) of the KV copy kernel, its SM budget, 1..1024; a request gets one CTA per 64 KiB up to it. Read by the sending agent (KVAgent num_ctas overrides it)."},
+       "commlib.kv on CUDA: largest grid (CTAs) of the KV copy kernel, its SM budget, 1..1024; a "
+       "request gets one CTA per 64 KiB up to it. Read by the sending agent (KVAgent num_ctas "
+       "overrides it)."},
       {"COMMLIB_KV_STAGING_BYTES", "16777216", KnobCategory::kRuntime,
        "commlib.kv on CUDA: bytes of the sending agent's block-id staging (pinned host + device); a "
        "request holds 8 bytes per block until its last layer is sent."},
