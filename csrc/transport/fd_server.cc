@@ -23,25 +23,12 @@ struct ReplyHeader {
   uint64_t num_fds;
 };
 
-// Sends or receives exactly `bytes` (the socket has its timeouts set); false on error or timeout.
-bool send_all(int s, const void* data, size_t bytes) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  while (bytes > 0) {
-    const ssize_t n = ::send(s, p, bytes, MSG_NOSIGNAL);
-    if (n <= 0) {
-      if (n < 0 && errno == EINTR) continue;
-      return false;
-    }
-    p += n;
-    bytes -= static_cast<size_t>(n);
-  }
-  return true;
-}
-
-bool recv_all(int s, void* data, size_t bytes) {
+// Sends (kSend) or receives exactly `bytes` (the socket has its timeouts set); false on error or timeout.
+enum class Direction { kSend, kReceive };
+bool transfer_all(int s, void* data, size_t bytes, Direction direction) {
   auto* p = static_cast<uint8_t*>(data);
   while (bytes > 0) {
-    const ssize_t n = ::recv(s, p, bytes, MSG_WAITALL);
+    const ssize_t n = direction == Direction::kSend ? ::send(s, p, bytes, MSG_NOSIGNAL) : ::recv(s, p, bytes, MSG_WAITALL);
     if (n <= 0) {
       if (n < 0 && errno == EINTR) continue;
       return false;
@@ -51,6 +38,27 @@ bool recv_all(int s, void* data, size_t bytes) {
   }
   return true;
 }
+bool send_all(int s, const void* data, size_t bytes) {
+  return transfer_all(s, const_cast<void*>(data), bytes, Direction::kSend);
+}
+bool recv_all(int s, void* data, size_t bytes) { return transfer_all(s, data, bytes, Direction::kReceive); }
+
+// One message of up to FdServer::kMaxFdsPerMessage descriptors (and one byte), laid out as
+// sendmsg / recvmsg take it.
+struct FdBatch {
+  char byte = 0;
+  iovec iov{&byte, 1};
+  std::vector<char> control;
+  msghdr msg{};
+  explicit FdBatch(size_t num_fds) : control(CMSG_SPACE(sizeof(int) * num_fds), 0) {
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.data();
+    msg.msg_controllen = control.size();
+  }
+  FdBatch(const FdBatch&) = delete;  // msg points into the object itself
+  FdBatch& operator=(const FdBatch&) = delete;
+};
 
 void set_timeouts(int s, std::chrono::milliseconds timeout) {
   timeval tv{};
@@ -139,20 +147,13 @@ void FdServer::answer(int s) {
   if (!send_all(s, &header, sizeof(header)) || !send_all(s, reply.bytes.data(), reply.bytes.size())) return;
   for (size_t first = 0; first < reply.fds.size(); first += kMaxFdsPerMessage) {
     const size_t n = std::min(kMaxFdsPerMessage, reply.fds.size() - first);
-    char byte = 0;
-    iovec iov{&byte, 1};
-    std::vector<char> control(CMSG_SPACE(sizeof(int) * n), 0);
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.data();
-    msg.msg_controllen = control.size();
-    cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
+    FdBatch batch(n);
+    cmsghdr* cmsg = CMSG_FIRSTHDR(&batch.msg);
     cmsg->cmsg_level = SOL_SOCKET;
     cmsg->cmsg_type = SCM_RIGHTS;
     cmsg->cmsg_len = CMSG_LEN(sizeof(int) * n);
     std::memcpy(CMSG_DATA(cmsg), reply.fds.data() + first, sizeof(int) * n);
-    if (::sendmsg(s, &msg, MSG_NOSIGNAL) != 1) return;
+    if (::sendmsg(s, &batch.msg, MSG_NOSIGNAL) != 1) return;
   }
 }
 
@@ -188,17 +189,9 @@ FdReply fd_request(const std::string& name, const std::vector<uint8_t>& request,
     throw PeerError(detail::concat(what, ": refused: ", std::string(reply.bytes.begin(), reply.bytes.end())));
   }
   while (reply.fds.size() < header.num_fds) {
-    const size_t n = std::min<size_t>(FdServer::kMaxFdsPerMessage, header.num_fds - reply.fds.size());
-    char byte = 0;
-    iovec iov{&byte, 1};
-    std::vector<char> control(CMSG_SPACE(sizeof(int) * n), 0);
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.data();
-    msg.msg_controllen = control.size();
-    if (::recvmsg(s, &msg, MSG_CMSG_CLOEXEC) != 1) fail("receiving descriptors failed");
-    cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
+    FdBatch batch(std::min<size_t>(FdServer::kMaxFdsPerMessage, header.num_fds - reply.fds.size()));
+    if (::recvmsg(s, &batch.msg, MSG_CMSG_CLOEXEC) != 1) fail("receiving descriptors failed");
+    cmsghdr* cmsg = CMSG_FIRSTHDR(&batch.msg);
     if (cmsg == nullptr || cmsg->cmsg_type != SCM_RIGHTS) fail("a descriptor message carried none");
     const size_t got = (cmsg->cmsg_len - CMSG_LEN(0)) / sizeof(int);
     const size_t old = reply.fds.size();
