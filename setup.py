@@ -99,7 +99,7 @@ setup(
     entry_points={
         "console_scripts": [
             "commlib-perf=commlib.perf.__main__:main",
-            "commlib-tune=commlib.tune:main",
+            "commlib-tune=commlib.perf.tune:main",
         ],
         "torch.backends": ["ddacomm=commlib._autoload:register"],
         "torch.distributed.backends": ["ddacomm=commlib._autoload:register"],

@@ -94,7 +94,7 @@ def test_find_wave_step_without_steps():
 
 
 def test_split_crossover():
-    from commlib.tune import split_crossover
+    from commlib.perf.tune import split_crossover
     tokens = [256, 512, 1024, 2048]
     assert split_crossover(tokens, [10, 20, 40, 80], [12, 19, 30, 60]) == 512
     assert split_crossover(tokens, [10, 20, 40, 80], [9, 15, 30, 60]) == 256
@@ -102,7 +102,7 @@ def test_split_crossover():
 
 
 def test_tune_record_round_trip(tmp_path, monkeypatch):
-    from commlib import tune
+    from commlib.perf import tune
     path = str(tmp_path / "tune.json")
     entry = {"key": tune.make_key("cpu", 2), "all_reduce": {"flat_max_bytes": 1024, "tree_max_bytes": 4096},
              "fused_num_sms": None}
