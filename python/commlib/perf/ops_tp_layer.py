@@ -21,7 +21,8 @@ as a layer (``shard_as_layer``: what the rank computes without the all-reduces).
 The sweep report, ``python -m commlib.perf.ops_tp_layer`` (one process: world 1 on one GPU; under
 ``torchrun --nproc-per-node N``: world N), prints per token count the layer's time in every mode
 (CUDA-graph replay, median), the ratios against ``sequential``, the no-communication floor, the
-split the policy chose against the best of a sweep of forced splits, and the fused op's SM budget.
+split the policy chose against the best of a sweep of forced splits, and the fused op's SM budget;
+``--out bench/results/tp_layer.md`` writes it as the results file.
 At world 1 the all-reduce is local: the fused op's kernel then stands in for the communication
 with the same SM budget, so the report measures what one GPU can (the wave steps, the split, the
 cost of splitting and of the overlap), not the hidden communication.

@@ -196,7 +196,7 @@ def measure_fused_num_sms(np_: int, iters: int, counts=FUSED_NUM_SMS_CANDIDATES,
 # size): {"device", "world_size", "wave_steps": {"NxK": tokens}, "split_min_tokens", "num_sms"}.
 
 TOKENWEAVE_TOKENS = (256, 512, 1024, 2048, 4096)
-TOKENWEAVE_NUM_SMS_CANDIDATES = (4, 8, 16, 32)
+TOKENWEAVE_NUM_SMS_CANDIDATES = (4, 8, 16, 32, 132)
 TOKENWEAVE_NUM_SMS_TOKENS = 2048
 
 
