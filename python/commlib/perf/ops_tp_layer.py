@@ -348,10 +348,11 @@ def sweep(tokens: List[int], model: str = "llama-70b", iters: int = 5, replays: 
         p(f"  {'':>6} overlap at {ov['tokens']} + {ov['tokens']} tokens: gate/up GEMM {ov['gemm']:.1f} us alone, "
           f"fused op ({ov['num_sms']} CTAs) {ov['fused']:.1f} us alone, both on two streams {ov['both']:.1f} us "
           f"(GEMM slowed by at most {ov['gemm_loss']:.1%})")
+    forced = f"the fastest of the forced splits (multiples of {split_step}) and the wave-aware split" \
+        if split_step > 0 else "the wave-aware split (no forced splits)"
     p("# x = time(sequential) / time(mode); tw = tokenweave (the policy: split at 'split' only when tokens >= "
       "split_min_tokens); split = the wave-aware split always; floor = nocomm (all-reduces removed); spl/flr = "
-      "split / floor; best = the fastest forced split (multiples of "
-      f"{split_step}{'' if split_step > 0 else ': none forced'}, and the wave-aware split)")
+      f"split / floor; best = {forced}")
     comm.close()
     return results
 
