@@ -139,14 +139,13 @@ def _split(num_tokens: int, shapes: Tuple[GemmShape, ...], steps: Tuple[int, ...
 
 # Note [split crossover]
 # A split pays only where the communication it hides is worth more than what splitting costs: the
-# layer's GEMMs run twice on half the rows, and a GEMM whose unsplit batch fills about one wave of
-# the SMs runs two partial waves split. At 512 tokens the layer's hidden-wide GEMMs (O and down,
-# N = hidden = 8192 for Llama-70B) are in that case: 256 rows make 64 tiles of 128 x 256 on a
-# 132-SM H200, one partial wave each, where the unsplit 512 rows fill one. Measured on one H200
-# (bench/results/tp_layer.md, world 1, where nothing is hidden): every 512-token split cost 21% or
-# more over the unsplit layer, while the all-reduces of a TP-2 layer are about 8% of its time. From
-# 1024 tokens the halves fill whole waves. Hence the built-in crossover of 1024 tokens; commlib-tune
-# --tokenweave measures it per GPU and world size (fused against split at 256..4096 tokens).
+# layer's GEMMs run twice on half the rows, and each half runs beside the other half's fused op on
+# the overlap's SM budget. At 512 tokens the halves of the hidden-wide GEMMs (O and down, N = hidden
+# = 8192 for Llama-70B) fill less than a wave each (256 rows make 64 tiles of 128 x 256 on a 132-SM
+# H200), and a 256-row GEMM beside the fused op on 16 CTAs ran 20% slower than alone, against 8% at
+# 512 rows (bench/results/tp_layer.md, the overlap lines), while the all-reduces of a TP-2 layer are
+# about 8% of its time. Hence the built-in crossover of 1024 tokens; commlib-tune --tokenweave
+# measures it per GPU and world size (fused against split at 256..4096 tokens).
 
 
 def should_split(num_tokens: int, gemm_shapes: Optional[Sequence[GemmShape]] = None, *,
