@@ -90,6 +90,7 @@ setup(
     description="Direct-data-access collectives for LLM inference over NVLink peer memory",
     package_dir={"": "python"},
     packages=find_packages("python"),
+    py_modules=["_commlib_autoload"],  # torch's entry points (Note [lazy registration])
     ext_modules=[Extension("commlib._C", sources=[])],
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.10",
@@ -101,7 +102,7 @@ setup(
             "commlib-perf=commlib.perf.__main__:main",
             "commlib-tune=commlib.perf.tune:main",
         ],
-        "torch.backends": ["ddacomm=commlib._autoload:register"],
-        "torch.distributed.backends": ["ddacomm=commlib._autoload:register"],
+        "torch.backends": ["ddacomm=_commlib_autoload:register"],
+        "torch.distributed.backends": ["ddacomm=_commlib_autoload:register"],
     },
 )

@@ -65,18 +65,15 @@ def check_multicast_behind_the_guard() -> list[str]:
     creators = [rel(p) for p in files if "cuMulticastCreate(" in p.read_text()]
     if creators != ["csrc/transport/cuda_multicast.cc"]:
         problems.append(f"cuMulticastCreate( must appear only in csrc/transport/cuda_multicast.cc; found in {creators}")
-    makers = [rel(p) for p in files
-              if "new MulticastWorkspace" in p.read_text() or "create_multicast_workspace(*this" in p.read_text()]
-    if makers != ["csrc/core/communicator.cc", "csrc/core/fused_cuda.cc"]:
-        problems.append(f"multicast workspaces must be made only by csrc/core/communicator.cc and "
-                        f"csrc/core/fused_cuda.cc; found {makers}")
-    multicast, stub = read("csrc/transport/cuda_multicast.cc"), read("csrc/core/cuda_comm_stub.cc")
-    factory, communicator = read("csrc/core/fused_cuda.cc"), read("csrc/core/communicator.cc")
+    makers = [rel(p) for p in files if "new MulticastWorkspace" in p.read_text()]
+    if makers != ["csrc/cuda/fused_cuda.cc"]:
+        problems.append(f"multicast workspaces must be made only by csrc/cuda/fused_cuda.cc; found {makers}")
+    multicast, stub = read("csrc/transport/cuda_multicast.cc"), read("csrc/cuda/cuda_comm_stub.cc")
+    factory = read("csrc/cuda/fused_cuda.cc")
     for where, text, signature in [
             ("constructor", multicast, "MulticastWorkspace::MulticastWorkspace("),
-            ("factory", factory, "MulticastWorkspace* create_multicast_workspace("),
-            ("stub factory", stub, "MulticastWorkspace* create_multicast_workspace("),
-            ("Communicator::multicast", communicator, "MulticastWorkspace& Communicator::multicast(")]:
+            ("Communicator::multicast", factory, "MulticastWorkspace& Communicator::multicast("),
+            ("stub Communicator::multicast", stub, "MulticastWorkspace& Communicator::multicast(")]:
         if signature not in text:
             problems.append(f"multicast {where}: `{signature}` not found (update tools/lint.py if it moved)")
             continue
@@ -94,7 +91,7 @@ def check_multicast_behind_the_guard() -> list[str]:
     return problems
 
 
-# Knobs: tests/cpu/test_knobs.py checks docs/knobs.md against csrc/core/env.cc.
+# Knobs: tests/cpu/test_knobs.py checks docs/knobs.md against csrc/common/env.cc.
 CHECKS = [check_all_reduce_path_is_multicast_free, check_multicast_behind_the_guard]
 
 

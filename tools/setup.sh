@@ -7,6 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .build
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
+# torch runs commlib's entry point at `import torch`; an install whose entry points are stale must
+# not stop its own rebuild (Note [lazy registration]).
+export TORCH_DEVICE_BACKEND_AUTOLOAD=0
 
 has_torch() {
   "$1" - <<'PY' 2>/dev/null

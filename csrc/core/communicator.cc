@@ -14,17 +14,12 @@
 #include "commlib/env.hpp"
 #include "commlib/errors.hpp"
 #include "core/algorithm_selector.hpp"
-#include "transport/multicast_guard.hpp"
+#include "common/multicast_guard.hpp"
 #include "transport/cuda_multicast.hpp"
 #include "transport/host_shm.hpp"
 
 namespace commlib {
 
-// Defined in csrc/core/cuda_comm.cc when built with CUDA.
-CudaComm* create_cuda_comm(Communicator& comm, int device);
-void destroy_cuda_comm(CudaComm* cuda);
-int cuda_device(const CudaComm& cuda);
-MulticastWorkspace* create_multicast_workspace(Communicator& comm, int device, int attempt);
 
 namespace {
 
@@ -86,8 +81,8 @@ Communicator::Communicator(std::shared_ptr<Store> store, int rank, int world_siz
       world_size_(world_size),
       name_(std::move(name)),
       options_(options),
-      cuda_(nullptr, destroy_cuda_comm),
-      multicast_(nullptr, destroy_multicast_workspace) {
+      cuda_(nullptr, [](CudaComm*) {}),               // the GPU engine sets the real deleters
+      multicast_(nullptr, [](MulticastWorkspace*) {}) {  // (Communicator::cuda, ::multicast)
   COMMLIB_CHECK(store_ != nullptr, InvalidArgument, "Communicator: store must not be None");
   COMMLIB_CHECK(world_size_ >= 1, InvalidArgument, "Communicator: world_size ", world_size_, " must be >= 1");
   COMMLIB_CHECK(rank_ >= 0 && rank_ < world_size_, InvalidArgument, "Communicator: rank ", rank_,
@@ -202,29 +197,36 @@ const CommConfig& Communicator::config() {
   return *config_;
 }
 
-CudaComm& Communicator::cuda(int device) {
-  check_open("cuda transport");
-  if (!cuda_) {
-    cuda_.reset(create_cuda_comm(*this, device));
-  } else {
-    const int current = cuda_device(*cuda_);
-    COMMLIB_CHECK(device == current, InvalidArgument, "communicator '", name_, "': device cuda:", device,
-                  " but its GPU state lives on cuda:", current, "; use one device per communicator");
-  }
-  return *cuda_;
-}
-
 CudaComm& Communicator::cuda() {
   check_open("cuda transport");
   COMMLIB_CHECK(cuda_ != nullptr, InvalidArgument, "communicator '", name_, "' has not used a GPU yet");
   return *cuda_;
 }
 
-MulticastWorkspace& Communicator::multicast(int device) {
-  check_open("multicast transport");
-  require_multicast("multicast transport");  // SAFETY: before any CUDA call, on every use
-  if (!multicast_) multicast_.reset(create_multicast_workspace(*this, device, multicast_attempts_++));
-  return *multicast_;
+// The two shared-memory primitives of the control plane (and of the CPU engine's all_gather and
+// barrier, csrc/host): set-up exchanges need them below the engines.
+void Communicator::all_gather_host(void* out, const void* in, size_t bytes) {
+  const char* what = "all_gather";
+  HostShm& shm = host();
+  const OpTag tag{static_cast<uint32_t>(HostOp::kAllGather), 0, bytes, 0};
+  size_t offset = 0;
+  do {
+    const size_t len = std::min(shm.slot_bytes(), bytes - offset);
+    const int buf = shm.next_buffer();
+    std::memcpy(shm.slot(rank_, buf), static_cast<const uint8_t*>(in) + offset, len);
+    shm.barrier(what, "gather", tag);
+    for (int r = 0; r < world_size_; ++r) {
+      std::memcpy(static_cast<uint8_t*>(out) + r * bytes + offset, shm.slot(r, buf), len);
+    }
+    offset += len;
+  } while (offset < bytes);
+}
+
+void Communicator::barrier_host() {
+  if (num_hosts_ > 1) return control_barrier();  // Note [communicator hosts]
+  HostShm& shm = host();
+  shm.next_buffer();
+  shm.barrier("barrier", "barrier", OpTag{static_cast<uint32_t>(HostOp::kBarrier), 0, 0, 0});
 }
 
 }  // namespace commlib

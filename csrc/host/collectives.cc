@@ -264,23 +264,6 @@ void Communicator::reduce_scatter_host(void* out, const void* in, size_t count, 
   } while (offset < count);
 }
 
-void Communicator::all_gather_host(void* out, const void* in, size_t bytes) {
-  const char* what = "all_gather";
-  HostShm& shm = host();
-  const OpTag tag{static_cast<uint32_t>(HostOp::kAllGather), 0, bytes, 0};
-  size_t offset = 0;
-  do {
-    const size_t len = std::min(shm.slot_bytes(), bytes - offset);
-    const int buf = shm.next_buffer();
-    std::memcpy(shm.slot(rank_, buf), byte_ptr(in) + offset, len);
-    shm.barrier(what, "gather", tag);
-    for (int r = 0; r < world_size_; ++r) {
-      std::memcpy(byte_ptr(out) + r * bytes + offset, shm.slot(r, buf), len);
-    }
-    offset += len;
-  } while (offset < bytes);
-}
-
 void Communicator::broadcast_host(void* data, size_t bytes, int root) {
   const char* what = "broadcast";
   COMMLIB_CHECK(root >= 0 && root < world_size_, InvalidArgument, what, ": src ", root,
@@ -356,12 +339,6 @@ void Communicator::all_to_all_v_host(void* out, const void* in, const std::vecto
   }
 }
 
-void Communicator::barrier_host() {
-  if (num_hosts_ > 1) return control_barrier();  // Note [communicator hosts]
-  HostShm& shm = host();
-  shm.next_buffer();
-  shm.barrier("barrier", "barrier", OpTag{static_cast<uint32_t>(HostOp::kBarrier), 0, 0, 0});
-}
 
 }  // namespace commlib
 

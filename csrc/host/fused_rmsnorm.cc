@@ -162,19 +162,6 @@ void run(Communicator& comm, const FusedRmsNormArgs& a) {
 
 }  // namespace
 
-void check_fused_rmsnorm_args(const FusedRmsNormArgs& a, int world_size, int rank) {
-  COMMLIB_CHECK(is_reducible(a.dtype), TypeMismatch, kWhat, ": dtype ", dtype_name(a.dtype),
-                " not supported; supported: float32, float16, bfloat16");
-  COMMLIB_CHECK(a.num_tokens >= 0, InvalidArgument, kWhat, ": num_tokens ", a.num_tokens, " must be >= 0");
-  COMMLIB_CHECK(a.hidden > 0 && a.hidden % kFusedHiddenAlign == 0 && a.hidden <= kFusedMaxHidden, InvalidArgument,
-                kWhat, ": hidden size ", a.hidden, " not supported; supported: multiples of ", kFusedHiddenAlign,
-                " from ", kFusedHiddenAlign, " to ", kFusedMaxHidden);
-  COMMLIB_CHECK(std::isfinite(a.eps) && a.eps >= 0.0f, InvalidArgument, kWhat, ": eps ", a.eps,
-                " must be finite and >= 0");
-  COMMLIB_CHECK(a.residual_layout == ResidualLayout::kFull || a.mode == ResidualMode::kSharded, InvalidArgument,
-                kWhat, ": a residual holding only this rank's slice needs residual_mode='sharded'");
-}
-
 void fused_allreduce_rmsnorm_host(Communicator& comm, const FusedRmsNormArgs& args) {
   check_fused_rmsnorm_args(args, comm.world_size(), comm.rank());
   switch (args.dtype) {

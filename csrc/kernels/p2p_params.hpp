@@ -1,5 +1,5 @@
 // Parameters and launcher of the bounded flag wait of CUDA point-to-point (csrc/kernels/p2p_wait.cu;
-// Note [cuda p2p] in csrc/core/cuda_p2p.hpp). Host-compilable; no torch.
+// Note [cuda p2p] in csrc/cuda/cuda_p2p.hpp). Host-compilable; no torch.
 #pragma once
 
 #include <cstddef>

@@ -1,5 +1,5 @@
 // The one kernel of CUDA point-to-point: a bounded wait on a slot's flag (Note [cuda p2p] in
-// csrc/core/cuda_p2p.hpp). One thread; the data itself moves by copy engine.
+// csrc/cuda/cuda_p2p.hpp). One thread; the data itself moves by copy engine.
 #include <cuda_runtime.h>
 
 #include "commlib/device/ptx.cuh"

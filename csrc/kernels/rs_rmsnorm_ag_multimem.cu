@@ -4,7 +4,7 @@
 // O gather), but phase 1 reads region X once through the multicast address instead of n peer
 // loads, and pushes the normalised row with one multicast store instead of n - 1 peer stores.
 //
-// SAFETY: never launched unless the multicast guard allowed it (csrc/transport/multicast_guard.hpp:
+// SAFETY: never launched unless the multicast guard allowed it (csrc/common/multicast_guard.hpp:
 // explicit COMMLIB_ENABLE_MULTICAST set to 1 and no kill switch); nothing in this file creates a
 // multicast object. On the lent machines it is compiled and its SASS inspected only.
 //

@@ -5,7 +5,7 @@
 //   rs_rmsnorm_ag_p2p_ll.cu    the same data flow without barriers: every 8 bytes pushed carry
 //                              their ready flag (Note [LL lines]); for the smallest token counts
 //   rs_rmsnorm_ag_multimem.cu  NVLS multimem.ld_reduce / multimem.st (sm_90a; behind the multicast
-//                              guard, csrc/transport/multicast_guard.hpp; never run on lent machines)
+//                              guard, csrc/common/multicast_guard.hpp; never run on lent machines)
 // Semantics, slicing and arithmetic: include/commlib/fused_rmsnorm.hpp. Host-compilable, no torch.
 // Launchers validate, choose the grid and return a Status; which kernel serves a call is the core's
 // choice (fused_rmsnorm_use_ll), made with the configuration in the params.

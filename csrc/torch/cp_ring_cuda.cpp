@@ -6,7 +6,7 @@
 #include <cuda.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include "core/cuda_comm.hpp"
+#include "cuda/cuda_comm.hpp"
 #include "transport/cuda_driver.hpp"
 #include "torch/bindings.hpp"
 

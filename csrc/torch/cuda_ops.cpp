@@ -5,7 +5,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include "core/cuda_comm.hpp"
+#include "cuda/cuda_comm.hpp"
 #include "torch/bindings.hpp"
 #include "torch/torch_common.hpp"
 

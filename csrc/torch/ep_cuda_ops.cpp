@@ -1,6 +1,6 @@
 // GPU side of EPBuffer and the dynamic all_to_all_v with device splits: tensors to pointers, and
 // the bindings. The orchestration (grid, LL agreement, protocol state, control area) is the core's
-// (include/commlib/gpu.hpp, csrc/core/cuda_ep.cc, CudaComm::all_to_all_v). Everything runs on the
+// (include/commlib/gpu.hpp, csrc/cuda/cuda_ep.cc, CudaComm::all_to_all_v). Everything runs on the
 // current stream of the tensors' device; nothing here reads device memory on the host, so dispatch
 // and combine can be graph-captured.
 #include <c10/cuda/CUDAGuard.h>
@@ -10,7 +10,7 @@
 #include <algorithm>
 
 #include "commlib/gpu.hpp"
-#include "core/cuda_comm.hpp"
+#include "cuda/cuda_comm.hpp"
 #include "torch/bindings.hpp"
 #include "torch/ep_buffer.hpp"
 #include "torch/torch_common.hpp"

@@ -3,7 +3,7 @@
 // (csrc/torch/ops.cpp), and the multicast guard's Python face.
 
 #include "commlib/fused_rmsnorm.hpp"
-#include "transport/multicast_guard.hpp"
+#include "common/multicast_guard.hpp"
 #include "transport/cuda_multicast.hpp"
 #include "torch/bindings.hpp"
 #include "torch/fused_ops.hpp"

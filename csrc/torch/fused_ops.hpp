@@ -9,8 +9,8 @@
 #include "commlib/communicator.hpp"
 #include "commlib/fused_rmsnorm.hpp"
 
-// The GPU path exists once the CUDA communicator (csrc/core/cuda_comm.hpp) is in the tree.
-#if defined(COMMLIB_TORCH_CUDA) && __has_include("core/cuda_comm.hpp")
+// The GPU path exists once the CUDA communicator (csrc/cuda/cuda_comm.hpp) is in the tree.
+#if defined(COMMLIB_TORCH_CUDA) && __has_include("cuda/cuda_comm.hpp")
 #define COMMLIB_FUSED_CUDA 1
 #endif
 

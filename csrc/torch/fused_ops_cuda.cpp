@@ -8,7 +8,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include "core/cuda_comm.hpp"
+#include "cuda/cuda_comm.hpp"
 #include "torch/torch_common.hpp"
 
 namespace commlib::torch_layer {

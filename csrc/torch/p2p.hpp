@@ -48,7 +48,7 @@ P2pWork::Item post_send(Communicator& comm, const at::Tensor& tensor, int dst, i
 P2pWork::Item post_recv(Communicator& comm, const at::Tensor& tensor, int src, int64_t tag);
 
 #if defined(COMMLIB_TORCH_CUDA)
-// CUDA tensors over peer memory (Note [cuda p2p], csrc/core/cuda_p2p.hpp; csrc/torch/p2p_cuda.cpp).
+// CUDA tensors over peer memory (Note [cuda p2p], csrc/cuda/cuda_p2p.hpp; csrc/torch/p2p_cuda.cpp).
 struct CudaP2pOp {
   P2pRequest::Kind kind;
   at::Tensor tensor;

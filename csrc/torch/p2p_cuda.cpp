@@ -1,5 +1,5 @@
 // send / recv of CUDA tensors over peer memory for the ddacomm backend and the direct API
-// (Note [cuda p2p], csrc/core/cuda_p2p.hpp).
+// (Note [cuda p2p], csrc/cuda/cuda_p2p.hpp).
 //
 // Note [cuda p2p routing]
 // Both ends of a message must take the same path, so the choice uses only what every rank of the
@@ -19,8 +19,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include "core/cuda_comm.hpp"
-#include "core/cuda_p2p.hpp"
+#include "cuda/cuda_comm.hpp"
+#include "cuda/cuda_p2p.hpp"
 #include "torch/bindings.hpp"
 #include "torch/p2p.hpp"
 #include "torch/torch_common.hpp"

@@ -16,7 +16,7 @@
 #include "bootstrap/bootstrap.hpp"
 #include "commlib/errors.hpp"
 #include "transport/cuda_driver.hpp"
-#include "transport/multicast_guard.hpp"
+#include "common/multicast_guard.hpp"
 #include "transport/cuda_ipc.hpp"
 
 namespace commlib {

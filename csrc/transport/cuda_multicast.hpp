@@ -3,7 +3,7 @@
 //
 // SAFETY (DESIGN.md, Safety): this is the only code in commlib that creates a multicast object.
 // Its constructor calls require_multicast() first: unless the guard allows multicast (the explicit
-// opt-in COMMLIB_ENABLE_MULTICAST set to 1 and no kill switch, csrc/transport/multicast_guard.hpp) it
+// opt-in COMMLIB_ENABLE_MULTICAST set to 1 and no kill switch, csrc/common/multicast_guard.hpp) it
 // throws InvalidArgument before any CUDA runtime or driver call. The multicast entry points are
 // resolved here, after the guard, never with the driver table of csrc/transport/cuda_driver.cc. It has
 // never been constructed on the lent machines: no opt-in is set there (and bench/gpu_suite.sh adds
@@ -67,8 +67,8 @@ class MulticastWorkspace {
   bool bound_ = false;
 };
 
-// Deletes a workspace (Communicator::multicast's deleter; a no-op stub without CUDA). The factory
-// is the core's (create_multicast_workspace in csrc/core/cuda_comm.cc).
+// Deletes a workspace (Communicator::multicast's deleter; a no-op stub without CUDA). The maker
+// is the GPU engine (Communicator::multicast in csrc/cuda/fused_cuda.cc).
 void destroy_multicast_workspace(MulticastWorkspace* workspace);
 
 // Multicast objects this process has created (cuMulticastCreate calls that succeeded): the GPU

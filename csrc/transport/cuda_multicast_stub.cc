@@ -1,6 +1,6 @@
 // Built only without CUDA: the multimem path raises a clear error (after the guard, which refuses first).
 #include "commlib/errors.hpp"
-#include "transport/multicast_guard.hpp"
+#include "common/multicast_guard.hpp"
 #include "transport/cuda_multicast.hpp"
 
 namespace commlib {

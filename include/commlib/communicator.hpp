@@ -26,7 +26,7 @@ namespace commlib {
 class HostShm;
 struct CommConfig;  // csrc/core/algorithm_selector.hpp: every operation's configuration
 class HostP2p;  // point-to-point over shared memory (csrc/host/p2p.hpp)
-class CudaComm;  // GPU state (csrc/core/cuda_comm.hpp), created on first GPU use.
+class CudaComm;  // GPU state (csrc/cuda/cuda_comm.hpp), created on first GPU use.
 class MulticastWorkspace;  // NVLink multicast workspace (csrc/transport/cuda_multicast.hpp)
 
 struct CommunicatorOptions {
@@ -100,6 +100,8 @@ class Communicator {
 
   // ---- GPU state: created on first use for `device` (all ranks must call collectively). ----
   // A communicator drives one GPU: a later call with another device throws InvalidArgument.
+  // Defined by the GPU engine (csrc/cuda), as is multicast(): the core holds the state, the
+  // engine makes and deletes it.
   CudaComm& cuda(int device);
   // The GPU state cuda(device) created (InvalidArgument when there is none). Not collective.
   CudaComm& cuda();

@@ -1,5 +1,5 @@
 // Every COMMLIB_* environment variable, declared once with its default, category and meaning
-// (csrc/core/env.cc holds the table; docs/knobs.md is generated from it by tools/knobs_table.py).
+// (csrc/common/env.cc holds the table; docs/knobs.md is generated from it by tools/knobs_table.py).
 // The core reads the runtime and tuning knobs once, when a communicator resolves its
 // configuration (csrc/core/algorithm_selector.hpp); test-only and build knobs are read by the test
 // launcher and setup.py and only declared here.

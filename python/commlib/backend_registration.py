@@ -1,7 +1,8 @@
 """Registers the torch.distributed backend "ddacomm" (a drop-in for NCCL and gloo).
 
-``register_backend()`` is idempotent; ``import commlib`` calls it, and so does the
-``torch.backends`` entry point (``commlib._autoload``) after a plain ``import torch``.
+``register_backend()`` is idempotent; ``import commlib`` calls it. torch's entry points register the
+same backend without importing commlib (``_commlib_autoload``, Note [lazy registration]); its
+creator imports commlib and calls ``create_backend`` when the first group is made.
 
 For each process group the creator builds, from the group's store:
   * a commlib communicator (CPU shared-memory collectives, GPU fast paths) when every rank of the
@@ -140,7 +141,7 @@ def _nccl_factory(store, rank: int, world_size: int, timeout: timedelta, group_n
     return create
 
 
-def _create_backend(dist_opts, backend_options=None):
+def create_backend(dist_opts, backend_options=None):
     """The creator torch calls (extended API) for every "ddacomm" process group."""
     import torch.distributed as dist
 
@@ -245,7 +246,7 @@ def register_backend() -> bool:
     if not dist.is_available():
         return False
     if BACKEND_NAME.upper() not in getattr(dist.Backend, "_plugins", {}):
-        dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"])
+        dist.Backend.register_backend(BACKEND_NAME, create_backend, extended_api=True, devices=["cpu", "cuda"])
     _registered = True
     return True
 

@@ -827,32 +827,6 @@ def test_group_timeout_bounds_every_wait_cuda(ranks):
     ranks(2, env=GROUP_TIMEOUT_ONLY).run(_timeouts, "cuda")
 
 
-# ---------------------------------------------------------------------------------------------
-AUTOLOAD = r"""
-import sys
-import torch
-import torch.distributed as dist
-assert "commlib" in sys.modules, "the torch.backends entry point did not run"
-assert "DDACOMM" in dist.Backend._plugins, "ddacomm not registered after a plain import torch"
-dist.init_process_group("ddacomm", store=dist.HashStore(), rank=0, world_size=1)
-t = torch.arange(6, dtype=torch.float32)
-dist.all_reduce(t)
-assert torch.equal(t, torch.arange(6, dtype=torch.float32))
-assert dist.get_backend() == "ddacomm"
-dist.destroy_process_group()
-print("ok", sys.modules["commlib"].__file__)
-"""
-
-
-def test_autoload_after_plain_import_torch():
-    import commlib
-    here = os.path.dirname(os.path.dirname(commlib.__file__))
-    env = dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    res = subprocess.run([sys.executable, "-c", AUTOLOAD], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-4000:]
-    assert res.stdout.startswith("ok " + here), res.stdout
-
-
 def test_register_backend_is_idempotent():
     import torch.distributed as dist
 

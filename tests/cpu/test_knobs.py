@@ -1,4 +1,4 @@
-"""The one declaration of COMMLIB_* environment variables (csrc/core/env.cc) against the tree.
+"""The one declaration of COMMLIB_* environment variables (csrc/common/env.cc) against the tree.
 
 Reference: env.cc's table as tools/knobs_table.py parses it. Fails when docs/knobs.md is stale, when
 the built extension's table differs from env.cc, when a COMMLIB_ name that the tree uses is neither
@@ -73,7 +73,7 @@ def tree():
         text = scanned(path)
         if text is not None:
             texts[path.relative_to(ROOT).as_posix()] = text
-    assert "csrc/core/env.cc" in texts and "CMakeLists.txt" in texts, "the scan missed the tree"
+    assert "csrc/common/env.cc" in texts and "CMakeLists.txt" in texts, "the scan missed the tree"
     return texts
 
 
@@ -102,7 +102,7 @@ def test_built_extension_matches_env_cc(declared):
     # The table the library itself uses (commlib.knobs()) is env.cc's, in the same order.
     import commlib
     built = [(name, default) for name, default, _ in commlib.knobs()]
-    assert built == [(d[0], d[1]) for d in declared], "rebuild the extension: it predates csrc/core/env.cc"
+    assert built == [(d[0], d[1]) for d in declared], "rebuild the extension: it predates csrc/common/env.cc"
 
 
 def test_every_name_used_is_declared(declared, tree):
@@ -116,15 +116,15 @@ def test_every_name_used_is_declared(declared, tree):
             name = m.group(0)
             if name not in names and name not in defined and not name.startswith("COMMLIB_LIB_"):
                 undeclared.setdefault(name, rel)
-    assert not undeclared, f"COMMLIB_ names used but not declared in csrc/core/env.cc: {undeclared}"
+    assert not undeclared, f"COMMLIB_ names used but not declared in csrc/common/env.cc: {undeclared}"
 
 
 def test_every_declared_knob_is_used(declared, tree):
     # No declared knob is dead: each is read or set somewhere besides its declaration.
     unused = [name for name, *_ in declared
               if not any(re.search(rf"\b{name}\b", text) for rel, text in tree.items()
-                         if rel != "csrc/core/env.cc" and not rel.startswith("docs/"))]
-    assert not unused, f"declared in csrc/core/env.cc but used nowhere: {unused}"
+                         if rel != "csrc/common/env.cc" and not rel.startswith("docs/"))]
+    assert not unused, f"declared in csrc/common/env.cc but used nowhere: {unused}"
 
 
 def test_scan_sees_a_new_undeclared_name(tree, declared):

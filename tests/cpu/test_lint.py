@@ -35,9 +35,9 @@ def _append(path, text):
      "the all-reduce path mentions multimem"),
     (lambda t: _append(t / "csrc/core/communicator.cc", "\n// cuMulticastCreate(\n"),
      "cuMulticastCreate( must appear only in csrc/transport/cuda_multicast.cc"),
-    (lambda t: (t / "csrc/core/cuda_comm_stub.cc").write_text(
-        (t / "csrc/core/cuda_comm_stub.cc").read_text().replace("require_multicast(", "other_call(", 1)),
-     "multicast stub factory: must call require_multicast(...) first"),
+    (lambda t: (t / "csrc/cuda/cuda_comm_stub.cc").write_text(
+        (t / "csrc/cuda/cuda_comm_stub.cc").read_text().replace("require_multicast(", "other_call(", 1)),
+     "multicast stub Communicator::multicast: must call require_multicast(...) first"),
 ], ids=["multimem-in-all-reduce", "second-multicast-creator", "unguarded-factory"])
 def test_rule_catches_violation(tree, plant, expect):
     plant(tree)

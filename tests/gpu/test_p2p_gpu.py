@@ -1,4 +1,4 @@
-"""Point-to-point of CUDA tensors over peer memory (Note [cuda p2p], csrc/core/cuda_p2p.hpp): the
+"""Point-to-point of CUDA tensors over peer memory (Note [cuda p2p], csrc/cuda/cuda_p2p.hpp): the
 direct API's isend / irecv / send / recv / batch_isend_irecv and the "ddacomm" backend's
 dist.send / recv / isend / irecv / batch_isend_irecv.
 

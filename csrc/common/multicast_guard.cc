@@ -1,4 +1,4 @@
-#include "transport/multicast_guard.hpp"
+#include "common/multicast_guard.hpp"
 
 #include <cstdlib>
 

@@ -1,5 +1,5 @@
 // CudaComm: a communicator's GPU state and the orchestration of its GPU operations (all-reduce,
-// fused all-reduce + RMSNorm, all_to_all_v; EP in csrc/core/cuda_ep.cc), created collectively on
+// fused all-reduce + RMSNorm, all_to_all_v; EP in csrc/cuda/cuda_ep.cc), created collectively on
 // first GPU use (Communicator::cuda(device)); nothing CUDA happens at import or communicator
 // construction. It takes every choice from the communicator's configuration (Note [communicator
 // configuration]) and calls the kernel launchers with it; the public face is include/commlib/gpu.hpp.
@@ -93,7 +93,7 @@ class CudaComm {
 
   // Fused all-reduce + RMSNorm (include/commlib/gpu.hpp) on `stream` (collective): the LL or the
   // barrier P2P kernel by size, or the multicast kernel for FusedAlgo::kMultimem where the guard
-  // allows it (csrc/core/fused_cuda.cc).
+  // allows it (csrc/cuda/fused_cuda.cc).
   void fused_allreduce_rmsnorm(const FusedRmsNormArgs& args, int num_sms, FusedAlgo algo, cudaStream_t stream);
 
   // all_to_all_v of `row_bytes`-byte rows on `stream` (collective). in_splits / out_splits: device

@@ -1,4 +1,4 @@
-#include "core/cuda_comm.hpp"
+#include "cuda/cuda_comm.hpp"
 
 #include <atomic>
 #include <cstring>
@@ -8,7 +8,7 @@
 #include "commlib/gpu.hpp"
 #include "commlib/phase.hpp"
 #include "core/algorithm_selector.hpp"
-#include "core/cuda_p2p.hpp"
+#include "cuda/cuda_p2p.hpp"
 #include "kernels/all_reduce_params.hpp"
 #include "kernels/all_to_all_v_params.hpp"
 #include "kernels/exchange_params.hpp"
@@ -16,9 +16,18 @@
 
 namespace commlib {
 
-CudaComm* create_cuda_comm(Communicator& comm, int device) { return new CudaComm(comm, device); }
-void destroy_cuda_comm(CudaComm* cuda) { delete cuda; }
-int cuda_device(const CudaComm& cuda) { return cuda.device(); }
+// Communicator's GPU state is the GPU engine's to create and destroy: the core knows CudaComm only by
+// name (layers: docs/architecture.md).
+CudaComm& Communicator::cuda(int device) {
+  check_open("cuda transport");
+  if (!cuda_) {
+    cuda_ = decltype(cuda_)(new CudaComm(*this, device), [](CudaComm* c) { delete c; });
+  } else {
+    COMMLIB_CHECK(device == cuda_->device(), InvalidArgument, "communicator '", name_, "': device cuda:", device,
+                  " but its GPU state lives on cuda:", cuda_->device(), "; use one device per communicator");
+  }
+  return *cuda_;
+}
 
 namespace {
 

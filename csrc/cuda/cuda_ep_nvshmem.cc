@@ -1,6 +1,6 @@
 // The NVSHMEM side of EPBufferGpu (Note [EP NVSHMEM protocol]): loading libcommlib_nvshmem.so and
 // allocating buffers on the NVSHMEM symmetric heap.
-#include "core/cuda_ep_nvshmem.hpp"
+#include "cuda/cuda_ep_nvshmem.hpp"
 
 #include <cuda_runtime.h>
 #include <dlfcn.h>

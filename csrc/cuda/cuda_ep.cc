@@ -10,8 +10,8 @@
 #include "commlib/errors.hpp"
 #include "commlib/gpu.hpp"
 #include "core/algorithm_selector.hpp"
-#include "core/cuda_comm.hpp"
-#include "core/cuda_ep_nvshmem.hpp"
+#include "cuda/cuda_comm.hpp"
+#include "cuda/cuda_ep_nvshmem.hpp"
 #include "kernels/ep_params.hpp"
 
 namespace commlib {

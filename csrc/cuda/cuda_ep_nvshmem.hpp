@@ -1,4 +1,4 @@
-// The NVSHMEM side of EPBufferGpu (csrc/core/cuda_ep_nvshmem.cc; Note [EP NVSHMEM protocol]).
+// The NVSHMEM side of EPBufferGpu (csrc/cuda/cuda_ep_nvshmem.cc; Note [EP NVSHMEM protocol]).
 #pragma once
 
 #include <cstddef>

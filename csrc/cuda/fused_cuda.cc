@@ -9,11 +9,11 @@
 #include "commlib/env.hpp"
 #include "commlib/errors.hpp"
 #include "commlib/gpu.hpp"
-#include "core/cuda_comm.hpp"
+#include "cuda/cuda_comm.hpp"
 #include "kernels/rs_rmsnorm_ag_params.hpp"
 #include "transport/cuda_ipc.hpp"
 #include "transport/cuda_multicast.hpp"
-#include "transport/multicast_guard.hpp"
+#include "common/multicast_guard.hpp"
 
 namespace commlib {
 
@@ -54,14 +54,21 @@ void CudaComm::fused_allreduce_rmsnorm(const FusedRmsNormArgs& args, int num_sms
   end_op(stream, what);
 }
 
-MulticastWorkspace* create_multicast_workspace(Communicator& comm, int device, int attempt) {
-  require_multicast("multicast workspace");  // SAFETY: before cuda(device), which makes CUDA calls of its own
-  CudaComm& cuda = comm.cuda(device);
-  const int64_t ws = env::get_int("COMMLIB_GPU_WORKSPACE_BYTES");
-  // Store keys of their own for each attempt (a failed one, e.g. a GPU without multicast, may be
-  // retried): ranks attempt in the same order, so the communicator's count agrees across them.
-  return new MulticastWorkspace(cuda.ipc(), cuda.rank(), cuda.world_size(), cuda.device(), comm.store(),
-                                comm.prefix() + "/multicast/" + std::to_string(attempt), static_cast<size_t>(ws));
+// The GPU engine makes the communicator's multicast workspace (the core only holds it).
+MulticastWorkspace& Communicator::multicast(int device) {
+  check_open("multicast transport");
+  require_multicast("multicast transport");  // SAFETY: before any CUDA call, on every use
+  if (!multicast_) {
+    CudaComm& gpu = cuda(device);
+    const int64_t ws = env::get_int("COMMLIB_GPU_WORKSPACE_BYTES");
+    // Store keys of their own for each attempt (a failed one, e.g. a GPU without multicast, may be
+    // retried): ranks attempt in the same order, so the communicator's count agrees across them.
+    const std::string prefix = prefix_ + "/multicast/" + std::to_string(multicast_attempts_++);
+    multicast_ = decltype(multicast_)(new MulticastWorkspace(gpu.ipc(), gpu.rank(), gpu.world_size(), gpu.device(),
+                                                             *store_, prefix, static_cast<size_t>(ws)),
+                                      destroy_multicast_workspace);
+  }
+  return *multicast_;
 }
 
 void fused_allreduce_rmsnorm_gpu(Communicator& comm, int device, const FusedRmsNormArgs& args, int num_sms,

@@ -2,18 +2,18 @@
 #include "commlib/communicator.hpp"
 #include "commlib/errors.hpp"
 #include "commlib/gpu.hpp"
-#include "transport/multicast_guard.hpp"
+#include "common/multicast_guard.hpp"
 
 namespace commlib {
 
-CudaComm* create_cuda_comm(Communicator&, int) {
+CudaComm& Communicator::cuda(int) {
+  check_open("cuda transport");
   throw InvalidArgument("commlib was built without CUDA (nvcc was not found at build time); GPU tensors are not supported");
 }
-void destroy_cuda_comm(CudaComm*) {}
-int cuda_device(const CudaComm&) { return -1; }
 
-MulticastWorkspace* create_multicast_workspace(Communicator&, int, int) {
-  require_multicast("multicast workspace");
+MulticastWorkspace& Communicator::multicast(int) {
+  check_open("multicast transport");
+  require_multicast("multicast transport");
   throw InvalidArgument("multicast workspace: commlib was built without CUDA (nvcc was not found at build time)");
 }
 

@@ -1,5 +1,5 @@
 // Note [cuda p2p] (cuda_p2p.hpp).
-#include "core/cuda_p2p.hpp"
+#include "cuda/cuda_p2p.hpp"
 
 #include <cuda.h>
 
@@ -9,7 +9,7 @@
 
 #include "commlib/communicator.hpp"
 #include "commlib/errors.hpp"
-#include "core/cuda_comm.hpp"
+#include "cuda/cuda_comm.hpp"
 #include "transport/cuda_driver.hpp"
 #include "transport/cuda_ipc.hpp"
 
