@@ -251,10 +251,10 @@ class TPDecoderLayer:
     ``all_reduce_``. ``num_sms``: the fused op's CTAs while it overlaps compute (tokenweave; default
     the tuned value, else ``tokenweave.default_num_sms``: 16, or the op's own at world size 1); the
     unsplit fused op and the schedule's last one use the op's own default (Note [overlap SM
-    budget] in tokenweave.py). ``seed``: the weights' seed (``shard_weights``, generated on ``init_device``: CPU by
-    default, or the layer's GPU for speed; ``full_weights`` with the same device gives the whole
-    layer); ``dtype``: bfloat16 (default), float16, or float32 (CPU only: the fused GPU op takes
-    16-bit types). ``split_min_tokens``, ``wave_steps``: the policy's crossover and wave steps
+    budget] in tokenweave.py). ``seed``: the weights' seed (``shard_weights``, generated on
+    ``init_device``: CPU by default, or the layer's GPU for speed; ``full_weights`` with the same
+    device gives the whole layer); ``dtype``: bfloat16 (default), float16, or float32 (CPU only: the
+    fused GPU op takes 16-bit types). ``split_min_tokens``, ``wave_steps``: the policy's crossover and wave steps
     (default: tuned, else built-in; ``commlib.tokenweave``). ``all_reduce``: an in-place sum
     ``fn(tensor)`` for ``sequential`` instead of ``group`` (an engine's own all-reduce).
     """

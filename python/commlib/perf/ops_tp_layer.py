@@ -23,9 +23,10 @@ The sweep report, ``python -m commlib.perf.ops_tp_layer`` (one process: world 1 
 (CUDA-graph replay, median), the ratios against ``sequential``, the no-communication floor, the
 split the policy chose against the best of a sweep of forced splits, and the fused op's SM budget;
 ``--out bench/results/tp_layer.md`` writes it as the results file.
-At world 1 the all-reduce is local: the fused op's kernel then stands in for the communication
-with the same SM budget, so the report measures what one GPU can (the wave steps, the split, the
-cost of splitting and of the overlap), not the hidden communication.
+At world 1 the all-reduce is local and the overlapped fused op takes its own CTA count (Note
+[overlap SM budget] in tokenweave.py), so the report measures what one GPU can (the wave steps, the
+split, the cost of splitting; the overlap line: what a GEMM loses beside the fused op on the SM
+budget of world sizes > 1), not the hidden communication.
 """
 from __future__ import annotations
 
@@ -216,8 +217,8 @@ def _time_graph(fn, device, iters: int, replays: int) -> float:
 
 def overlap_cost(layer, x: torch.Tensor, residual: torch.Tensor, device, iters: int, replays: int) -> dict:
     """What running the fused op beside a GEMM costs: half the batch's gate/up GEMM alone, the fused
-    op (the layer's SM budget) on the other half alone, and both at once on two streams. At world
-    1 the fused op is local, a stand-in of the communication with the same SM budget.
+    op on the other half alone, and both at once on two streams. At world 1 the fused op is local,
+    a stand-in of the communication with the same SM budget.
     ``gemm_loss`` = (both - gemm) / gemm: an upper bound on the GEMM's slow-down (it includes any
     part of the fused op that did not fit under the GEMM). The budget is the layer's, else the
     built-in one of world sizes > 1 (``tokenweave.DEFAULT_NUM_SMS``): the cost a world-N overlap pays."""
