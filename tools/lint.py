@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Source checks of the project's standing rules (DESIGN.md, STYLE.md). `make test` runs this
+"""Source checks of the project's standing rules (docs/architecture.md). `make test` runs this
 before pytest; it reads files only (no build, no torch). Exit status 1 with one line per problem.
 
 Each check is a function returning a list of problems; add new rules the same way.
@@ -35,7 +35,7 @@ def rel(path: Path) -> str:
 
 
 def check_all_reduce_path_is_multicast_free() -> list[str]:
-    """DESIGN.md, Safety: the all-reduce path never resolves or issues NVLink multicast."""
+    """docs/architecture.md, Safety: the all-reduce path never resolves or issues NVLink multicast."""
     files = [*ROOT.glob("csrc/core/cuda_*"), *ROOT.glob("csrc/transport/cuda_ipc*"), *ROOT.glob("csrc/transport/cuda_driver*"),
              *ROOT.glob("csrc/kernels/all_reduce*"), *ROOT.glob("include/commlib/device/*"),
              *ROOT.glob("include/commlib/symmetric_buffer.hpp")]
@@ -59,7 +59,7 @@ def _function_body(text: str, signature: str) -> str:
 
 
 def check_multicast_behind_the_guard() -> list[str]:
-    """DESIGN.md, Safety: one file creates multicast objects, and every way into it asks the guard first."""
+    """docs/architecture.md, Safety: one file creates multicast objects, and every way into it asks the guard first."""
     problems = []
     files = sources("csrc")
     creators = [rel(p) for p in files if "cuMulticastCreate(" in p.read_text()]
@@ -91,8 +91,18 @@ def check_multicast_behind_the_guard() -> list[str]:
     return problems
 
 
+def check_design_lives_in_the_repo() -> list[str]:
+    """docs/architecture.md is the design: nothing in the tree cites a design file outside it."""
+    outside = re.compile(r"\b(?:DESIGN|STYLE|LAYOUT)\.md\b|\.\./shared/")
+    files = [p for folder in ("csrc", "include", "python", "tests", "tools", "bench", "docs")
+             for p in (ROOT / folder).rglob("*") if p.is_file() and p.suffix in (*SOURCE_SUFFIXES, ".py", ".md", ".sh")]
+    files += [ROOT / name for name in ("README.md", "CMakeLists.txt", "Makefile", "setup.py") if (ROOT / name).exists()]
+    return [f"{rel(p)}: cites a design file outside the repository ({m.group(0)}); cite docs/architecture.md"
+            for p in files if p.name != "lint.py" for m in [outside.search(p.read_text(errors="replace"))] if m]
+
+
 # Knobs: tests/cpu/test_knobs.py checks docs/knobs.md against csrc/common/env.cc.
-CHECKS = [check_all_reduce_path_is_multicast_free, check_multicast_behind_the_guard]
+CHECKS = [check_all_reduce_path_is_multicast_free, check_multicast_behind_the_guard, check_design_lives_in_the_repo]
 
 
 def main(argv: list[str]) -> int:

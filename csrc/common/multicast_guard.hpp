@@ -1,4 +1,4 @@
-// The one gate in front of every NVLink multicast (NVLS / multimem) path (DESIGN.md, Safety).
+// The one gate in front of every NVLink multicast (NVLS / multimem) path (docs/architecture.md, Safety).
 //
 // A multicast path runs only when COMMLIB_ENABLE_MULTICAST set to 1 is set AND none of the kill switches
 // is set: COMMLIB_DISABLE_MULTICAST=1, NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,

@@ -1,7 +1,7 @@
 // CudaComm's fused all-reduce + RMSNorm (include/commlib/gpu.hpp): the kernel choice (LL or
 // barrier P2P kernel by size; the multicast kernel for FusedAlgo::kMultimem, behind the guard) and
 // the multicast workspace's factory. Kept apart from cuda_comm.cc, whose all-reduce path never
-// touches multicast (DESIGN.md, Safety).
+// touches multicast (docs/architecture.md, Safety).
 #include <cuda_runtime.h>
 
 #include <string>

@@ -67,7 +67,7 @@ struct Support {
 
 MulticastWorkspace::MulticastWorkspace(CudaIpc& ipc, int rank, int world, int device, Store& store,
                                        const std::string& prefix, size_t bytes) {
-  // SAFETY: first, before any CUDA call (DESIGN.md, Safety).
+  // SAFETY: first, before any CUDA call (docs/architecture.md, Safety).
   require_multicast(kWhat);
   device_ = device;
   const auto& drv = cuda::driver();

@@ -1,7 +1,7 @@
 // NVLink multicast (NVLS) workspace of the multimem kernels: a symmetric allocation whose pieces
 // are bound to one multicast object, which every rank maps at one more address.
 //
-// SAFETY (DESIGN.md, Safety): this is the only code in commlib that creates a multicast object.
+// SAFETY (docs/architecture.md, Safety): this is the only code in commlib that creates a multicast object.
 // Its constructor calls require_multicast() first: unless the guard allows multicast (the explicit
 // opt-in COMMLIB_ENABLE_MULTICAST set to 1 and no kill switch, csrc/common/multicast_guard.hpp) it
 // throws InvalidArgument before any CUDA runtime or driver call. The multicast entry points are

@@ -108,7 +108,7 @@ class Communicator {
   bool has_cuda() const { return cuda_ != nullptr; }
   // The multimem kernels' workspace, created on first use (collective, outside graph capture;
   // Note [multicast workspace]). Only where the multicast guard allows it: otherwise throws
-  // InvalidArgument naming the deciding variable, before any CUDA call (DESIGN.md, Safety).
+  // InvalidArgument naming the deciding variable, before any CUDA call (docs/architecture.md, Safety).
   MulticastWorkspace& multicast(int device);
 
  private:

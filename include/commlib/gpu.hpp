@@ -82,7 +82,7 @@ enum class EPTransport : int { kPeerMemory = 0, kNvshmem = 1 };
 // NVSHMEM runtime this process already initialised (nvshmem4py); returns (my_pe, n_pes) as the
 // kernels see them. Throws InvalidArgument when the library cannot be loaded or NVSHMEM is not
 // initialised. Not collective. Whoever initialises NVSHMEM sets NVSHMEM_DISABLE_NVLS=1 first
-// (DESIGN.md, Safety; python/commlib/_nvshmem.py does).
+// (docs/architecture.md, Safety; python/commlib/_nvshmem.py does).
 std::pair<int, int> ep_nvshmem_attach(const std::string& path, int device);
 
 class EPBufferGpu {

@@ -48,7 +48,7 @@ def _device_object(index: int):
 def attach(comm, device_index: int) -> None:
     """Collective over ``comm`` the first time in a process: NVSHMEM's PEs are ``comm``'s ranks."""
     global _initialised
-    # NVSHMEM never creates NVLink multicast objects with this set (DESIGN.md, Safety).
+    # NVSHMEM never creates NVLink multicast objects with this set (docs/architecture.md, Safety).
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     if not hasattr(_C, "ep_nvshmem_attach"):
         raise _unavailable("this commlib build has no CUDA")

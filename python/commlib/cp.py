@@ -1288,7 +1288,8 @@ def ring_attention(comm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     what = "ring_attention"
     rank, world_size, transport, group = _resolve(comm, transport, q.device if isinstance(q, torch.Tensor)
                                                   else torch.device("cpu"))
-    # Note [agreed arguments]: every rank checks its own arguments, then all ranks all-gather a small
+    # Note [agreed arguments]
+    # Every rank checks its own arguments, then all ranks all-gather a small
     # header (the arguments' fingerprint, whether each rank's check passed, whether its ring failed)
     # over the group's host path, so a bad argument on one rank, ranks that disagree, or a failed
     # ring raise on every rank before anything is sent, and the communicator stays usable.

@@ -1,5 +1,5 @@
-"""Unsupported dtypes: the error names the operation, the dtype and the supported set (STYLE.md
-rule 5), is raised on the calling rank before anything is communicated, and leaves the communicator
+"""Unsupported dtypes: the error names the operation, the dtype and the supported set
+(docs/architecture.md, Conventions), is raised on the calling rank before anything is communicated, and leaves the communicator
 usable. Reference: the message text itself and a following all_reduce checked against an fp64 sum.
 (The GPU launchers' own dtype dispatch gives the same message; tests/gpu reach it.)"""
 import pytest

@@ -4,7 +4,7 @@ References: commlib's unfused GPU ``all_reduce`` followed by ``commlib.fused.ref
 computed on the CPU (Note [fused rmsnorm arithmetic]) must match bit for bit; an fp64 computation
 within the dtype's rounding; NCCL-free. Outputs are NaN-poisoned first; sharded rows a rank does
 not own must come back untouched. The multimem variant runs only where the environment allows
-NVLink multicast (never on the lent machines, DESIGN.md, Safety); there, its refusal is tested.
+NVLink multicast (never on the lent machines, docs/architecture.md, Safety); there, its refusal is tested.
 """
 import re
 
@@ -482,7 +482,7 @@ def _multimem_case(ctx, dtype_name, tokens_list, hidden_list, eps=1e-6):
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 def test_fused_gpu_multimem_where_allowed(ranks, world_size, dtype_name):
     # Runs only on a machine whose environment opts in to NVLink multicast and sets no kill switch
-    # (never the lent machines: DESIGN.md, Safety); this test sets neither.
+    # (never the lent machines: docs/architecture.md, Safety); this test sets neither.
     import commlib
     allowed, variable, reason = commlib.fused.multicast_allowed()
     if not allowed:

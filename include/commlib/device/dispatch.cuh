@@ -1,4 +1,4 @@
-// One dispatch family for kernel specialisation (STYLE.md rule 7).
+// One dispatch family for kernel specialisation (docs/architecture.md, Conventions).
 //
 // COMMLIB_DISPATCH_WORLD_SIZE(n, kWorldSize, ...): runs the body with constexpr kWorldSize = 2, 4
 // or 8 when n is one of those, else kWorldSize = 0 ("generic": the kernel reads the runtime n).
@@ -14,7 +14,7 @@
 
 namespace commlib {
 
-// "<what>: dtype <dtype> not supported; supported: float32, float16, bfloat16" (STYLE.md rule 5).
+// "<what>: dtype <dtype> not supported; supported: float32, float16, bfloat16" (docs/architecture.md, Conventions).
 inline Status unsupported_float_dtype(const char* what, DataType dtype) {
   return Status(StatusCode::kTypeMismatch, detail::concat(what, ": dtype ", dtype_name(dtype),
                                                           " not supported; supported: float32, float16, bfloat16"));

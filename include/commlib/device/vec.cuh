@@ -1,4 +1,4 @@
-// Vec<T, N>: the one pack type for wide memory access (STYLE.md rule 8).
+// Vec<T, N>: the one pack type for wide memory access (docs/architecture.md, Conventions).
 //
 // A Vec holds N elements of T in 16 bytes (N = 16 / sizeof(T)): load/store move it with one
 // 16-byte instruction (addresses must be 16-byte aligned); load_partial/store_partial move the

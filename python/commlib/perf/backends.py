@@ -212,7 +212,7 @@ class SymmMem(Backend):
     """torch symmetric memory one-shot / two-shot all-reduce (CUDA, sum)."""
     name = "symm"
     capturable = True
-    _TWO_SHOT_MIN_BYTES = 256 << 10  # auto: two-shot from here on (DESIGN.md's measured table)
+    _TWO_SHOT_MIN_BYTES = 256 << 10  # auto: two-shot from here on (the measured crossover, docs/gpu-allreduce.md)
 
     def __init__(self, algo: str, device: torch.device):
         if device.type != "cuda":
