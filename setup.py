@@ -100,7 +100,7 @@ setup(
     entry_points={
         "console_scripts": [
             "commlib-perf=commlib.perf.__main__:main",
-            "commlib-tune=commlib.tune:main",
+            "commlib-tune=commlib.perf.tune:main",
         ],
         "torch.backends": ["ddacomm=_commlib_autoload:register"],
         "torch.distributed.backends": ["ddacomm=_commlib_autoload:register"],

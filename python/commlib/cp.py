@@ -385,7 +385,7 @@ def machine_constants(device_type: str, world_size: int):
     cached (``commlib.tune.load_cp``), else the built-in defaults."""
     if device_type not in DEFAULT_BW:
         raise ValueError(f"select_mode: device type '{device_type}' not supported; supported: cpu, cuda")
-    from .tune import cache_path, load_cp
+    from .tuned import cache_path, load_cp
     ck = (device_type, world_size, str(cache_path()))
     if ck not in _tuned:
         try:

@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
+from . import tuned
+
 # Built-in defaults, used where commlib-tune has not measured this machine.
 DEFAULT_WAVE_STEP = 128          # tokens: one M-tile of the 128-row tiles Hopper GEMMs commonly run
-DEFAULT_SPLIT_MIN_TOKENS = 512   # below this, run unsplit (the fused op only)
+DEFAULT_SPLIT_MIN_TOKENS = 1024  # below this, run unsplit (the fused op only): Note [split crossover]
 DEFAULT_NUM_SMS = 16             # CTAs of the fused op while it overlaps compute (2..16 is its range)
 WAVE_STEP_GRANULE = 16           # token granularity of the wave-step measurement
 
@@ -68,13 +70,13 @@ def waves(num_tokens: int, wave_step: int) -> int:
 # the two runs cost ceil(s / w) + ceil((T - s) / w) waves, which is ceil(T / w) when s is a
 # multiple of w and one wave more otherwise. A half-and-half split of, say, 1000 tokens with w = 128
 # runs 4 + 4 = 8 waves where the batch needs 8 (fine), but 1100 tokens split 550 / 550 runs 5 + 5 =
-# 10 waves for the batch's 9: the split itself would cost a wave of every GEMM. So the prefix is a
-# multiple of a wave step, chosen among all such candidates by (1) the fewest extra waves summed over
-# the layer's GEMMs weighted by their work per token (n x k), then (2) the halves closest to equal
-# (the overlap hides min(A, B) of communication), then (3) the larger prefix. w comes from a
-# measurement of each GEMM's time over token counts on this GPU (commlib-tune --tokenweave;
-# `find_wave_step`): tile shapes and the kernels cuBLAS picks differ by shape and GPU, so an assumed
-# 128 x 128 tile would be wrong as often as right. Without a measurement, DEFAULT_WAVE_STEP.
+# 10 waves for the batch's 9: the split itself would cost a wave of every GEMM. So the prefix is
+# chosen among the split points where no GEMM of the layer runs more waves split than unsplit:
+# the halves closest to equal (the overlap hides min(A, B) of communication), then the larger
+# prefix; where there is none, no split (0). w comes from a measurement of each GEMM's time over
+# token counts on this GPU (commlib-tune --tokenweave; `find_wave_step`): tile shapes and the
+# kernels cuBLAS picks differ by shape and GPU, so an assumed 128 x 128 tile would be wrong as often
+# as right. Without a measurement, DEFAULT_WAVE_STEP.
 
 
 def _steps_for(shapes: Sequence[GemmShape], wave_steps) -> Tuple[int, ...]:
@@ -135,6 +137,17 @@ def _split(num_tokens: int, shapes: Tuple[GemmShape, ...], steps: Tuple[int, ...
     return 0
 
 
+# Note [split crossover]
+# A split pays only where the communication it hides is worth more than what splitting costs: the
+# layer's GEMMs run twice on half the rows, and each half runs beside the other half's fused op on
+# the overlap's SM budget. At 512 tokens the halves of the hidden-wide GEMMs (O and down, N = hidden
+# = 8192 for Llama-70B) fill less than a wave each (256 rows make 64 tiles of 128 x 256 on a 132-SM
+# H200), and a 256-row GEMM beside the fused op on 16 CTAs ran 20% slower than alone, against 8% at
+# 512 rows (bench/results/tp_layer.md, the overlap lines), while the all-reduces of a TP-2 layer are
+# about 8% of its time. Hence the built-in crossover of 1024 tokens; commlib-tune --tokenweave
+# measures it per GPU and world size (fused against split at 256..4096 tokens).
+
+
 def should_split(num_tokens: int, gemm_shapes: Optional[Sequence[GemmShape]] = None, *,
                  split_min_tokens: Optional[int] = None,
                  wave_steps: Union[None, int, Sequence[int], Mapping[str, int]] = None) -> bool:
@@ -156,11 +169,28 @@ def should_split(num_tokens: int, gemm_shapes: Optional[Sequence[GemmShape]] = N
 class TokenWeaveParams:
     """What the split and the schedule use: ``wave_steps`` ("NxK" -> tokens, or one int for every
     shape), ``split_min_tokens`` (the crossover) and ``num_sms`` (the fused op's CTAs while it
-    overlaps compute); ``source`` says where they came from ("tuned" or "default")."""
+    overlaps compute; None: the fused op's own by-size default, Note [overlap SM budget]);
+    ``source`` says where they came from ("tuned" or "default")."""
     wave_steps: Union[int, Mapping[str, int]] = DEFAULT_WAVE_STEP
     split_min_tokens: int = DEFAULT_SPLIT_MIN_TOKENS
-    num_sms: int = DEFAULT_NUM_SMS
+    num_sms: Optional[int] = DEFAULT_NUM_SMS
     source: str = "default"
+
+
+# Note [overlap SM budget]
+# While a group's fused op overlaps the other group's compute it runs on num_sms CTAs, so that the
+# compute keeps the other SMs while the op waits on the links. Two collectives get the fused op's
+# own by-size default (the whole GPU for large slices) instead, because there is nothing to share
+# the GPU with: the schedule's last one (group B's last, exposed: the compute stream waits for it),
+# and every one at world size 1, where the op has no peers and is local memory work that a few
+# CTAs only stretch out (its CTAs hold their SMs for as long as it runs, and the GEMM beside it
+# waits for them: bench/results/tp_layer.md's overlap lines).
+
+
+def default_num_sms(world_size: Optional[int]) -> Optional[int]:
+    """The built-in SM budget of the overlapped fused op at ``world_size`` (Note [overlap SM budget]):
+    None (the op's own default) at world size 1, else ``DEFAULT_NUM_SMS``."""
+    return None if world_size == 1 else DEFAULT_NUM_SMS
 
 
 _tuned: Dict[Tuple[str, int], TokenWeaveParams] = {}
@@ -170,23 +200,23 @@ def tuned_params(world_size: Optional[int] = None) -> TokenWeaveParams:
     """The tune file's ``tokenweave`` values for this GPU (and ``world_size``: the crossover and the
     SM budget depend on it; the wave steps do not), else the built-in defaults. Read once per
     process; CPU-only processes get the defaults."""
-    from . import tune
-    key = (str(tune.cache_path()), int(world_size or 0))
+    key = (str(tuned.cache_path()), int(world_size or 0))
     if key not in _tuned:
-        params = TokenWeaveParams()
+        params = TokenWeaveParams(num_sms=default_num_sms(world_size))
         if torch.cuda.is_available():
-            found = tune.tokenweave_tuned(world_size)
+            found = tuned.tokenweave_tuned(world_size)
             if found:
+                num_sms = found.get("num_sms")
                 params = TokenWeaveParams(
                     wave_steps=dict(found.get("wave_steps") or {}) or DEFAULT_WAVE_STEP,
                     split_min_tokens=int(found.get("split_min_tokens") or DEFAULT_SPLIT_MIN_TOKENS),
-                    num_sms=int(found.get("num_sms") or DEFAULT_NUM_SMS), source="tuned")
+                    num_sms=int(num_sms) if num_sms else default_num_sms(world_size), source="tuned")
         _tuned[key] = params
     return _tuned[key]
 
 
 # ---------------------------------------------------------------------------------------------
-# Measuring the wave step
+# The wave step of measured GEMM times (the timing itself: commlib.perf.ops_tp_layer.measure_wave_steps)
 
 def find_wave_step(tokens: Sequence[int], times: Sequence[float], granule: int = WAVE_STEP_GRANULE) -> int:
     """The token period of the staircase in a GEMM's times: the w (a multiple of ``granule``, at
@@ -215,38 +245,6 @@ def find_wave_step(tokens: Sequence[int], times: Sequence[float], granule: int =
         return granule
     best = min(r for r, _ in fits)
     return max(w for r, w in fits if r <= best * 1.05 + 1e-12)
-
-
-def measure_gemm_times(shape: GemmShape, tokens: Iterable[int], dtype: torch.dtype = torch.bfloat16,
-                       device=None, iters: int = 20, repeats: int = 5) -> List[float]:
-    """µs per ``F.linear`` of ``[T, k] x [n, k]^T`` for each T on this GPU: ``iters`` calls captured
-    in a CUDA graph, the median of ``repeats`` replays (random data, never zeros)."""
-    device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-    if device.type != "cuda":
-        raise ValueError(f"measure_gemm_times: device {device} not supported; supported: cuda")
-    tokens = list(tokens)
-    g = torch.Generator(device=device).manual_seed(7)
-    weight = torch.randn(shape.n, shape.k, device=device, dtype=torch.float32, generator=g).to(dtype)
-    x_max = torch.randn(max(tokens), shape.k, device=device, dtype=torch.float32, generator=g).to(dtype)
-    out_max = torch.empty(max(tokens), shape.n, device=device, dtype=dtype)
-    from commlib.perf import harness  # the one CUDA-graph timer
-
-    times = []
-    for n in tokens:
-        x, out = x_max[:n], out_max[:n]
-        fn = lambda: torch.matmul(x, weight.t(), out=out)  # noqa: E731
-        times.append(harness.cuda_graph_us(fn, iters, repeats, device))
-    return times
-
-
-def measure_wave_steps(shapes: Sequence[GemmShape], dtype: torch.dtype = torch.bfloat16, device=None,
-                       max_tokens: int = 2048, granule: int = WAVE_STEP_GRANULE,
-                       iters: int = 20) -> Dict[str, int]:
-    """GPU: each shape's wave step ("NxK" -> tokens), from its times at granule, 2 granule, ...,
-    ``max_tokens`` tokens (``measure_gemm_times`` then ``find_wave_step``)."""
-    tokens = list(range(granule, max_tokens + 1, granule))
-    return {s.key: find_wave_step(tokens, measure_gemm_times(s, tokens, dtype, device, iters), granule)
-            for s in shapes}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,5 +339,5 @@ def group_ranges(num_tokens: int, split: int) -> Tuple[Tuple[int, int], Tuple[in
 
 
 __all__ = ["DEFAULT_WAVE_STEP", "DEFAULT_SPLIT_MIN_TOKENS", "DEFAULT_NUM_SMS", "GemmShape", "layer_gemm_shapes",
-           "waves", "wave_aware_split", "should_split", "TokenWeaveParams", "tuned_params", "find_wave_step",
-           "measure_gemm_times", "measure_wave_steps", "Step", "OverlapSchedule", "group_ranges"]
+           "waves", "wave_aware_split", "should_split", "TokenWeaveParams", "default_num_sms", "tuned_params",
+           "find_wave_step", "Step", "OverlapSchedule", "group_ranges"]

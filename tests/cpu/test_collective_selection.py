@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from commlib import _C, tune
+from commlib import _C
+from commlib.perf import tune
 
 KiB, MiB = 1 << 10, 1 << 20
 OPS = ("reduce_scatter", "all_gather", "broadcast", "all_to_all")

@@ -423,7 +423,7 @@ def test_ring_watchdog_thread():
 
 
 def test_tuned_constants_reach_select_mode(tmp_path, monkeypatch):
-    from commlib import tune
+    from commlib.perf import tune
     path = tmp_path / "tune.json"
     monkeypatch.setenv("COMMLIB_TUNE_FILE", str(path))
     entry = tune.tune_cp("cpu", 2)

@@ -276,7 +276,7 @@ def _crossover(ctx, tmpdir):
 
     import torch.distributed as dist
 
-    from commlib import tune
+    from commlib.perf import tune
     me = ctx.rank
     path = os.path.join(tmpdir, f"tune-{me}.json")
     with as_host(me // 2), ddacomm_world(ctx) as (world, gloo):
@@ -311,7 +311,7 @@ def _crossover(ctx, tmpdir):
 
 
 def test_tuned_crossover(ranks, tmp_path):
-    """commlib.tune.measure_hierarchical on a 2 x 2 group (same answer on every rank), save_hierarchical,
+    """commlib.perf.tune.measure_hierarchical on a 2 x 2 group (same answer on every rank), save_hierarchical,
     and a group reading that file: all_reduce under min_bytes and the barrier run flat, larger two-level."""
     ranks(4).run(_crossover, str(tmp_path))
 

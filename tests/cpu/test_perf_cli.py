@@ -193,10 +193,10 @@ def test_bad_arguments(args, message):
 
 def test_tuner_writes_and_reads_back(tmp_path):
     cache = tmp_path / "sub" / "tune.json"
-    r = run_cli("commlib.tune", "-b", "1K", "-e", "16K", "-n", "3", "--file", str(cache))
+    r = run_cli("commlib.perf.tune", "-b", "1K", "-e", "16K", "-n", "3", "--file", str(cache))
     assert r.returncode == 0, r.stdout + r.stderr
     sys.path.insert(0, str(ROOT / "python"))
-    from commlib import tune
+    from commlib.perf import tune
     data = tune.read_file(str(cache))
     assert data["version"] == 1 and len(data["entries"]) == 1
     entry = data["entries"][0]
@@ -221,7 +221,7 @@ def test_tuner_writes_and_reads_back(tmp_path):
 def test_gpu_tune_entry_reaches_the_cpp_selector(tmp_path):
     """A GPU entry saved by commlib-tune is what the C++ selector (GPU path, backend) uses."""
     sys.path.insert(0, str(ROOT / "python"))
-    from commlib import tune
+    from commlib.perf import tune
     cache = tmp_path / "gpu-tune.json"
     key = {"device": "NVIDIA H200", "world_size": 2, "link": "nvlink", "version": "0.1.0"}
     tune.save({"key": key, "all_reduce": {"flat_max_bytes": 12288, "tree_max_bytes": 3 << 20},
@@ -240,7 +240,7 @@ def test_gpu_tune_entry_reaches_the_cpp_selector(tmp_path):
 
 def test_tune_file_malformed_raises(tmp_path):
     sys.path.insert(0, str(ROOT / "python"))
-    from commlib import tune
+    from commlib.perf import tune
     bad = tmp_path / "t.json"
     bad.write_text('{"version": 1, "entries": [{"key": {}, "all_reduce": {"flat_max_bytes": -1}}]}')
     with pytest.raises(ValueError, match="all_reduce.flat_max_bytes must be an integer >= 0"):
@@ -251,7 +251,7 @@ def test_tune_file_malformed_raises(tmp_path):
 
 
 def test_crossovers():
-    from commlib.tune import crossovers
+    from commlib.perf.tune import crossovers
     sizes = [1, 2, 4, 8]
     assert crossovers(sizes, {"flat": [1, 1, 5, 9], "tree": [2, 2, 4, 8]}) == \
         {"flat_max_bytes": 2, "tree_max_bytes": 8}
@@ -301,7 +301,7 @@ def _auto_refuses_bad_tune_file(ctx, path):
 
 def test_cpu_auto_honours_tune_file(ranks, tmp_path):
     sys.path.insert(0, str(ROOT / "python"))
-    from commlib import tune
+    from commlib.perf import tune
     cache = tmp_path / "tune.json"
     key = tune.make_key("cpu", 2)
     tune.save({"key": key, "all_reduce": {"flat_max_bytes": 4096, "tree_max_bytes": 1 << 20},
@@ -432,7 +432,7 @@ def test_row_sizes_mapping():
 
 
 def test_pick_fused_num_sms():
-    from commlib.tune import pick_fused_num_sms
+    from commlib.perf.tune import pick_fused_num_sms
     assert pick_fused_num_sms({4: 30.0, 8: 20.0, 16: 19.5, 32: 19.0, 64: 19.2}) == 16  # within 5% of 19.0
     assert pick_fused_num_sms({4: 10.0, 8: 12.0}) == 4
     assert pick_fused_num_sms({4: None, 8: 12.0, 16: 11.9}) == 8
@@ -443,7 +443,8 @@ def test_tuner_writes_fused_num_sms_and_the_fused_default_reads_it(tmp_path, mon
     """GPU tuning with fake measurements (the sweeps need GPUs): the entry and the top-level list get
     fused_num_sms, and the C++ reader behind the fused op's default returns it for that world size."""
     sys.path.insert(0, str(ROOT / "python"))
-    from commlib import fused, tune
+    from commlib import fused
+    from commlib.perf import tune
     key = {"device": "NVIDIA H200", "world_size": 2, "link": "nvlink", "version": "0.1.0"}
     monkeypatch.setattr(tune, "make_key", lambda device, world_size: {**key, "world_size": world_size})
     monkeypatch.setattr(tune, "measure", lambda *a: ([1024, 2048], {"flat": [1.0, 3.0], "tree": [2.0, 2.0],
@@ -479,7 +480,8 @@ def test_tuner_writes_fused_num_sms_and_the_fused_default_reads_it(tmp_path, mon
 
 def test_fused_num_sms_malformed(tmp_path, monkeypatch):
     sys.path.insert(0, str(ROOT / "python"))
-    from commlib import fused, tune
+    from commlib import fused
+    from commlib.perf import tune
     bad = tmp_path / "bad-sms.json"
     bad.write_text(json.dumps({"version": 1, "entries": [], "fused_num_sms": [{"world_size": 2, "num_sms": 0}]}))
     monkeypatch.setenv("COMMLIB_TUNE_FILE", str(bad))

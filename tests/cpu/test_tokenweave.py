@@ -61,6 +61,12 @@ def test_should_split_policy():
     assert not tw.should_split(600, split_min_tokens=512, wave_steps=1024)  # no wave-free split
     assert tw.should_split(8192, split_min_tokens=512, wave_steps=128)
     assert not tw.should_split(0, split_min_tokens=0, wave_steps=128)
+    # The built-in crossover (nothing tuned on CPU): Note [split crossover].
+    assert tw.tuned_params(2).split_min_tokens == tw.DEFAULT_SPLIT_MIN_TOKENS
+    assert not tw.should_split(tw.DEFAULT_SPLIT_MIN_TOKENS - 1, wave_steps=128)
+    assert tw.should_split(tw.DEFAULT_SPLIT_MIN_TOKENS, wave_steps=128)
+    # The overlap's SM budget: the fused op's own at world 1 (no peers), else DEFAULT_NUM_SMS.
+    assert tw.default_num_sms(1) is None and tw.default_num_sms(2) == tw.DEFAULT_NUM_SMS == 16
 
 
 @pytest.mark.parametrize("call,match", [
@@ -94,7 +100,7 @@ def test_find_wave_step_without_steps():
 
 
 def test_split_crossover():
-    from commlib.tune import split_crossover
+    from commlib.perf.tune import split_crossover
     tokens = [256, 512, 1024, 2048]
     assert split_crossover(tokens, [10, 20, 40, 80], [12, 19, 30, 60]) == 512
     assert split_crossover(tokens, [10, 20, 40, 80], [9, 15, 30, 60]) == 256
@@ -102,7 +108,7 @@ def test_split_crossover():
 
 
 def test_tune_record_round_trip(tmp_path, monkeypatch):
-    from commlib import tune
+    from commlib.perf import tune
     path = str(tmp_path / "tune.json")
     entry = {"key": tune.make_key("cpu", 2), "all_reduce": {"flat_max_bytes": 1024, "tree_max_bytes": 4096},
              "fused_num_sms": None}
@@ -348,3 +354,42 @@ def _stack(ctx):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_layer_stack_one_schedule(ranks, world_size):
     assert all(ranks(world_size).run(_stack))
+
+
+class _RecordingComm:
+    """A communicator that records the num_sms of every fused op it runs."""
+
+    def __init__(self, comm):
+        self._comm, self.num_sms = comm, []
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def fused_allreduce_rmsnorm(self, *args, num_sms=None, **kwargs):
+        self.num_sms.append(num_sms)
+        return self._comm.fused_allreduce_rmsnorm(*args, num_sms=num_sms, **kwargs)
+
+
+def _sm_budgets(ctx):
+    """Note [overlap SM budget]: a split schedule's collectives run on the layer's num_sms beside the
+    other group's compute, and the schedule's last one (nothing beside it) on the op's own default
+    (None); unsplit, every one on the op's own; the results are the same bits."""
+    from commlib.models.llama import LlamaConfig, TPDecoderLayer, run_layers
+    cfg = LlamaConfig.small()
+    comm = _RecordingComm(ctx.comm)
+    layers = [TPDecoderLayer(cfg, comm, device="cpu", seed=40 + i, num_sms=8) for i in range(2)]
+    hidden, _ = _inputs(50, cfg.hidden, 3)
+    budgets = {}
+    outs = {}
+    for mode, split in (("tokenweave", 20), ("fused", None)):
+        comm.num_sms.clear()
+        outs[mode] = run_layers(layers, hidden, None, mode=mode, split=split)
+        budgets[mode] = list(comm.num_sms)
+    assert budgets["tokenweave"] == [8] * 7 + [None], budgets
+    assert budgets["fused"] == [None] * 4, budgets
+    assert all(torch.equal(a, b) for a, b in zip(outs["tokenweave"], outs["fused"]))
+    return True
+
+
+def test_overlap_sm_budget(ranks):
+    assert all(ranks(2).run(_sm_budgets))

@@ -129,7 +129,7 @@ def test_tune_measures_fused_num_sms_and_the_fused_op_uses_it(tmp_path):
     it and the fused op stays right with it as its default."""
     cache = tmp_path / "tune.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-m", "commlib.tune", "--device", "cuda", "-np", "2", "-b", "64K", "-e", "1M",
+    r = subprocess.run([sys.executable, "-m", "commlib.perf.tune", "--device", "cuda", "-np", "2", "-b", "64K", "-e", "1M",
                         "-n", "5", "--file", str(cache)], capture_output=True, text=True, env=env, timeout=900,
                        cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr

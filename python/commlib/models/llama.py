@@ -213,15 +213,33 @@ def reference_forward(config: LlamaConfig, w: Dict[str, torch.Tensor], hidden: t
 # batch's QKV buffer plays the role of TokenWeave's KV cache. Hence no sequence is moved and the
 # split point stays where the GEMM waves want it.
 # Every group's attention reads the keys of the whole batch [0, T) under the mask "same sequence
-# and not later" (built on the device from seq_ids: no host work, so the layer can be captured
-# with any sequence layout and replayed with another), in every mode: the unsplit batch is one
-# group [0, T). Group A runs before group B's keys exist, so the rows [s, T) of the QKV buffer are
-# zeroed first (masked keys get weight exactly 0, but 0 * NaN of stale memory would not be 0).
+# and not later" (`attention_bias`, built on the device from seq_ids once per batch for every layer
+# and group: no host work, so the layer can be captured with any sequence layout and replayed with
+# another), in every mode: the unsplit batch is one group [0, T). Each group writes its own rows of
+# the batch's keys and values (repeated per query head) into one K/V buffer, so the expansion runs
+# once per token whatever the split. Group A runs before group B's keys exist, so the rows [s, T)
+# of that buffer are zeroed first (masked keys get weight exactly 0, but 0 * NaN of stale memory
+# would not be 0).
 # With the same key extent, the masked attention's result for a query row does not depend on which
 # other query rows are computed with it (checked bitwise on CPU by tests/cpu/test_tokenweave.py),
 # so on CPU `tokenweave` is bitwise equal to `fused`. The cost: every mode computes T x T scores
 # (the explicit mask keeps SDPA off the causal-skipping flash kernel), the same in all modes, so
 # the modes' ratios compare like with like.
+
+
+MASK_ALIGN = 16  # elements: the row stride SDPA's memory-efficient kernel takes a mask with, uncopied
+
+
+def attention_bias(seq_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive attention mask of a batch (Note [split and attention]): [T, T] in ``dtype``, 0
+    where key j may be attended by query i (same sequence, j <= i), -inf elsewhere: what SDPA makes
+    of the boolean mask on every call, made once per batch. Its rows are ``MASK_ALIGN``-aligned."""
+    T = seq_ids.shape[0]
+    idx = torch.arange(T, device=seq_ids.device)
+    allowed = (seq_ids[:, None] == seq_ids[None, :]) & (idx[None, :] <= idx[:, None])
+    stride = -(-T // MASK_ALIGN) * MASK_ALIGN
+    bias = torch.full((T, stride), float("-inf"), dtype=dtype, device=seq_ids.device)[:, :T]
+    return bias.masked_fill_(allowed, 0.0)
 
 
 class TPDecoderLayer:
@@ -231,11 +249,12 @@ class TPDecoderLayer:
     same arguments). ``mode``: one of MODES (default for ``forward``). ``group``: a
     ``torch.distributed`` process group for ``sequential`` (NCCL / gloo); None: the communicator's
     ``all_reduce_``. ``num_sms``: the fused op's CTAs while it overlaps compute (tokenweave; default
-    the tuned value, else ``tokenweave.DEFAULT_NUM_SMS``); the unsplit fused op uses its own
-    default. ``seed``: the weights' seed (``shard_weights``, generated on ``init_device``: CPU by
-    default, or the layer's GPU for speed; ``full_weights`` with the same device gives the whole
-    layer); ``dtype``: bfloat16 (default), float16, or float32 (CPU only: the fused GPU op takes
-    16-bit types). ``split_min_tokens``, ``wave_steps``: the policy's crossover and wave steps
+    the tuned value, else ``tokenweave.default_num_sms``: 16, or the op's own at world size 1); the
+    unsplit fused op and the schedule's last one use the op's own default (Note [overlap SM
+    budget] in tokenweave.py). ``seed``: the weights' seed (``shard_weights``, generated on
+    ``init_device``: CPU by default, or the layer's GPU for speed; ``full_weights`` with the same
+    device gives the whole layer); ``dtype``: bfloat16 (default), float16, or float32 (CPU only: the
+    fused GPU op takes 16-bit types). ``split_min_tokens``, ``wave_steps``: the policy's crossover and wave steps
     (default: tuned, else built-in; ``commlib.tokenweave``). ``all_reduce``: an in-place sum
     ``fn(tensor)`` for ``sequential`` instead of ``group`` (an engine's own all-reduce).
     """
@@ -318,43 +337,43 @@ class TPDecoderLayer:
             raise ValueError(f"TPDecoderLayer: split {split!r} applies to mode 'tokenweave' only; mode is '{mode}'")
         return 0
 
-    def _plan(self, mode: str, x: torch.Tensor, residual: torch.Tensor, seq_ids: torch.Tensor, split: int):
-        """This layer's steps over ``x`` (normalised input) and ``residual``, and its output buffer."""
+    def _plan(self, mode: str, x: torch.Tensor, residual: torch.Tensor, bias: torch.Tensor, split: int, *,
+              last: bool):
+        """This layer's steps over ``x`` (normalised input) and ``residual``, and its output buffer.
+        ``bias``: the batch's attention mask (``attention_bias``); ``last``: this layer's last
+        collective ends the schedule (Note [overlap SM budget])."""
         c, dev, dt = self.config, self.device, self.dtype
         T = x.shape[0]
         buf = {"qkv": torch.empty(T, self.q_dim + 2 * self.kv_dim, device=dev, dtype=dt),
+               "kv": torch.empty(2, self.heads, T, c.head_dim, device=dev, dtype=dt),
                "attn": torch.empty(T, self.q_dim, device=dev, dtype=dt),
                "o": torch.empty(T, c.hidden, device=dev, dtype=dt),
                "h2": torch.empty(T, c.hidden, device=dev, dtype=dt),
                "gu": torch.empty(T, 2 * self.ffn, device=dev, dtype=dt),
                "down": torch.empty(T, c.hidden, device=dev, dtype=dt),
                "out": torch.empty(T, c.hidden, device=dev, dtype=dt),
-               "idx": torch.arange(T, device=dev), "seq": seq_ids}
-        if split:
-            groups, num_sms = tokenweave.group_ranges(T, split), self.num_sms
-        else:
-            groups, num_sms = ((0, T),), None
-        return self._steps(mode, groups, x, residual, buf, num_sms), buf["out"]
+               "bias": bias}
+        groups = tokenweave.group_ranges(T, split) if split else ((0, T),)
+        return self._steps(mode, groups, x, residual, buf, last), buf["out"]
 
-    def _steps(self, mode: str, groups, x, residual, buf, num_sms) -> List[tokenweave.Step]:
+    def _steps(self, mode: str, groups, x, residual, buf, last: bool) -> List[tokenweave.Step]:
         c = self.config
+        rep = self.heads // self.kv_heads
+        split = len(groups) == 2
 
         def attention_block(g):
             b, e = groups[g]
-            T = buf["qkv"].shape[0]
-            if g == 0 and len(groups) == 2:
-                buf["qkv"][e:].zero_()  # group B's rows, read as masked keys by A: Note [split and attention]
-            torch.matmul(x[b:e], self._t["qkv"], out=buf["qkv"][b:e])
-            qkv = buf["qkv"]
+            qkv, kv = buf["qkv"], buf["kv"]
+            torch.matmul(x[b:e], self._t["qkv"], out=qkv[b:e])
+            # This group's keys and values, one copy per query head (GQA), into the batch's K/V.
+            src = qkv[b:e, self.q_dim:].view(e - b, 2, self.kv_heads, 1, c.head_dim).permute(1, 2, 3, 0, 4)
+            kv[:, :, b:e].view(2, self.kv_heads, rep, e - b, c.head_dim).copy_(
+                src.expand(2, self.kv_heads, rep, e - b, c.head_dim))
+            if split and g == 0:
+                kv[:, :, e:].zero_()  # group B's keys, read (masked) by A: Note [split and attention]
             q = qkv[b:e, :self.q_dim].view(e - b, self.heads, c.head_dim).transpose(0, 1)
-            k = qkv[:, self.q_dim:self.q_dim + self.kv_dim].view(T, self.kv_heads, c.head_dim).transpose(0, 1)
-            v = qkv[:, self.q_dim + self.kv_dim:].view(T, self.kv_heads, c.head_dim).transpose(0, 1)
-            rep = self.heads // self.kv_heads
-            if rep > 1:
-                k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
-            seq, idx = buf["seq"], buf["idx"]
-            mask = (seq[b:e, None] == seq[None, :]) & (idx[None, :] <= idx[b:e, None])
-            a = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask[None, None])
+            a = F.scaled_dot_product_attention(q[None], kv[0][None], kv[1][None],
+                                               attn_mask=buf["bias"][b:e][None, None])
             buf["attn"][b:e].view(e - b, self.heads, c.head_dim).copy_(a[0].transpose(0, 1))
             torch.matmul(buf["attn"][b:e], self._t["o"], out=buf["o"][b:e])
 
@@ -365,14 +384,18 @@ class TPDecoderLayer:
             m = F.silu(gu[:, :self.ffn]) * gu[:, self.ffn:]
             torch.matmul(m, self._t["down"], out=buf["down"][b:e])
 
-        def reduce_norm(src: str, dst: str, weight: str):
+        def reduce_norm(src: str, dst: str, weight: str, *, ends_schedule: bool):
             def comm(g):
                 b, e = groups[g]
+                # Beside the other group's compute: the overlap budget; unsplit, or the schedule's
+                # last (nothing beside it): the fused op's own (Note [overlap SM budget]).
+                alone = not split or (ends_schedule and g == len(groups) - 1)
+                num_sms = None if alone else self.num_sms
                 self._reduce_norm(mode, buf[src][b:e], residual[b:e], self.weights[weight], buf[dst][b:e], num_sms)
             return comm
 
-        return [tokenweave.Step(attention_block, reduce_norm("o", "h2", "norm_post")),
-                tokenweave.Step(mlp_block, reduce_norm("down", "out", "norm_out"))]
+        return [tokenweave.Step(attention_block, reduce_norm("o", "h2", "norm_post", ends_schedule=False)),
+                tokenweave.Step(mlp_block, reduce_norm("down", "out", "norm_out", ends_schedule=last))]
 
     def _reduce_norm(self, mode: str, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      out: torch.Tensor, num_sms: Optional[int]) -> None:
@@ -452,9 +475,10 @@ def run_layers(layers: Sequence[TPDecoderLayer], hidden: torch.Tensor, residual:
         x = hidden
     if seq_ids is None:
         seq_ids = torch.zeros(T, dtype=torch.int64, device=first.device)
+    bias = attention_bias(seq_ids, first.dtype)  # one mask for every layer and group
     steps: List[tokenweave.Step] = []
-    for layer in layers:
-        layer_steps, x = layer._plan(mode, x, residual, seq_ids, split)
+    for i, layer in enumerate(layers):
+        layer_steps, x = layer._plan(mode, x, residual, bias, split, last=i == len(layers) - 1)
         steps += layer_steps
     if T == 0:
         return x, residual

@@ -21,18 +21,21 @@ as a layer (``shard_as_layer``: what the rank computes without the all-reduces).
 The sweep report, ``python -m commlib.perf.ops_tp_layer`` (one process: world 1 on one GPU; under
 ``torchrun --nproc-per-node N``: world N), prints per token count the layer's time in every mode
 (CUDA-graph replay, median), the ratios against ``sequential``, the no-communication floor, the
-split the policy chose against the best of a sweep of forced splits, and the fused op's SM budget.
-At world 1 the all-reduce is local: the fused op's kernel then stands in for the communication
-with the same SM budget, so the report measures what one GPU can (the wave steps, the split, the
-cost of splitting and of the overlap), not the hidden communication.
+split the policy chose against the best of a sweep of forced splits, and the fused op's SM budget;
+``--out bench/results/tp_layer.md`` writes it as the results file.
+At world 1 the all-reduce is local and the overlapped fused op takes its own CTA count (Note
+[overlap SM budget] in tokenweave.py), so the report measures what one GPU can (the wave steps, the
+split, the cost of splitting; the overlap line: what a GEMM loses beside the fused op on the SM
+budget of world sizes > 1), not the hidden communication.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shlex
 import sys
-from typing import List, Optional
+from typing import Dict, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -145,6 +148,41 @@ def _wave_split(layer, tokens: int) -> int:
     return tokenweave.wave_aware_split(tokens, layer.gemm_shapes, layer.wave_steps)
 
 
+# ---------------------------------------------------------------------------------------------
+# The GEMMs' wave steps (commlib.tokenweave.find_wave_step on times measured here)
+
+def measure_gemm_times(shape, tokens: Iterable[int], dtype: torch.dtype = torch.bfloat16, device=None,
+                       iters: int = 20, repeats: int = 5) -> List[float]:
+    """µs per ``F.linear`` of ``[T, k] x [n, k]^T`` (``shape``: a ``tokenweave.GemmShape``) for each
+    T on this GPU: ``iters`` calls captured in a CUDA graph, the median of ``repeats`` replays
+    (random data, never zeros)."""
+    device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    if device.type != "cuda":
+        raise ValueError(f"measure_gemm_times: device {device} not supported; supported: cuda")
+    tokens = list(tokens)
+    g = torch.Generator(device=device).manual_seed(7)
+    weight = torch.randn(shape.n, shape.k, device=device, dtype=torch.float32, generator=g).to(dtype)
+    x_max = torch.randn(max(tokens), shape.k, device=device, dtype=torch.float32, generator=g).to(dtype)
+    out_max = torch.empty(max(tokens), shape.n, device=device, dtype=dtype)
+    times = []
+    for n in tokens:
+        x, out = x_max[:n], out_max[:n]
+        fn = lambda: torch.matmul(x, weight.t(), out=out)  # noqa: E731
+        times.append(harness.cuda_graph_us(fn, iters, repeats, device))
+    return times
+
+
+def measure_wave_steps(shapes, dtype: torch.dtype = torch.bfloat16, device=None, max_tokens: int = 2048,
+                       granule: Optional[int] = None, iters: int = 20) -> Dict[str, int]:
+    """GPU: each shape's wave step ("NxK" -> tokens), from its times at granule, 2 granule, ...,
+    ``max_tokens`` tokens (``measure_gemm_times`` then ``tokenweave.find_wave_step``)."""
+    from .. import tokenweave
+    granule = granule or tokenweave.WAVE_STEP_GRANULE
+    tokens = list(range(granule, max_tokens + 1, granule))
+    return {s.key: tokenweave.find_wave_step(tokens, measure_gemm_times(s, tokens, dtype, device, iters), granule)
+            for s in shapes}
+
+
 def _check(b: Buffers, case: Case) -> int:
     from ..models.llama import full_weights, reference_forward, shard_as_layer
     cfg = CONFIGS[b.extra["model"]]
@@ -179,10 +217,13 @@ def _time_graph(fn, device, iters: int, replays: int) -> float:
 
 def overlap_cost(layer, x: torch.Tensor, residual: torch.Tensor, device, iters: int, replays: int) -> dict:
     """What running the fused op beside a GEMM costs: half the batch's gate/up GEMM alone, the fused
-    op (the layer's SM budget) on the other half alone, and both at once on two streams. At world
-    1 the fused op is local, a stand-in of the communication with the same SM budget.
+    op on the other half alone, and both at once on two streams. At world 1 the fused op is local,
+    a stand-in of the communication with the same SM budget.
     ``gemm_loss`` = (both - gemm) / gemm: an upper bound on the GEMM's slow-down (it includes any
-    part of the fused op that did not fit under the GEMM)."""
+    part of the fused op that did not fit under the GEMM). The budget is the layer's, else the
+    built-in one of world sizes > 1 (``tokenweave.DEFAULT_NUM_SMS``): the cost a world-N overlap pays."""
+    from .. import tokenweave
+    num_sms = layer.num_sms or tokenweave.DEFAULT_NUM_SMS
     half = max(1, x.shape[0] // 2)
     a, b = x[:half], x[half:2 * half] if x.shape[0] >= 2 else x[:half]
     gu = torch.empty(half, 2 * layer.ffn, device=device, dtype=x.dtype)
@@ -195,7 +236,7 @@ def overlap_cost(layer, x: torch.Tensor, residual: torch.Tensor, device, iters: 
         torch.matmul(a, layer._t["gate_up"], out=gu)
 
     def fused():
-        layer.comm.fused_allreduce_rmsnorm(b, res, weight, eps, out=out, num_sms=layer.num_sms)
+        layer.comm.fused_allreduce_rmsnorm(b, res, weight, eps, out=out, num_sms=num_sms)
 
     def both():
         if side is None:  # CPU: no streams
@@ -211,7 +252,7 @@ def overlap_cost(layer, x: torch.Tensor, residual: torch.Tensor, device, iters: 
 
     t = {name: _max_over_ranks(_time_graph(fn, device, iters, replays), device)
          for name, fn in (("gemm", gemm), ("fused", fused), ("both", both))}
-    return {"tokens": half, **t, "gemm_loss": (t["both"] - t["gemm"]) / t["gemm"]}
+    return {"tokens": half, "num_sms": num_sms, **t, "gemm_loss": (t["both"] - t["gemm"]) / t["gemm"]}
 
 
 def _max_over_ranks(t: float, device) -> float:
@@ -224,10 +265,11 @@ def _max_over_ranks(t: float, device) -> float:
 
 def sweep(tokens: List[int], model: str = "llama-70b", iters: int = 5, replays: int = 10,
           split_step: int = 64, num_sms: Optional[int] = None, out=sys.stdout, device=None,
-          measure_waves: bool = False) -> List[dict]:
+          measure_waves: bool = False, lines: Optional[List[str]] = None) -> List[dict]:
     """The sweep report on this process's GPU (world: torch.distributed's, else 1). One row per
     token count: µs per layer in every mode, ratios vs sequential, the floor, the chosen split and
-    the best of the forced splits (multiples of ``split_step``)."""
+    the best of the forced splits (multiples of ``split_step``; 0: none forced). ``lines``, when
+    given, collects what rank 0 prints."""
     import commlib
     from .. import tokenweave
     from ..models.llama import TPDecoderLayer
@@ -243,21 +285,28 @@ def sweep(tokens: List[int], model: str = "llama-70b", iters: int = 5, replays: 
     group = dist.new_group(backend="nccl") if dist.is_initialized() else None
     layer = TPDecoderLayer(cfg, comm, device=device, seed=SEED, group=group, num_sms=num_sms, init_device=device)
     params = tokenweave.tuned_params(world)
-    p = (lambda line: print(line, file=out, flush=True)) if rank == 0 else (lambda line: None)
+
+    def p(line):
+        if rank == 0:
+            print(line, file=out, flush=True)
+            if lines is not None:
+                lines.append(line)
+
     if measure_waves:  # this GPU's wave steps for this world's shapes, used by the policy below
-        layer.wave_steps = tokenweave.measure_wave_steps(layer.gemm_shapes, layer.dtype, device)
+        layer.wave_steps = measure_wave_steps(layer.gemm_shapes, layer.dtype, device)
         params = tokenweave.TokenWeaveParams(layer.wave_steps, layer.split_min_tokens, layer.num_sms,
                                              "wave steps measured now")
+    budget = f"{layer.num_sms} CTAs" if layer.num_sms else "the op's own (whole GPU; world 1: nothing to hide)"
     p(f"# tp_layer sweep: {model} (hidden {cfg.hidden}, {cfg.num_heads}/{cfg.num_kv_heads} heads of {cfg.head_dim}, "
       f"ffn {cfg.ffn}), bf16, world {world}, "
       f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}")
     engine = "NCCL (torch.distributed)" if group is not None else "commlib all_reduce_ (world 1: local)"
     p(f"# sequential all_reduce: {engine}")
     p(f"# tokenweave params ({params.source}): wave steps {layer.wave_steps}, "
-      f"split_min_tokens {layer.split_min_tokens}, fused op SM budget {layer.num_sms}; "
+      f"split_min_tokens {layer.split_min_tokens}, fused op SM budget beside compute: {budget}; "
       f"CUDA graph of {iters} layers x {replays} replays, median, slowest rank")
     p(f"# {'tokens':>6} {'seq us':>10} {'fused us':>10} {'tw us':>10} {'split us':>10} {'floor us':>10} "
-      f"{'fused x':>8} {'tw x':>8} {'tw/floor':>8} {'split':>6} {'best':>6} {'best us':>10}")
+      f"{'fused x':>8} {'tw x':>8} {'tw/floor':>8} {'spl/flr':>8} {'split':>6} {'best':>6} {'best us':>10}")
     results = []
     for T in tokens:
         g = torch.Generator().manual_seed(T)
@@ -274,9 +323,14 @@ def sweep(tokens: List[int], model: str = "llama-70b", iters: int = 5, replays: 
                "tokenweave": timed("tokenweave"), "nocomm": timed("nocomm"),
                "policy_split": layer.split_for(T),
                "wave_split": tokenweave.wave_aware_split(T, layer.gemm_shapes, layer.wave_steps)}
-        row["split"] = timed("tokenweave", row["wave_split"]) if row["wave_split"] else None
+        if not row["wave_split"]:
+            row["split"] = None
+        elif row["wave_split"] == row["policy_split"]:  # the policy ran this split: the same configuration
+            row["split"] = row["tokenweave"]
+        else:
+            row["split"] = timed("tokenweave", row["wave_split"])
         swept = {}
-        for s in range(split_step, T - split_step + 1, split_step):
+        for s in range(split_step, T - split_step + 1, split_step) if split_step > 0 else ():
             swept[s] = timed("tokenweave", s)
         if row["wave_split"] and row["wave_split"] not in swept:
             swept[row["wave_split"]] = row["split"]
@@ -286,19 +340,37 @@ def sweep(tokens: List[int], model: str = "llama-70b", iters: int = 5, replays: 
         row["overlap"] = overlap_cost(layer, x, res, device, iters, replays)
         results.append(row)
         fmt = lambda v: f"{v:10.1f}" if v else f"{'-':>10}"  # noqa: E731
+        split_floor = f"{row['split'] / row['nocomm']:8.3f}" if row["split"] else f"{'-':>8}"
         p(f"  {T:>6d} {fmt(row['sequential'])} {fmt(row['fused'])} {fmt(row['tokenweave'])} {fmt(row['split'])} "
           f"{fmt(row['nocomm'])} {row['sequential'] / row['fused']:8.3f} {row['sequential'] / row['tokenweave']:8.3f} "
-          f"{row['tokenweave'] / row['nocomm']:8.3f} {row['wave_split'] or '-':>6} {best or '-':>6} "
+          f"{row['tokenweave'] / row['nocomm']:8.3f} {split_floor} {row['wave_split'] or '-':>6} {best or '-':>6} "
           f"{fmt(row['best_split_us'])}")
         ov = row["overlap"]
         p(f"  {'':>6} overlap at {ov['tokens']} + {ov['tokens']} tokens: gate/up GEMM {ov['gemm']:.1f} us alone, "
-          f"fused op ({layer.num_sms} CTAs) {ov['fused']:.1f} us alone, both on two streams {ov['both']:.1f} us "
+          f"fused op ({ov['num_sms']} CTAs) {ov['fused']:.1f} us alone, both on two streams {ov['both']:.1f} us "
           f"(GEMM slowed by at most {ov['gemm_loss']:.1%})")
+    forced = f"the fastest of the forced splits (multiples of {split_step}) and the wave-aware split" \
+        if split_step > 0 else "the wave-aware split (no forced splits)"
     p("# x = time(sequential) / time(mode); tw = tokenweave (the policy: split at 'split' only when tokens >= "
-      "split_min_tokens); split = the wave-aware split always; floor = nocomm (all-reduces removed); best = the "
-      f"fastest forced split (multiples of {split_step})")
+      "split_min_tokens); split = the wave-aware split always; floor = nocomm (all-reduces removed); spl/flr = "
+      f"split / floor; best = {forced}")
     comm.close()
     return results
+
+
+def write_results(path: str, command: str, world: int, lines: List[str]) -> None:
+    """The results file (bench/results/tp_layer.md): machine, commit, date, command, the report."""
+    from . import report
+    device = torch.cuda.get_device_name()
+    where = ("no peer: the all-reduces are local, so this measures the cost of splitting and of the overlap, "
+             "not hidden communication" if world == 1 else f"{world} ranks, one GPU each")
+    text = [f"# tp_layer: one Llama-3.3-70B decoder layer, sequential vs fused vs tokenweave (world {world})", "",
+            f"- machine: {torch.cuda.device_count()}x {device} ({where}); {report.software_description('cuda')}",
+            f"- commit: {report.source_commit()}",
+            f"- date: {report.now_utc()}",
+            f"- command: `{command}`", "", "```", *lines, "```", ""]
+    with open(path, "w") as f:
+        f.write("\n".join(text))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -308,11 +380,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--model", choices=("llama-70b", "small"), default="llama-70b")
     ap.add_argument("-n", "--iters", type=int, default=5, help="layers per CUDA graph")
     ap.add_argument("-G", "--replays", type=int, default=10)
-    ap.add_argument("--split-step", type=int, default=128, help="the forced splits' spacing in tokens")
+    ap.add_argument("--split-step", type=int, default=128,
+                    help="the forced splits' spacing in tokens (0: force none; only the wave-aware split)")
     ap.add_argument("--num-sms", type=int, default=None, help="the fused op's CTAs beside compute")
     ap.add_argument("--measure-wave-steps", action="store_true",
                     help="measure the GEMMs' wave steps on this GPU first and use them (not written to the tune file)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--out", metavar="FILE.md", default=None,
+                    help="write the report as a results file (machine, commit, date, command), e.g. "
+                         "bench/results/tp_layer.md")
     opts = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
@@ -321,12 +397,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         torch.cuda.set_device(local)
         dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     tokens = [int(t) for t in opts.tokens.split(",")]
+    lines: List[str] = []
     results = sweep(tokens, opts.model, opts.iters, opts.replays, opts.split_step, opts.num_sms,
-                    measure_waves=opts.measure_wave_steps)
-    if opts.json and (not dist.is_initialized() or dist.get_rank() == 0):
+                    measure_waves=opts.measure_wave_steps, lines=lines)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if opts.json and rank0:
         with open(opts.json, "w") as f:
-            json.dump({"model": opts.model, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            json.dump({"model": opts.model, "world_size": world,
                        "device": torch.cuda.get_device_name(), "results": results}, f, indent=1, default=str)
+    if opts.out and rank0:
+        args = sys.argv[1:] if argv is None else list(argv)
+        write_results(opts.out, shlex.join(["python", "-m", "commlib.perf.ops_tp_layer", *args]), world, lines)
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

@@ -7,9 +7,10 @@ import io
 import json
 import math
 import os
-import platform
 import subprocess
 from typing import Dict, List, Optional
+
+from ..tuned import cpu_model
 
 MODES = ("oop", "ip")
 PLOT_BESIDE_OUT = "<beside --out>"  # a bare --plot: the results file's name with .png
@@ -34,17 +35,6 @@ def software_description(device_type: str) -> str:
             pass
     parts.append(f"Python {sys.version.split()[0]}")
     return ", ".join(parts)
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def today() -> str:

@@ -3,7 +3,7 @@ CTA count) and caches them.
 
     commlib-tune                 # CPU: flat vs tree over shared memory, 2 processes
     commlib-tune -np 2 --device cuda   # GPU: flat vs tree vs NCCL, and fused_allreduce_rmsnorm's num_sms
-    torchrun --nnodes=N ... -m commlib.tune --hierarchical   # a multi-node job: two-level vs flat
+    torchrun --nnodes=N ... -m commlib.perf.tune --hierarchical   # a multi-node job: two-level vs flat
 
 The cache (``COMMLIB_TUNE_FILE``, default ``~/.cache/commlib/tune.json``) holds one entry per
 (device model, world size, link type, library version)::
@@ -23,9 +23,11 @@ FLOP/s and the copy-engine ring bandwidth) into a top-level ``cp`` list of ``{"k
 
 ``entries`` is what commlib-tune reads (keyed; CPU entries have link "shm"); the top-level
 ``all_reduce`` and ``fused_num_sms`` lists (from the GPU entries) and ``host_all_reduce`` (from the
-CPU entries) are rewritten on every save and are what the library reads, in C++, for the Python
-API and the torch backend alike (csrc/core/algorithm_selector.hpp, Note [tune file format]): the
-file describes one machine. A malformed file raises ValueError naming the file.
+CPU entries) are rewritten on every save (``write_file``, Note [tune file writer]) and are what the
+library reads, in C++, for the Python API and the torch backend alike
+(csrc/core/algorithm_selector.hpp, Note [tune file format]): the file describes one machine. The
+Python side of the library reads the file through ``commlib.tuned`` (which imports nothing of
+this package). A malformed file raises ValueError naming the file.
 
 all_reduce with ``algo="auto"`` uses flat up to ``flat_max_bytes`` (inclusive), tree up to
 ``tree_max_bytes``, and NCCL above where an NCCL engine is attached (tree otherwise; on CPU there
@@ -49,148 +51,56 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional
 
-FORMAT_VERSION = 1
+# The reading side lives in the product (commlib.tuned); the names are here too for the CLI's callers.
+from ..tuned import (COLLECTIVE_OPS, FORMAT_VERSION, cache_path, cp_entries, cpu_model, gpu_link,  # noqa: F401
+                     load, load_cp, make_key, read_file, tokenweave_tuned, validate)
+
 FUSED_NUM_SMS_CANDIDATES = (8, 16, 32, 64, 132)
 FUSED_TUNE_TOKENS, FUSED_TUNE_HIDDEN = 1024, 8192  # a representative prefill chunk (bf16)
 FUSED_WITHIN = 0.05  # the smallest count within this fraction of the best time wins
 
 
-def cache_path(path: Optional[str] = None) -> Path:
-    """``path``, else ``$COMMLIB_TUNE_FILE``, else ``~/.cache/commlib/tune.json``."""
-    if path:
-        return Path(path)
-    env = os.environ.get("COMMLIB_TUNE_FILE")
-    return Path(env) if env else Path.home() / ".cache" / "commlib" / "tune.json"
+# Note [tune file writer]
+# Every change to the tune file goes through write_file: the savers below only edit the file's own
+# records (the keyed "entries", and the top-level "tokenweave", "cp" and "hierarchical" lists), and
+# write_file derives, from the entries, the flat lists the C++ selector reads
+# (csrc/core/algorithm_selector.cc, Note [tune file format]) and writes atomically. A change of
+# what the C++ side reads is a change of write_file alone.
 
-
-def _library_version() -> str:
-    from . import __version__
-    return __version__
-
-
-def cpu_model() -> str:
-    from .perf.report import cpu_model as _cpu_model
-    return _cpu_model()
-
-
-def gpu_link(num_devices: int) -> str:
-    """nvlink when NVML reports an active NVLink on device 0; p2p with peer access; else pcie."""
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-            for link in range(18):
-                try:
-                    if pynvml.nvmlDeviceGetNvLinkState(handle, link):
-                        return "nvlink"
-                except pynvml.NVMLError:
-                    break
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001 - NVML is optional
-        pass
-    try:
-        import torch
-        if num_devices >= 2 and torch.cuda.can_device_access_peer(0, 1):
-            return "p2p"
-    except Exception:  # noqa: BLE001
-        pass
-    return "pcie"
-
-
-def make_key(device_type: str, world_size: int, link: Optional[str] = None) -> dict:
-    """The cache key of this machine for ``device_type`` ("cpu" or "cuda") and ``world_size``."""
-    if device_type == "cuda":
-        import torch
-        device = torch.cuda.get_device_name(0)
-        link = link or gpu_link(torch.cuda.device_count())
-    elif device_type == "cpu":
-        device, link = cpu_model(), link or "shm"
-    else:
-        raise ValueError(f"commlib.tune: device type '{device_type}' not supported; supported: cpu, cuda")
-    return {"device": device, "world_size": int(world_size), "link": link, "version": _library_version()}
-
-
-def _validate(data, path) -> dict:
-    if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION or not isinstance(data.get("entries"), list):
-        raise ValueError(f"commlib.tune: {path} is not a version-{FORMAT_VERSION} tune file "
-                         f"(expected {{\"version\": 1, \"entries\": [...]}})")
-    for i, entry in enumerate(data["entries"]):
-        ar = entry.get("all_reduce") if isinstance(entry, dict) else None
-        if not isinstance(entry, dict) or not isinstance(entry.get("key"), dict) or not isinstance(ar, dict):
-            raise ValueError(f"commlib.tune: {path}: entry {i} needs 'key' and 'all_reduce' objects")
-        for field in ("flat_max_bytes", "tree_max_bytes"):
-            if not isinstance(ar.get(field), int) or ar[field] < 0:
-                raise ValueError(f"commlib.tune: {path}: entry {i}: all_reduce.{field} must be an integer >= 0, "
-                                 f"got {ar.get(field)!r}")
-        sms = entry.get("fused_num_sms")
-        if sms is not None and (isinstance(sms, bool) or not isinstance(sms, int) or sms < 1):
-            raise ValueError(f"commlib.tune: {path}: entry {i}: fused_num_sms must be null or an integer >= 1, "
-                             f"got {sms!r}")
-        coll = entry.get("collectives")
-        if coll is not None and (not isinstance(coll, dict) or any(
-                op not in COLLECTIVE_OPS or isinstance(v, bool) or not isinstance(v, int) or v < 0
-                for op, v in coll.items())):
-            raise ValueError(f"commlib.tune: {path}: entry {i}: collectives must map {', '.join(COLLECTIVE_OPS)} "
-                             f"to integers >= 0, got {coll!r}")
-    return data
-
-
-def read_file(path: Optional[str] = None) -> dict:
-    """The whole cache (an empty one when the file does not exist); raises ValueError if malformed."""
+def write_file(data: dict, path: Optional[str] = None) -> Path:
+    """Writes the tune file ``data`` (Note [tune file writer]): validates it, rewrites the lists the
+    C++ selector reads from its GPU and CPU entries, and replaces the file atomically (a reader
+    never sees half a file). Returns the path."""
     p = cache_path(path)
-    if not p.exists():
-        return {"version": FORMAT_VERSION, "entries": []}
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"commlib.tune: {p} is not valid JSON: {e}") from None
-    return _validate(data, p)
-
-
-def _write(p: Path, data: dict) -> None:
-    """Writes the tune file atomically (a reader never sees half a file)."""
+    validate(data, p)
+    gpu_entries = [e for e in data["entries"] if e["key"].get("link") != "shm"]
+    data["all_reduce"] = [
+        {"world_size": e["key"]["world_size"], "flat_max_bytes": e["all_reduce"]["flat_max_bytes"],
+         "tree_max_bytes": e["all_reduce"]["tree_max_bytes"]} for e in gpu_entries]
+    # tuned_fused_num_sms in C++.
+    data["fused_num_sms"] = [{"world_size": e["key"]["world_size"], "num_sms": e["fused_num_sms"]}
+                             for e in gpu_entries if e.get("fused_num_sms") is not None]
+    # The other CUDA collectives' crossovers (Note [collective crossovers]).
+    data["collectives"] = [{"world_size": e["key"]["world_size"], "op": op, "max_bytes": int(max_bytes)}
+                           for e in gpu_entries for op, max_bytes in (e.get("collectives") or {}).items()]
+    # The CPU all-reduce's flat limit (resolve_host_all_reduce).
+    data["host_all_reduce"] = [{"world_size": e["key"]["world_size"],
+                                "flat_max_bytes": e["all_reduce"]["flat_max_bytes"]}
+                               for e in data["entries"] if e["key"].get("link") == "shm"]
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tune-", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(data, f, indent=1)
         f.write("\n")
     os.replace(tmp, p)
-
-
-def load(key: dict, path: Optional[str] = None) -> Optional[dict]:
-    """The cached entry whose key equals ``key`` (see ``make_key``), or None."""
-    for entry in read_file(path)["entries"]:
-        if entry["key"] == key:
-            return entry
-    return None
+    return p
 
 
 def save(entry: dict, path: Optional[str] = None) -> Path:
-    """Adds ``entry`` to the cache, replacing one with the same key; writes atomically."""
-    p = cache_path(path)
+    """Adds ``entry`` to the cache, replacing one with the same key."""
     data = read_file(path)
     data["entries"] = [e for e in data["entries"] if e["key"] != entry["key"]] + [entry]
-    _validate(data, p)
-    # The C++ selector (csrc/core/algorithm_selector.cc, used by the GPU path and the torch
-    # backend) reads the flat top-level list; it is derived from the GPU entries on every save.
-    gpu_entries = [e for e in data["entries"] if e["key"].get("link") != "shm"]
-    data["all_reduce"] = [
-        {"world_size": e["key"]["world_size"], "flat_max_bytes": e["all_reduce"]["flat_max_bytes"],
-         "tree_max_bytes": e["all_reduce"]["tree_max_bytes"]} for e in gpu_entries]
-    # Read by csrc/core/algorithm_selector.cc (tuned_fused_num_sms; Note [tune file format]).
-    data["fused_num_sms"] = [{"world_size": e["key"]["world_size"], "num_sms": e["fused_num_sms"]}
-                             for e in gpu_entries if e.get("fused_num_sms") is not None]
-    # The other CUDA collectives' crossovers (Note [collective crossovers]), same C++ selector.
-    data["collectives"] = [{"world_size": e["key"]["world_size"], "op": op, "max_bytes": int(max_bytes)}
-                           for e in gpu_entries for op, max_bytes in (e.get("collectives") or {}).items()]
-    # The CPU all-reduce's flat limit, read by the same C++ selector (resolve_host_all_reduce).
-    data["host_all_reduce"] = [{"world_size": e["key"]["world_size"],
-                                "flat_max_bytes": e["all_reduce"]["flat_max_bytes"]}
-                               for e in data["entries"] if e["key"].get("link") == "shm"]
-    _write(p, data)
-    return p
+    return write_file(data, path)
 
 
 def _threshold(sizes: List[int], below: list, above: list) -> int:
@@ -226,8 +136,8 @@ def crossovers(sizes: List[int], times: dict) -> dict:
 
 
 def _run_perf(argv: List[str]) -> dict:
-    from .perf.__main__ import resolve
-    from .perf.runner import launch
+    from .__main__ import resolve
+    from .runner import launch
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "r.json")
         opts = resolve(argv + ["--json", out])
@@ -286,40 +196,18 @@ def measure_fused_num_sms(np_: int, iters: int, counts=FUSED_NUM_SMS_CANDIDATES,
 # size): {"device", "world_size", "wave_steps": {"NxK": tokens}, "split_min_tokens", "num_sms"}.
 
 TOKENWEAVE_TOKENS = (256, 512, 1024, 2048, 4096)
-TOKENWEAVE_NUM_SMS_CANDIDATES = (4, 8, 16, 32)
+TOKENWEAVE_NUM_SMS_CANDIDATES = (4, 8, 16, 32, 132)
 TOKENWEAVE_NUM_SMS_TOKENS = 2048
-
-
-def tokenweave_tuned(world_size: Optional[int] = None, path: Optional[str] = None) -> Optional[dict]:
-    """The ``tokenweave`` record of this GPU for ``world_size`` (else any record of this GPU, whose
-    wave steps still apply: they depend on the GEMM shapes, not on the world size; its crossover
-    and SM budget are then dropped), or None. A malformed file is ignored with a warning."""
-    try:
-        import torch
-        device = torch.cuda.get_device_name(0)
-        records = [r for r in read_file(path).get("tokenweave") or [] if isinstance(r, dict)
-                   and r.get("device") == device]
-    except (ValueError, OSError, RuntimeError) as e:
-        print(f"commlib: ignoring tune file's tokenweave values: {e}", file=sys.stderr)
-        return None
-    for r in records:
-        if world_size is not None and r.get("world_size") == int(world_size):
-            return r
-    if records:
-        return {"wave_steps": records[-1].get("wave_steps") or {}}
-    return None
 
 
 def save_tokenweave(record: dict, path: Optional[str] = None) -> Path:
     """Adds ``record`` to the top-level ``tokenweave`` list, replacing the one of the same device
-    and world size; the entries and the lists derived from them are kept as they are."""
-    p = cache_path(path)
+    and world size."""
     data = read_file(path)
     keep = [r for r in data.get("tokenweave") or []
             if (r.get("device"), r.get("world_size")) != (record["device"], record["world_size"])]
     data["tokenweave"] = keep + [record]
-    _write(p, data)
-    return p
+    return write_file(data, path)
 
 
 def split_crossover(tokens: List[int], unsplit: List[Optional[float]], split: List[Optional[float]]) -> int:
@@ -354,11 +242,12 @@ def tokenweave_main(np_: int, iters: int, path: Optional[str] = None) -> int:
     layer's GEMMs at ``np_`` ranks (in this process, GPU 0), the fused op's SM budget beside the
     split layer, and the crossover (``commlib-perf tp_layer`` fused vs split); writes the record."""
     import torch
-    from . import tokenweave
-    from .perf.ops_tp_layer import CONFIGS
+
+    from .. import tokenweave
+    from .ops_tp_layer import CONFIGS, measure_wave_steps
     cfg = CONFIGS["llama-70b"]
     shapes = tokenweave.layer_gemm_shapes(cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn, np_)
-    steps = tokenweave.measure_wave_steps(shapes, torch.bfloat16, torch.device("cuda", 0), iters=iters)
+    steps = measure_wave_steps(shapes, torch.bfloat16, torch.device("cuda", 0), iters=iters)
     print("# wave steps (tokens): " + ", ".join(f"{k} {w}" for k, w in steps.items()))
     record = {"device": torch.cuda.get_device_name(0), "world_size": int(np_), "wave_steps": steps,
               "split_min_tokens": None, "num_sms": None}
@@ -382,9 +271,6 @@ def tokenweave_main(np_: int, iters: int, path: Optional[str] = None) -> int:
     written = save_tokenweave(record, path)
     print(f"# wrote {written}: {json.dumps(record)}")
     return 0
-
-
-COLLECTIVE_OPS = ("reduce_scatter", "all_gather", "broadcast", "all_to_all")
 
 
 def measure_collectives(np_: int, minbytes: str, maxbytes: str, iters: int, ops=COLLECTIVE_OPS) -> dict:
@@ -439,7 +325,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if opts.show:
         print(json.dumps(read_file(opts.file), indent=1))
         return 0
-    from .perf.__main__ import _num_gpus
+    from .__main__ import _num_gpus
     gpus = _num_gpus()
     if opts.tokenweave:
         return tokenweave_main(opts.np or max(1, gpus), opts.iters, opts.file)
@@ -496,7 +382,8 @@ def measure_cp(device_type: str, iters: int = 10) -> dict:
     and ``bw_bytes_per_s`` (BW: one ring step's transfer, a copy-engine copy from GPU 0 into GPU 1;
     on CPU a memory copy; None with one GPU, where there is no ring)."""
     import torch
-    from . import cp
+
+    from .. import cp
     t, h, hkv, d = CP_ATTN_SHAPE[device_type]
     dev = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
     dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
@@ -520,38 +407,14 @@ def measure_cp(device_type: str, iters: int = 10) -> dict:
     return {"bw_bytes_per_s": bw, "attn_flops_per_s": flops}
 
 
-def _cp_entries(data: dict) -> list:
-    entries = data.get("cp", [])
-    return entries if isinstance(entries, list) else []
-
-
-def load_cp(device_type: str, world_size: int, path: Optional[str] = None) -> Optional[dict]:
-    """The cached cp constants for this machine, or None. A missing BW (one GPU) falls back to
-    the built-in default in commlib.cp."""
-    key = make_key(device_type, world_size)
-    for e in _cp_entries(read_file(path)):
-        if isinstance(e, dict) and e.get("key") == key:
-            values = dict(e)
-            if values.get("bw_bytes_per_s") is None:
-                from .cp import DEFAULT_BW
-                values["bw_bytes_per_s"] = DEFAULT_BW[device_type]
-            return values
-    return None
-
-
 def tune_cp(device_type: str, world_size: int, path: Optional[str] = None) -> dict:
     """Measures (``measure_cp``) and caches the cp constants under this machine's key in the
     tune file's top-level ``cp`` list; returns the new entry."""
     entry = {"key": make_key(device_type, world_size), **measure_cp(device_type)}
-    p = cache_path(path)
     data = read_file(path)
-    data["cp"] = [e for e in _cp_entries(data) if e.get("key") != entry["key"]] + [entry]
-    _write(p, data)
+    data["cp"] = [e for e in cp_entries(data) if e.get("key") != entry["key"]] + [entry]
+    write_file(data, path)
     return entry
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 # ---- the two-level crossover of multi-host "ddacomm" groups (Note [hierarchical crossover]) ----
@@ -578,7 +441,7 @@ def measure_hierarchical(sizes=HIER_SIZES, iters: int = 10, device: Optional[str
     import torch
     import torch.distributed as dist
 
-    from . import backend_registration  # noqa: F401  (registers "ddacomm")
+    from .. import backend_registration  # noqa: F401  (registers "ddacomm")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     groups = {}
     before = os.environ.get("COMMLIB_HIER_ALGO")
@@ -593,7 +456,7 @@ def measure_hierarchical(sizes=HIER_SIZES, iters: int = 10, device: Optional[str
             os.environ["COMMLIB_HIER_ALGO"] = before
     layout = groups["hier"]._get_backend(torch.device("cpu")).host_layout
     if layout is None:
-        raise ValueError("commlib.tune.measure_hierarchical: the default group does not run two-level "
+        raise ValueError("commlib.perf.tune.measure_hierarchical: the default group does not run two-level "
                          "collectives (one host, or hosts of unequal size)")
     num_hosts, local_size = layout[0], layout[1]
     world = dist.get_world_size()
@@ -651,7 +514,7 @@ def hierarchical_main(iters: int, device: Optional[str], path: Optional[str]) ->
     import torch
     import torch.distributed as dist
 
-    from . import backend_registration
+    from .. import backend_registration
     backend_registration.register_backend()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda":
@@ -669,10 +532,12 @@ def hierarchical_main(iters: int, device: Optional[str], path: Optional[str]) ->
 def save_hierarchical(entries: List[dict], path: Optional[str] = None) -> Path:
     """Puts ``entries`` in the top-level ``hierarchical`` list, replacing those of the same op and
     layout (Note [tune file format]). Every host reads its own file: write it on each host."""
-    p = cache_path(path)
     data = read_file(path)
     new = {(e["op"], e["num_hosts"], e["local_size"]) for e in entries}
     keep = [e for e in data.get("hierarchical") or [] if (e.get("op"), e.get("num_hosts"), e.get("local_size")) not in new]
     data["hierarchical"] = keep + list(entries)
-    _write(p, data)
-    return p
+    return write_file(data, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
