@@ -240,6 +240,7 @@ class RankPool:
             if p.is_alive():
                 p.kill()
                 p.join()
+        self.broken = True  # a closed pool is never handed out again by ranks()
 
 
 _pools: dict = {}
@@ -251,7 +252,7 @@ def ranks():
     def get(world_size: int, env: dict | None = None) -> RankPool:
         key = (world_size, tuple(sorted((env or {}).items())))
         pool = _pools.get(key)
-        if pool is None or pool.broken:
+        if pool is None or pool.broken or not all(p.is_alive() for p in pool.procs):
             if pool is not None:
                 pool.close()
             pool = _pools[key] = RankPool(world_size, env)
