@@ -218,7 +218,7 @@ def _merge_kernel(t: torch.Tensor) -> bool:
     if not t.is_cuda or t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return False
     if "ok" not in _merge_op:
-        from . import _C  # noqa: F401 - loading the extension registers torch.ops.commlib
+        from .. import _C  # noqa: F401 - loading the extension registers torch.ops.commlib
         _merge_op["ok"] = hasattr(torch.ops.commlib, "merge_attention_states_")
     return _merge_op["ok"]
 
@@ -385,7 +385,7 @@ def machine_constants(device_type: str, world_size: int):
     cached (``commlib.tune.load_cp``), else the built-in defaults."""
     if device_type not in DEFAULT_BW:
         raise ValueError(f"select_mode: device type '{device_type}' not supported; supported: cpu, cuda")
-    from .tuned import cache_path, load_cp
+    from ..tuned import cache_path, load_cp
     ck = (device_type, world_size, str(cache_path()))
     if ck not in _tuned:
         try:
@@ -586,7 +586,7 @@ class SymmetricTransport(RingTransport):
     _FLAGS_BYTES = 2 * 4 * _MAX_SLOTS  # ready[64], free[64] (int32), then the slots
 
     def __init__(self, comm, timeout_s: Optional[float] = None):
-        from . import _C
+        from .. import _C
         if not hasattr(_C, "cp_symmetric_peer_views"):
             raise TypeError("SymmetricTransport: this commlib build has no CUDA; supported: a CUDA build")
         self._C = _C
@@ -700,7 +700,7 @@ class SymmetricTransport(RingTransport):
     def check(self) -> None:
         """Raises commlib.CommTimeoutError if the watchdog found this ring stuck."""
         if self.failure is not None:
-            from .errors import CommTimeoutError
+            from ..errors import CommTimeoutError
             raise CommTimeoutError(self.failure)
 
     def begin_call(self) -> None:
@@ -757,7 +757,7 @@ class SymmetricTransport(RingTransport):
         """Waits for the current stream, at most ``timeout_s`` (default: the transport's timeout);
         raises ``commlib.CommTimeoutError`` naming the slots still waiting (for a replayed graph,
         which the watchdog does not see)."""
-        from .errors import CommTimeoutError as CommTimeout
+        from ..errors import CommTimeoutError as CommTimeout
         ev = torch.cuda.Event()
         ev.record()
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
@@ -829,7 +829,7 @@ class _RingWatchdog:
 def _relax_stream_capture_mode() -> None:
     """The calling thread's queries never invalidate another thread's CUDA-graph capture."""
     if torch.cuda.is_available():
-        from . import _C
+        from .. import _C
         if hasattr(_C, "cp_relax_stream_capture_mode"):
             _C.cp_relax_stream_capture_mode()
 
@@ -852,7 +852,7 @@ def _transport_for(comm, device) -> RingTransport:
     """The transport of a commlib.Communicator: the copy-engine ring for CUDA tensors (one per
     communicator, kept for its slots), the all_to_all_v step otherwise."""
     if device.type == "cuda" and comm.world_size > 1:
-        from . import _C
+        from .. import _C
         if hasattr(_C, "cp_symmetric_peer_views"):
             t = _symmetric_transports.get(comm)
             if t is None:
@@ -1156,7 +1156,7 @@ class _ProcessGroupRef:
 
 def _resolve(comm, transport, device):
     """(rank, world_size, transport, metadata group) for a Communicator or a process group."""
-    from .communicator import Communicator
+    from ..communicator import Communicator
     if isinstance(comm, Communicator):
         return comm.rank, comm.world_size, transport or _transport_for(comm, device), _Group(comm)
     if comm is None or isinstance(comm, dist.ProcessGroup):
@@ -1324,7 +1324,7 @@ def ring_attention(comm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
                   "".join(f"; rank {r2} rejected {_ARGUMENTS[(c & 255) - 1]}" for r2, c in bad[1:]))
     failed = [r for r, h in enumerate(headers) if h[n_fields + 1]]
     if failed:
-        from .errors import CommTimeoutError
+        from ..errors import CommTimeoutError
         if ring_failure is not None:
             raise CommTimeoutError(ring_failure)
         raise CommTimeoutError(f"{what}: rank {failed[0]}'s copy-engine ring timed out in an earlier call (its "
