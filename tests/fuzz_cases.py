@@ -153,7 +153,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     """Integer view for bitwise comparison (NaN == NaN)."""
     if t.dtype.is_floating_point:
         return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])
-    return t
+    return t.view(torch.uint8) if t.dtype == torch.bool else t  # bool: its bytes (a sum of trues may be 2)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
