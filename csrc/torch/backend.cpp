@@ -18,7 +18,8 @@
 //         so a rank whose dtype differs from its peers' raises "ranks disagree" on every rank
 //         instead of waiting in another library. Every commlib path starts with the same tag
 //         check (Note [host shm protocol]), which is what catches op, dtype, size and reduction
-//         mismatches between ranks on the fast path.
+//         mismatches between ranks on the fast path. Data movements (broadcast, all_gather, ...)
+//         compare byte counts, not dtypes, as NCCL does: equal-sized dtypes that differ move the bytes.
 //   CUDA: all_reduce (sum/avg, float32/float16/bfloat16, contiguous, where the selector picks
 //         flat or tree for the byte count) -> torch_layer::all_reduce_cuda;
 //         reduce_scatter(_tensor) (sum/avg, float32/float16/bfloat16), all_gather(_into_tensor),
@@ -97,7 +98,7 @@ void check_reduction(const char* what, at::ScalarType type, ReduceOp op) {
 bool is_movable_type(at::ScalarType t) {
   switch (t) {
     case at::kFloat: case at::kHalf: case at::kBFloat16: case at::kDouble: case at::kInt: case at::kLong:
-    case at::kByte: case at::kChar: case at::kBool:
+    case at::kShort: case at::kByte: case at::kChar: case at::kBool:
       return true;
     default:
       return false;

@@ -140,6 +140,10 @@ class DdaBackend final : public c10d::Backend {
   // caller hands it to gloo. Refuses the op/dtype pairs gloo refuses, as gloo does.
   bool cpu_reduction(const char* what, c10d::OpType kind, const std::vector<at::Tensor>& tensors,
                      const c10d::ReduceOp& reduce_op);
+  // For a CPU data movement that cpu_fast() admits: true when commlib moves every dtype; otherwise
+  // the ranks first check they all make the same call (host::agree), so a rank whose dtype differs
+  // from its peers' raises "ranks disagree" instead of meeting them in another library.
+  bool cpu_movable(const char* what, c10d::OpType kind, const std::vector<at::Tensor>& tensors);
   c10::intrusive_ptr<c10d::Work> fallback(c10::intrusive_ptr<c10d::Work> work);
   // `list` has world_size tensors of `one`'s dtype and element count (ValueError / TypeError).
   void check_gather_list(const char* what, const std::vector<at::Tensor>& list, const at::Tensor& one) const;

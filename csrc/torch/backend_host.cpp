@@ -43,6 +43,16 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::run_host(c10d::OpType op, const char*
   return completed(op, std::move(outputs));
 }
 
+bool DdaBackend::cpu_movable(const char* what, c10d::OpType kind, const std::vector<at::Tensor>& tensors) {
+  if (all_of(tensors, is_movable_type)) return true;
+  const at::Tensor& t = tensors[0];
+  run_fast(what, [&] {
+    host::agree(*comm_, what, static_cast<uint32_t>(kind), static_cast<uint32_t>(t.scalar_type()),
+                static_cast<uint64_t>(t.numel()), 0);
+  });
+  return false;
+}
+
 bool DdaBackend::cpu_fast(const std::vector<at::Tensor>& tensors) const {
   if (!comm_ || shut_down_ || tensors.empty()) return false;
   for (const auto& t : tensors) {

@@ -87,7 +87,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::broadcast(std::vector<at::Tensor>& te
     return run_two_level(c10d::OpType::BROADCAST, tensors[0].device(), tensors,
                          [&] { hier_->broadcast(tensors[0], static_cast<int>(opts.rootRank)); });
   }
-  if (tensors.size() == 1 && cpu_fast(tensors) && all_of(tensors, is_movable_type)) {
+  if (tensors.size() == 1 && cpu_fast(tensors) && cpu_movable("broadcast", c10d::OpType::BROADCAST, tensors)) {
     TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < getSize(), "broadcast: root rank ", opts.rootRank,
                       " out of range; valid: 0..", getSize() - 1);
     return run_host(c10d::OpType::BROADCAST, "broadcast", tensors, tensors, [&] { torch_layer::broadcast(*comm_, tensors[0], static_cast<int>(opts.rootRank)); });
@@ -119,7 +119,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::allgather(std::vector<std::vector<at:
     });
   }
   if (inputs.size() == 1 && outputs.size() == 1 && cpu_fast(inputs) && cpu_fast(outputs[0]) &&
-      all_of(inputs, is_movable_type)) {
+      cpu_movable("allgather", c10d::OpType::ALLGATHER, inputs)) {
     const at::Tensor& in = inputs[0];
     std::vector<at::Tensor>& outs = outputs[0];
     TORCH_CHECK_VALUE(static_cast<int>(outs.size()) == getSize(), "allgather: got ", outs.size(),
@@ -163,7 +163,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::_allgather_base(at::Tensor& output, a
     return run_two_level(c10d::OpType::_ALLGATHER_BASE, input.device(), {output},
                          [&] { hier_->all_gather(output, input); });
   }
-  if (cpu_fast(both) && all_of(both, is_movable_type)) {
+  if (cpu_fast(both) && cpu_movable("all_gather_into_tensor", c10d::OpType::_ALLGATHER_BASE, both)) {
     return run_host(c10d::OpType::_ALLGATHER_BASE, "all_gather_into_tensor", {output}, {input}, [&] { all_gather(*comm_, output, input); });
   }
 #if defined(COMMLIB_TORCH_CUDA)
@@ -179,7 +179,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::allgather_coalesced(std::vector<std::
                                                                std::vector<at::Tensor>& inputs,
                                                                const c10d::AllgatherOptions& opts) {
   // outputs[r][i] receives rank r's inputs[i] (gloo's layout).
-  bool fast = cpu_fast(inputs) && all_of(inputs, is_movable_type);
+  bool fast = cpu_fast(inputs) && cpu_movable("allgather_coalesced", c10d::OpType::ALLGATHER_COALESCED, inputs);
   for (size_t r = 0; fast && r < outputs.size(); ++r) fast = cpu_fast(outputs[r]);
   if (fast) {
     TORCH_CHECK_VALUE(static_cast<int>(outputs.size()) == getSize(), "allgather_coalesced: got ", outputs.size(),
@@ -224,7 +224,8 @@ void DdaBackend::check_gather_list(const char* what, const std::vector<at::Tenso
 c10::intrusive_ptr<c10d::Work> DdaBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                            std::vector<at::Tensor>& inputs,
                                                                            const c10d::AllgatherOptions& opts) {
-  if (outputs.size() == inputs.size() && cpu_fast(inputs) && cpu_fast(outputs) && all_of(inputs, is_movable_type) &&
+  if (outputs.size() == inputs.size() && cpu_fast(inputs) && cpu_fast(outputs) &&
+      cpu_movable("allgather_into_tensor_coalesced", c10d::OpType::COALESCED, inputs) &&
       all_of(outputs, is_movable_type)) {
     return run_host(c10d::OpType::COALESCED, "allgather_into_tensor_coalesced", outputs, inputs, [&] {
       for (size_t i = 0; i < inputs.size(); ++i) all_gather(*comm_, outputs[i], inputs[i]);
@@ -237,7 +238,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::allgather_into_tensor_coalesced(std::
 c10::intrusive_ptr<c10d::Work> DdaBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                   std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
   // Only the root passes an output list; the route depends on the input alone, which every rank has.
-  if (inputs.size() == 1 && cpu_fast(inputs) && all_of(inputs, is_movable_type)) {
+  if (inputs.size() == 1 && cpu_fast(inputs) && cpu_movable("gather", c10d::OpType::GATHER, inputs)) {
     const int root = static_cast<int>(opts.rootRank);
     TORCH_CHECK_VALUE(root >= 0 && root < getSize(), "gather: dst ", root, " out of range; valid: 0..", getSize() - 1);
     const at::Tensor in = inputs[0].contiguous();
@@ -260,7 +261,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::gather(std::vector<std::vector<at::Te
 c10::intrusive_ptr<c10d::Work> DdaBackend::scatter(std::vector<at::Tensor>& outputs,
                                                    std::vector<std::vector<at::Tensor>>& inputs,
                                                    const c10d::ScatterOptions& opts) {
-  if (outputs.size() == 1 && cpu_fast(outputs) && all_of(outputs, is_movable_type)) {
+  if (outputs.size() == 1 && cpu_fast(outputs) && cpu_movable("scatter", c10d::OpType::SCATTER, outputs)) {
     const int root = static_cast<int>(opts.rootRank);
     TORCH_CHECK_VALUE(root >= 0 && root < getSize(), "scatter: src ", root, " out of range; valid: 0..", getSize() - 1);
     at::Tensor& out = outputs[0];
@@ -382,7 +383,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::alltoall_base(at::Tensor& output, at:
                                                          std::vector<int64_t>& input_split_sizes,
                                                          const c10d::AllToAllOptions& opts) {
   std::vector<at::Tensor> both{output, input};
-  if (cpu_fast(both) && all_of(both, is_movable_type)) {
+  if (cpu_fast(both) && cpu_movable("all_to_all_single", c10d::OpType::ALLTOALL_BASE, both)) {
     return run_host(c10d::OpType::ALLTOALL_BASE, "all_to_all_single", {output}, {input}, [&] { all_to_all_v(*comm_, output, input, output_split_sizes, input_split_sizes); });
   }
 #if defined(COMMLIB_TORCH_CUDA)
@@ -399,7 +400,8 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::alltoall_base(at::Tensor& output, at:
 
 c10::intrusive_ptr<c10d::Work> DdaBackend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                                     const c10d::AllToAllOptions& opts) {
-  if (cpu_fast(outputs) && cpu_fast(inputs) && all_of(outputs, is_movable_type) && all_of(inputs, is_movable_type)) {
+  if (cpu_fast(outputs) && cpu_fast(inputs) && cpu_movable("all_to_all", c10d::OpType::ALLTOALL, inputs) &&
+      all_of(outputs, is_movable_type)) {
     const int n = getSize();
     TORCH_CHECK_VALUE(static_cast<int>(inputs.size()) == n && static_cast<int>(outputs.size()) == n,
                       "all_to_all: got ", inputs.size(), " inputs and ", outputs.size(),
