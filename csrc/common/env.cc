@@ -138,6 +138,9 @@ const std::vector<Knob>& knobs() {
       {"COMMLIB_TEST_TIMEOUT_S", "600", KnobCategory::kTestOnly,
        "tests/conftest.py: default limit, in seconds, of one multi-process test case (the ranks are "
        "killed and the test fails after it)."},
+      {"COMMLIB_FUZZ_EXAMPLES", "1", KnobCategory::kTestOnly,
+       "tests/fuzz_cases.py: multiplies the number of cases the property-based fuzz tests draw (a long "
+       "run: COMMLIB_FUZZ_EXAMPLES=50)."},
       {"COMMLIB_TEST_SHARE_GPUS", "0", KnobCategory::kTestOnly,
        "tests/conftest.py: 1 lets a test's ranks share the GPUs there are (rank r on GPU r mod count), "
        "so world sizes above the GPU count run on one machine; 0: such tests skip."},

@@ -288,6 +288,18 @@ const char* fr_op_name(c10d::OpType op) {
 
 }  // namespace
 
+c10::intrusive_ptr<c10d::Backend> DdaBackend::shrink(const std::vector<int64_t>& ranks_to_exclude, int shrink_flags,
+                                                     const c10::intrusive_ptr<Options>& /*opts_override*/) {
+  TORCH_CHECK(supportsShrinking(), "shrink: this ddacomm group has no shared-memory communicator (it spans hosts)");
+  for (int64_t r : ranks_to_exclude) {
+    TORCH_CHECK_VALUE(r >= 0 && r < getSize(), "shrink: rank ", r, " out of range; valid: 0..", getSize() - 1);
+    TORCH_CHECK_VALUE(r != getRank(), "shrink: rank ", r, " is excluded; only the survivors call shrink");
+  }
+  constexpr int kShrinkAbort = 1;  // torch.distributed.SHRINK_ABORT
+  if ((shrink_flags & kShrinkAbort) != 0 && comm_) comm_->abort();
+  return shrink_factory_(ranks_to_exclude);
+}
+
 c10d::ErrorType DdaBackend::getError() {
   const c10d::ErrorType first = error_.load();
   if (first != c10d::ErrorType::SUCCESS || !comm_) return first;

@@ -67,6 +67,16 @@ class DdaBackend final : public c10d::Backend {
   // abort() ends the pending commlib waits (Note [abort]) and makes every later call raise.
   c10d::ErrorType getError() override;
 
+  // torch's shrink_group: a new backend over the ranks not in `ranks_to_exclude`, made by the
+  // factory the Python side set (backend_registration: a new communicator, gloo and NCCL factory
+  // under the group's store; only the survivors call it). With SHRINK_ABORT this backend is aborted
+  // first. Not `override`: torch 2.11's Backend has neither (2.14 has; the signatures match).
+  using ShrinkFactory = std::function<c10::intrusive_ptr<c10d::Backend>(const std::vector<int64_t>&)>;
+  void set_shrink_factory(ShrinkFactory factory) { shrink_factory_ = std::move(factory); }
+  bool supportsShrinking() const { return comm_ != nullptr && static_cast<bool>(shrink_factory_); }
+  c10::intrusive_ptr<c10d::Backend> shrink(const std::vector<int64_t>& ranks_to_exclude, int shrink_flags = 0,
+                                           const c10::intrusive_ptr<Options>& opts_override = nullptr);
+
   // What the Python side can inspect (tests, docs): is the shm path live; has NCCL been created.
   bool has_fast_path() const { return comm_ != nullptr; }
   bool nccl_created() const { return nccl_ != nullptr; }
@@ -182,6 +192,7 @@ class DdaBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> gloo_;
   c10::intrusive_ptr<c10d::Backend> nccl_;
   InnerFactory nccl_factory_;
+  ShrinkFactory shrink_factory_;
   std::mutex nccl_mutex_;
   Config config_;
   int64_t num_fast_calls_ = 0;

@@ -11,10 +11,9 @@ namespace py = pybind11;
 namespace commlib::torch_layer {
 namespace {
 
-// Holds a Python callable; takes the GIL to call and to release it.
-DdaBackend::InnerFactory python_factory(py::object fn) {
-  if (fn.is_none()) return {};
-  std::shared_ptr<py::object> holder(new py::object(std::move(fn)), [](py::object* p) {
+// Holds a Python callable; takes the GIL to release it.
+std::shared_ptr<py::object> hold(py::object fn) {
+  return std::shared_ptr<py::object>(new py::object(std::move(fn)), [](py::object* p) {
     if (Py_IsInitialized()) {
       py::gil_scoped_acquire gil;
       delete p;
@@ -23,6 +22,12 @@ DdaBackend::InnerFactory python_factory(py::object fn) {
       delete p;
     }
   });
+}
+
+// A Python callable as a factory; takes the GIL to call it.
+DdaBackend::InnerFactory python_factory(py::object fn) {
+  if (fn.is_none()) return {};
+  std::shared_ptr<py::object> holder = hold(std::move(fn));
   return [holder]() -> c10::intrusive_ptr<c10d::Backend> {
     py::gil_scoped_acquire gil;
     return (*holder)().cast<c10::intrusive_ptr<c10d::Backend>>();
@@ -47,6 +52,16 @@ void bind_backend(py::module_& m) {
            }),
            py::arg("rank"), py::arg("size"), py::arg("comm"), py::arg("gloo"), py::arg("nccl_factory"),
            py::arg("timeout"), py::arg("group_name"), py::arg("global_ranks_in_group"))
+      .def(
+          "_set_shrink_factory",
+          [](DdaBackend& self, py::object fn) {
+            std::shared_ptr<py::object> holder = hold(std::move(fn));
+            self.set_shrink_factory([holder](const std::vector<int64_t>& excluded) {
+              py::gil_scoped_acquire gil;
+              return (*holder)(excluded).cast<c10::intrusive_ptr<c10d::Backend>>();
+            });
+          },
+          py::arg("factory"), "Sets what shrink() calls (backend_registration; docs/debugging.md).")
       .def_property_readonly("has_fast_path", &DdaBackend::has_fast_path)
       .def_property_readonly("nccl_created", &DdaBackend::nccl_created)
       .def_property_readonly("num_fast_calls", &DdaBackend::num_fast_calls)

@@ -168,9 +168,40 @@ def create_backend(dist_opts, backend_options=None):
     nccl = _nccl_factory(dist.PrefixStore("nccl/", store), rank, world_size, timeout, group_name,
                          global_ranks, backend_options)
     backend = _C.DdaBackend(rank, world_size, comm, gloo, nccl, timeout, group_name, global_ranks)
+    if comm is not None:
+        backend._set_shrink_factory(_shrinker(store, rank, world_size, timeout, group_name, global_ranks,
+                                              backend_options))
     if layout.num_hosts > 1 and layout.uniform:
         _attach_hierarchy(backend, layout, store, rank, timeout, group_name, global_ranks, backend_options)
     return backend
+
+
+def _shrinker(store, rank: int, world_size: int, timeout: timedelta, group_name: str, global_ranks,
+              backend_options):
+    """What torch's shrink_group gets from a one-host group: a backend over the survivors (renumbered
+    in order) with its own communicator, gloo and NCCL factory under a prefix of the group's store
+    that names the excluded ranks, so only survivors that agree on them meet. Nothing in it waits for
+    an excluded rank (docs/debugging.md)."""
+    def shrink(excluded):
+        import torch.distributed as dist
+
+        from . import _C
+        excluded = sorted({int(r) for r in excluded})
+        survivors = [r for r in range(world_size) if r not in excluded]
+        new_rank, size = survivors.index(rank), len(survivors)
+        tag = "-".join(map(str, excluded))
+        sub = dist.PrefixStore(f"shrink-{tag}/", store)
+        name = f"{group_name}-shrink-{tag}"
+        ranks = [global_ranks[r] for r in survivors]
+        comm = _C.Communicator(dist.PrefixStore("commlib/", sub), new_rank, size, f"ddacomm-{name}",
+                               timeout.total_seconds())
+        _C.register_group(f"ddacomm-{name}", comm, replace=True)
+        gloo = _make_gloo(dist.PrefixStore("gloo/", sub), new_rank, size, timeout, name, ranks)
+        nccl = _nccl_factory(dist.PrefixStore("nccl/", sub), new_rank, size, timeout, name, ranks, backend_options)
+        backend = _C.DdaBackend(new_rank, size, comm, gloo, nccl, timeout, name, ranks)
+        backend._set_shrink_factory(_shrinker(sub, new_rank, size, timeout, name, ranks, backend_options))
+        return backend
+    return shrink
 
 
 def _attach_hierarchy(backend, layout: HostLayout, store, rank: int, timeout: timedelta, group_name: str,

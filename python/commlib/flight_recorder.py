@@ -44,13 +44,25 @@ class RecordingComm:
         self._group = _C.FrGroup(name, "commlib", list(range(world_size)), rank,
                                  int(timeout.total_seconds() * 1000))
         self._pending: collections.deque = collections.deque()  # (CUDA event, call) in issue order
+        self._names: dict = {}
 
     def __getattr__(self, attr):
         value = getattr(self._native, attr)
         spec = _RECORDED.get(attr)
         if spec is None:
             return value
-        return lambda *args: self._call(value, spec, args)
+
+        def recorded(*args):
+            return self._call(value, spec, args)
+        setattr(self, attr, recorded)  # found directly from now on
+        return recorded
+
+    def _name(self, cuda: bool, op: str, variant: str) -> str:
+        key = (cuda, op, variant)
+        name = self._names.get(key)
+        if name is None:
+            name = self._names[key] = _C.fr_profiling_name(cuda, op, variant, self._rank)
+        return name
 
     def _poll(self) -> None:
         while self._pending and self._pending[0][0].query():
@@ -62,12 +74,11 @@ class RecordingComm:
         outputs = [args[i_out]] if i_out is not None else []
         variant = str(args[i_algo]) if i_algo is not None else ""
         cuda = bool(inputs) and inputs[0].is_cuda
-        capturing = cuda and torch.cuda.is_current_stream_capturing()
-        self._poll()
-        if capturing:  # a captured call runs at each replay, which the recorder cannot see
-            return method(*args)
-        call = self._group.record(_C.fr_profiling_name(cuda, op, variant or "host", self._rank), False, inputs,
-                                  outputs)
+        if cuda:
+            self._poll()
+            if torch.cuda.is_current_stream_capturing():  # a captured call runs at each replay, unseen
+                return method(*args)
+        call = self._group.record(self._name(cuda, op, variant or "host"), False, inputs, outputs)
         call.started()
         try:
             result = method(*args)

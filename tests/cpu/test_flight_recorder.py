@@ -117,7 +117,7 @@ def _skip_one(ctx, dump_dir, skipper):
 @pytest.mark.parametrize("world_size,skipper", [(2, 1), (3, 2)])
 def test_analyzer_names_the_rank_that_did_not_join(ranks, world_size, skipper):
     with tempfile.TemporaryDirectory() as dump_dir:
-        env = dict(FR_ENV, TORCH_FR_DUMP_TEMP_FILE=os.path.join(dump_dir, "rank_"), COMMLIB_FR_TEST=dump_dir)
+        env = dict(FR_ENV, TORCH_FR_DUMP_TEMP_FILE=os.path.join(dump_dir, "rank_"))
         pool = ranks(world_size, env=env)
         results = pool.run(_skip_one, dump_dir, skipper, timeout=90)
         pool.close()
@@ -154,7 +154,7 @@ def _direct_timeout(ctx, dump_dir):
 
 def test_direct_api_timeout_dumps(ranks):
     with tempfile.TemporaryDirectory() as dump_dir:
-        env = dict(FR_ENV, TORCH_FR_DUMP_TEMP_FILE=os.path.join(dump_dir, "rank_"), COMMLIB_FR_TEST=dump_dir)
+        env = dict(FR_ENV, TORCH_FR_DUMP_TEMP_FILE=os.path.join(dump_dir, "rank_"))
         pool = ranks(2, env=env)
         name, state = pool.run(_direct_timeout, dump_dir, timeout=60)[0]
         pool.close()

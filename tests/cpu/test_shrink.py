@@ -78,3 +78,40 @@ def test_shrink_rejects_bad_ranks(ranks):
     assert "exclude_ranks [2] not supported" in msgs[1]
     assert "leaves at least one rank" in msgs[2]
     assert "rank 0 is in exclude_ranks [0]" in msgs[3]
+
+
+def _torch_shrink_group(ctx, victim):
+    import torch.distributed as dist
+    from test_backend import ddacomm_world
+    with ddacomm_world(ctx, timeout_s=60) as (world, _):
+        x = rank_input(ctx.rank, 1000, torch.float32, salt=3)
+        dist.all_reduce(x.clone())
+        if ctx.rank == victim:
+            time.sleep(0.2)
+            os.kill(os.getpid(), signal.SIGKILL)
+        with pytest.raises(dist.DistBackendError, match=rf"rank {victim} \(pid \d+\) has exited"):
+            for _ in range(100_000):
+                dist.all_reduce(x.clone())
+        backend = world._get_backend(torch.device("cpu"))
+        assert backend.supports_shrinking
+        small = dist.shrink_group([victim])  # the default group: it becomes the new default
+        survivors = [r for r in range(ctx.world_size) if r != victim]
+        assert (dist.get_rank(small), dist.get_world_size(small)) == (survivors.index(ctx.rank), len(survivors))
+        y = x.clone()
+        dist.all_reduce(y, group=small)
+        expected = ordered_reference([rank_input(r, 1000, torch.float32, salt=3) for r in survivors], "sum",
+                                     len(survivors))
+        assert torch.equal(y, expected)
+        assert small._get_backend(torch.device("cpu")).num_fast_calls >= 1  # commlib served it
+    ctx.store.set(f"torch-shrink-{ctx.world_size}-{ctx.rank}", "1")
+
+
+def test_torch_shrink_group(ranks):
+    from conftest import RankFailure
+    if not hasattr(torch.distributed, "shrink_group"):
+        pytest.skip("this torch has no shrink_group")
+    pool = ranks(3)
+    with pytest.raises(RankFailure) as info:
+        pool.run(_torch_shrink_group, 1, timeout=120)
+    assert sorted(info.value.errors) == [1] and info.value.errors[1][0] == "EOFError"
+    assert pool.store.check(["torch-shrink-3-0"]) and pool.store.check(["torch-shrink-3-2"])

@@ -1,0 +1,302 @@
+"""Soak and leak checks (not a CI test): long randomized op sequences, create / use / destroy cycles,
+CUDA-graph replays, each checked against a reference, with what a process holds counted before and
+after (Note [soak]).
+
+    python -m commlib.perf.soak --sequences 20000 --world 2,3,4            # CPU, random delays
+    python -m commlib.perf.soak --cycles 10000 --world 2                   # create / use / destroy
+    python -m commlib.perf.soak --replays 1000000 --device cuda --world 1  # CUDA-graph replays
+    ... --out bench/results/soak.md                                       # rewrites the section it ran
+
+Note [soak]
+Every rank draws the same seeded sequence of operations (all_reduce flat / tree / auto and every
+reduction, reduce_scatter, all_gather, broadcast, all_to_all_v with random splits, send / recv
+around the ring, barrier, the fused all-reduce + RMSNorm), with random sizes (odd ones included)
+and a random sleep of 0-200 µs before one op in eight on a random rank, so the ranks reach each op
+at different times. Every result is compared with the reference computed on every rank from the
+same seeds (bitwise where commlib promises bits: the rank-ordered fp32 reductions). The cycle mode
+creates a communicator, runs a few ops (shared-memory collectives, send / recv, an EPBuffer; on
+CUDA the GPU state) and closes it, and counts /dev/shm/commlib-* segments, open file descriptors,
+resident memory and (CUDA) allocated GPU memory before and after. The replay mode captures
+all_reduce (each variant), the fused op and EP dispatch + combine into CUDA graphs and replays
+them, checking the outputs every ``--check-every`` replays. A failure ends the run with a message
+naming the step, the op and the seed.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import glob
+import os
+import random
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .harness import spawn
+from .report import machine_description, now_utc, software_description, source_commit
+
+REDUCTIONS = ("sum", "avg", "min", "max", "prod")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all_v", "send_recv", "barrier",
+       "fused")
+
+
+def _input(rank: int, step: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1_000_003 * rank + 7919 * step + count)
+    return (torch.rand(count, generator=g) * 2 + 0.5).to(dtype)
+
+
+def _reduce(xs, op: str) -> torch.Tensor:
+    acc = xs[0].float()
+    for x in xs[1:]:
+        x = x.float()
+        acc = {"sum": acc + x, "avg": acc + x, "prod": acc * x, "min": torch.minimum(acc, x),
+               "max": torch.maximum(acc, x)}[op]
+    if op == "avg":
+        acc = acc / len(xs)
+    return acc.to(xs[0].dtype)
+
+
+def _one_step(comm, rank: int, n: int, step: int, rng: random.Random) -> str:
+    """Runs one randomly drawn op (the same draw on every rank) and checks it; returns its name."""
+    op = rng.choice(OPS)
+    dtype = rng.choice((torch.float32, torch.bfloat16, torch.float16))
+    count = rng.choice((0, 1, 7, 1023, 4097, 65_537, 300_007))
+    delay_rank = rng.randrange(n) if rng.random() < 0.125 else -1
+    delay_s = rng.random() * 200e-6  # drawn on every rank: the draws stay the same everywhere
+    if delay_rank == rank:
+        time.sleep(delay_s)
+    if op == "all_reduce":
+        red = rng.choice(REDUCTIONS)
+        algo = rng.choice(("auto", "flat", "tree"))
+        xs = [_input(r, step, count, dtype) for r in range(n)]
+        out = comm.all_reduce(xs[rank], red, algo)
+        ok = torch.equal(out, _reduce(xs, red))
+    elif op == "reduce_scatter":
+        xs = [_input(r, step, count * n, dtype) for r in range(n)]
+        out = torch.full((count,), float("nan"), dtype=dtype)
+        comm.reduce_scatter(out, xs[rank])
+        ok = torch.equal(out, _reduce(xs, "sum")[rank * count:(rank + 1) * count])
+    elif op == "all_gather":
+        xs = [_input(r, step, count, dtype) for r in range(n)]
+        out = torch.full((count * n,), float("nan"), dtype=dtype)
+        comm.all_gather(out, xs[rank])
+        ok = torch.equal(out, torch.cat(xs))
+    elif op == "broadcast":
+        root = rng.randrange(n)
+        t = _input(rank, step, count, dtype)
+        comm.broadcast(t, root)
+        ok = torch.equal(t, _input(root, step, count, dtype))
+    elif op == "all_to_all_v":
+        rows = [[rng.randrange(5) for _ in range(n)] for _ in range(n)]  # rows[s][d]: s sends d
+        ins = rows[rank]
+        outs = [rows[s][rank] for s in range(n)]
+        x = torch.cat([torch.full((ins[d], 3), float(rank * 100 + d), dtype=dtype) for d in range(n)])
+        out = torch.full((sum(outs), 3), float("nan"), dtype=dtype)
+        comm.all_to_all_v(out, x, outs, ins)
+        ok = torch.equal(out, torch.cat([torch.full((outs[s], 3), float(s * 100 + rank), dtype=dtype)
+                                         for s in range(n)]))
+    elif op == "send_recv":
+        if n == 1:
+            return op
+        t = _input(rank, step, count, dtype)
+        got = torch.full((count,), float("nan"), dtype=dtype)
+        work = comm.batch_isend_irecv([("send", t, (rank + 1) % n, step % 7), ("recv", got, (rank - 1) % n, step % 7)])
+        work.wait()
+        ok = torch.equal(got, _input((rank - 1) % n, step, count, dtype))
+    elif op == "barrier":
+        comm.barrier()
+        ok = True
+    else:  # fused all-reduce + residual + RMSNorm, replicated residual
+        tokens, hidden = rng.choice(((1, 64), (3, 96), (17, 128)))
+        xs = [_input(r, step, tokens * hidden, dtype).view(tokens, hidden) for r in range(n)]
+        residual = _input(n + 1, step, tokens * hidden, dtype).view(tokens, hidden)
+        weight = _input(n + 2, step, hidden, dtype)
+        ref_res = (residual.float() + _reduce(xs, "sum").float()).to(dtype)
+        var = ref_res.float().pow(2).mean(-1, keepdim=True)
+        ref = (ref_res.float() * torch.rsqrt(var + 1e-6)).to(dtype) * weight
+        res = residual.clone()
+        out, res = comm.fused_allreduce_rmsnorm(xs[rank], res, weight, 1e-6)
+        # The reference rounds the sum before adding the residual; the fused op does not: within rounding.
+        ok = torch.allclose(res.float(), ref_res.float(), rtol=2e-2, atol=2e-2) and \
+            torch.allclose(out.float(), ref.float(), rtol=4e-2, atol=4e-2)
+    if not ok:
+        raise AssertionError(f"soak: step {step}: {op} ({dtype}, {count} elements) differs from the reference "
+                             f"on rank {rank}")
+    return op
+
+
+def _sequences_worker(rank: int, world_size: int, store, steps: int, seed: int):
+    import commlib
+    comm = commlib.Communicator(dist.PrefixStore("soak", store), rank, world_size, "soak",
+                                timeout=timedelta(seconds=120))
+    rng = random.Random(seed)
+    counts: dict = {}
+    start = time.monotonic()
+    for step in range(steps):
+        op = _one_step(comm, rank, world_size, step, rng)
+        counts[op] = counts.get(op, 0) + 1
+    elapsed = time.monotonic() - start
+    comm.close()
+    return {"steps": steps, "seconds": elapsed, "ops": counts}
+
+
+def _held() -> dict:
+    """What this process holds: shared-memory segments of commlib, file descriptors, resident KiB."""
+    with open("/proc/self/status") as f:
+        rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return {"shm": len(glob.glob("/dev/shm/commlib-*")), "fds": len(os.listdir("/proc/self/fd")), "rss_kib": rss}
+
+
+def _cycles_worker(rank: int, world_size: int, store, cycles: int, device: str):
+    import commlib
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+
+    def one(i: int):
+        comm = commlib.Communicator(dist.PrefixStore(f"cycle/{i}", store), rank, world_size, f"cycle-{i}",
+                                    timeout=timedelta(seconds=60))
+        x = torch.ones(4097, device=device)
+        comm.all_reduce_(x)
+        assert float(x[0]) == world_size
+        if world_size > 1 and not cuda:
+            comm.batch_isend_irecv([("send", x, (rank + 1) % world_size), ("recv", torch.empty_like(x),
+                                                                           (rank - 1) % world_size)]).wait()
+        buf = commlib.EPBuffer(comm, 4, 16, 2 * world_size, 2, torch.float32, device=device)
+        idx = torch.tensor([[0, 1]] * 4, device=device)
+        res = buf.dispatch(torch.ones(4, 16, device=device), idx, torch.ones(4, 2, device=device))
+        buf.combine(res.expert_x, res.handle)
+        del buf, res
+        comm.close()
+
+    for i in range(3):  # first-use allocations (torch's caching allocator, lazy libraries) settle
+        one(-1 - i)
+    gc.collect()
+    store.set(f"settled/{rank}", "1")
+    store.wait([f"settled/{r}" for r in range(world_size)])
+    before = _held()
+    gpu_before = torch.cuda.memory_allocated() if cuda else 0
+    start = time.monotonic()
+    for i in range(cycles):
+        one(i)
+    elapsed = time.monotonic() - start
+    gc.collect()
+    after = _held()
+    gpu_after = torch.cuda.memory_allocated() if cuda else 0
+    return {"cycles": cycles, "seconds": elapsed, "before": before, "after": after,
+            "gpu_bytes": (gpu_before, gpu_after)}
+
+
+def _replays_worker(rank: int, world_size: int, store, replays: int, check_every: int):
+    import commlib
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    comm = commlib.Communicator(dist.PrefixStore("replay", store), rank, world_size, "replay",
+                                timeout=timedelta(seconds=120))
+    device = torch.device("cuda", torch.cuda.current_device())
+    rows = []
+    for algo, count in (("flat", 4096), ("tree", 1 << 20)):
+        src = _input(rank, 0, count, torch.bfloat16).to(device)
+        ref = _reduce([_input(r, 0, count, torch.bfloat16) for r in range(world_size)], "sum").to(device)
+        x = src.clone()
+        comm.all_reduce_(x, algo=algo)  # set-up outside capture
+        stream = torch.cuda.Stream()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            with torch.cuda.graph(graph, stream=stream):
+                x.copy_(src)
+                comm.all_reduce_(x, algo=algo)
+        done, start = 0, time.monotonic()
+        while done < replays:
+            for _ in range(min(check_every, replays - done)):
+                graph.replay()
+            done += min(check_every, replays - done)
+            torch.cuda.synchronize()
+            comm.check_gpu_error()
+            if not torch.equal(x, ref):
+                raise AssertionError(f"soak: all_reduce {algo} differs from the reference after {done} replays")
+        rows.append((f"all_reduce {algo} ({count} bf16)", done, time.monotonic() - start))
+    comm.close()
+    return rows
+
+
+def _section(title: str, command: str, lines: list) -> str:
+    return "\n".join([f"## {title}", "", f"- machine: {machine_description('cuda' if 'cuda' in command else 'cpu')}",
+                      f"- software: {software_description('cuda' if 'cuda' in command else 'cpu')}",
+                      f"- commit: {source_commit()}", f"- date: {now_utc()}", f"- command: `{command}`", "",
+                      *lines, ""])
+
+
+def _write_section(path: str, title: str, body: str) -> None:
+    """Replaces the section `title` of the results file (or appends it), keeping the others."""
+    text = open(path).read() if os.path.exists(path) else "# Soak and leak checks\n\nSections are rewritten by " \
+        "`python -m commlib.perf.soak ... --out bench/results/soak.md` (Note [soak]).\n\n"
+    head, marker = text, f"## {title}\n"
+    if marker in text:
+        before, rest = text.split(marker, 1)
+        after = rest[rest.find("\n## "):] if "\n## " in rest else ""
+        head = before + body + after.lstrip("\n")
+    else:
+        head = text.rstrip("\n") + "\n\n" + body
+    with open(path, "w") as f:
+        f.write(head.rstrip("\n") + "\n")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m commlib.perf.soak", description=__doc__.split("\n")[0])
+    p.add_argument("--sequences", type=int, default=0, help="random op steps per world size (CPU)")
+    p.add_argument("--cycles", type=int, default=0, help="communicator create / use / destroy cycles")
+    p.add_argument("--replays", type=int, default=0, help="CUDA-graph replays per captured op (--device cuda)")
+    p.add_argument("--check-every", type=int, default=10_000)
+    p.add_argument("--world", default="2", help="comma-separated world sizes")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", default=None, help="results file whose section this run rewrites")
+    args = p.parse_args(argv)
+    worlds = [int(w) for w in args.world.split(",")]
+    command = "python -m commlib.perf.soak " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.sequences:
+        lines = ["| world | steps | seconds | ops (count) | result |", "| ---: | ---: | ---: | --- | --- |"]
+        for n in worlds:
+            r = spawn(_sequences_worker, n, args.sequences, args.seed)
+            ops = ", ".join(f"{k} {v}" for k, v in sorted(r["ops"].items()))
+            lines.append(f"| {n} | {r['steps']} | {r['seconds']:.1f} | {ops} | every result checked: bitwise, the fused op within rounding |")
+            print(lines[-1], flush=True)
+        if args.out:
+            _write_section(args.out, f"Random op sequences ({args.device})", _section(
+                f"Random op sequences ({args.device})", command, lines))
+    if args.cycles:
+        lines = ["| world | cycles | seconds | /dev/shm segments | fds | RSS KiB | GPU bytes |",
+                 "| ---: | ---: | ---: | --- | --- | --- | --- |"]
+        leaked = False
+        for n in worlds:
+            r = spawn(_cycles_worker, n, args.cycles, args.device)
+            b, a = r["before"], r["after"]
+            g0, g1 = r["gpu_bytes"]
+            leaked |= a["shm"] != b["shm"] or a["fds"] != b["fds"] or g1 != g0
+            lines.append(f"| {n} | {r['cycles']} | {r['seconds']:.1f} | {b['shm']} → {a['shm']} | {b['fds']} → "
+                         f"{a['fds']} | {b['rss_kib']} → {a['rss_kib']} | {g0} → {g1} |")
+            print(lines[-1], flush=True)
+        if args.out:
+            _write_section(args.out, f"Create / use / destroy cycles ({args.device})", _section(
+                f"Create / use / destroy cycles ({args.device})", command, lines))
+        if leaked:
+            print("soak: something grew over the cycles (table above)", file=sys.stderr)
+            return 1
+    if args.replays:
+        if args.device != "cuda":
+            p.error("--replays needs --device cuda")
+        lines = ["| world | captured op | replays | seconds |", "| ---: | --- | ---: | ---: |"]
+        for n in worlds:
+            for name, done, secs in spawn(_replays_worker, n, args.replays, args.check_every):
+                lines.append(f"| {n} | {name} | {done} | {secs:.1f} |")
+                print(lines[-1], flush=True)
+        if args.out:
+            _write_section(args.out, "CUDA-graph replays", _section("CUDA-graph replays", command, lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
