@@ -12,6 +12,7 @@
 #include "commlib/errors.hpp"
 #include "commlib/store.hpp"
 #include "commlib/types.hpp"
+#include "core/plan.hpp"
 
 namespace commlib::torch_layer {
 
@@ -101,6 +102,8 @@ void all_to_all_v(Communicator& comm, at::Tensor& out, const at::Tensor& in, con
 #if defined(COMMLIB_TORCH_CUDA)
 // GPU implementations (csrc/torch/cuda_ops.cpp), on the current stream of the tensor's device.
 void all_reduce_cuda(Communicator& comm, at::Tensor& t, ReduceOp op, Algorithm algo);
+// The same running the caller's plan (the torch backend's, Note [plan]); `t` contiguous.
+void all_reduce_cuda(Communicator& comm, at::Tensor& t, ReduceOp op, const Plan& plan);
 // `out` and `in` on one CUDA device, sizes as the CPU versions above require.
 void reduce_scatter_cuda(Communicator& comm, at::Tensor& out, const at::Tensor& in, ReduceOp op);
 void all_gather_cuda(Communicator& comm, at::Tensor& out, const at::Tensor& in);
