@@ -7,7 +7,7 @@
 // with w_s = e^{LSE_s - m} / sum_r e^{LSE_r - m}, for any m; m = max_s LSE_s keeps every exponent
 // <= 0 (no overflow for any LSE magnitude, the largest term is exactly 1). A partial that saw no key
 // has LSE -inf and weight 0 and its O is not read (it may hold anything); when every partial is
-// empty, O = 0 and LSE = -inf, as on the CPU (commlib/cp.py, _merge2). Arithmetic is fp32 (expf,
+// empty, O = 0 and LSE = -inf, as on the CPU (commlib/cp/merge.py, _merge2). Arithmetic is fp32 (expf,
 // logf, IEEE division; the build has no fast-math); the result is rounded to its dtype once. A NaN
 // LSE in any state makes the row's O and LSE NaN (a poisoned input is never merged away).
 //

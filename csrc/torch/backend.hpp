@@ -18,16 +18,20 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "commlib/communicator.hpp"
 #include "core/algorithm_selector.hpp"
+#include "torch/flight_recorder.hpp"
 #include "torch/hierarchy.hpp"
 #include "torch/p2p.hpp"
 
@@ -58,6 +62,9 @@ class DdaBackend final : public c10d::Backend {
   void setBoundDeviceId(std::optional<at::Device> device);
   void shutdown() override;
   void abort() override;
+  // none / TIMEOUT / REMOTE_ERROR: the first failure of a commlib call of this group (a timeout, a
+  // peer that failed or left); a fall-back call's errors are the inner backend's.
+  c10d::ErrorType getError() override { return error_.load(); }
 
   // What the Python side can inspect (tests, docs): is the shm path live; has NCCL been created.
   bool has_fast_path() const { return comm_ != nullptr; }
@@ -141,6 +148,20 @@ class DdaBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> cuda_p2p(c10d::OpType op, P2pRequest::Kind kind, std::vector<at::Tensor>& tensors,
                                           int peer, int tag);
   c10::intrusive_ptr<c10d::Work> completed(c10d::OpType op, std::vector<at::Tensor> outputs);
+  // Runs `body` (a synchronous commlib CPU call) recorded in the flight recorder, and returns its
+  // completed Work (Note [flight recorder]).
+  c10::intrusive_ptr<c10d::Work> run_host(c10d::OpType op, const char* what, std::vector<at::Tensor> outputs,
+                                          const std::vector<at::Tensor>& inputs, const std::function<void()>& body);
+  // The flight-recorder entry of a call on `device`'s route (no-op while the recorder is off).
+  fr::Group::Call fr_record(c10d::OpType op, const at::Device& device, const char* variant,
+                            const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs,
+                            int peer = -1);
+  // run_fast (backend_internal.hpp) for a recorded call: a communication error marks it failed.
+  template <typename F>
+  void run_recorded(fr::Group::Call& call, const char* what, F&& body);
+  // A commlib call failed: the error state, the entry's note and, for a timeout or a peer's failure,
+  // this rank's flight-recorder dump (TORCH_FR_DUMP_TEMP_FILE + rank).
+  void failed(fr::Group::Call& call, const char* error_class, const char* what);
   // The one route for CUDA all-reduce: commlib's kernels where built in and eligible, else NCCL.
   c10::intrusive_ptr<c10d::Work> route_cuda_all_reduce(std::vector<at::Tensor>& tensors,
                                                        const c10d::AllreduceOptions& opts);
@@ -166,6 +187,19 @@ class DdaBackend final : public c10d::Backend {
   bool nccl_coalescing_ = false;    // the inner NCCL backend's startCoalescing was called
   bool collect_next_work_ = false;  // the next fallback() work is gloo's, inside a coalescing region
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_cpu_works_;
+  std::unique_ptr<fr::Group> fr_;  // this group in torch's flight recorder
+  // While the recorder is on: a thread that writes this rank's dump once another rank of the group
+  // has failed and asked for dumps through the store (Note [flight recorder]).
+  void start_dump_watcher();
+  void stop_dump_watcher();
+  void dump_once();
+  std::string dump_key_;
+  std::thread dump_watcher_;
+  std::mutex dump_mutex_;
+  std::condition_variable dump_stop_cv_;
+  bool dump_stop_ = false;
+  bool dumped_ = false;
+  std::atomic<c10d::ErrorType> error_{c10d::ErrorType::SUCCESS};
 #if defined(COMMLIB_TORCH_CUDA)
   struct CudaState;
   std::unique_ptr<CudaState> cuda_state_;

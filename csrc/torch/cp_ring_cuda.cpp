@@ -1,4 +1,4 @@
-// GPU side of commlib.cp's copy-engine ring (Note [cp copy-engine ring] in python/commlib/cp.py):
+// GPU side of commlib.cp's copy-engine ring (Note [cp copy-engine ring] in python/commlib/cp/symmetric.py):
 // every rank's mapping of a symmetric tensor, and 32-bit stream memory operations on its flags.
 // Nothing here launches a kernel: the ring's transfers are cudaMemcpyAsync between peer-mapped
 // addresses and its signals are cuStreamWriteValue32 / cuStreamWaitValue32.

@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, flight_recorder
 
 _OPS = ("sum", "avg", "min", "max", "prod")
 _OP_SET = frozenset(_OPS)
@@ -84,13 +84,18 @@ class Communicator:
             raise TypeError(f"Communicator: store must be a torch.distributed.Store, got {type(store).__name__}")
         if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
             raise ValueError(f"Communicator: timeout must be a positive timedelta, got {timeout!r}")
-        self._comm = _C.Communicator(store, int(rank), int(world_size), str(name), timeout.total_seconds())
+        self._native = _C.Communicator(store, int(rank), int(world_size), str(name), timeout.total_seconds())
+        # The collectives go through _comm: the native communicator, or while torch's flight recorder
+        # is on, a RecordingComm over it (Note [flight recorder]).
+        self._comm = self._native
+        if flight_recorder.enabled():
+            self._comm = flight_recorder.RecordingComm(self._native, str(name), int(rank), int(world_size), timeout)
         self._store = store
         self._group_name = str(name)
         try:
-            _C.register_group(self._group_name, self._comm)
+            _C.register_group(self._group_name, self._native)
         except ValueError:
-            self._comm.close()
+            self._native.close()
             raise
         _live.add(self)
 
@@ -138,12 +143,12 @@ class Communicator:
     @property
     def native(self):
         """The ``commlib._C.Communicator`` (for extensions)."""
-        return self._comm
+        return self._native
 
     def close(self) -> None:
         """Releases shared and GPU memory. Not collective; idempotent."""
-        _C.unregister_group(self._group_name, self._comm)
-        self._comm.close()
+        _C.unregister_group(self._group_name, self._native)
+        self._native.close()
 
     def __enter__(self) -> "Communicator":
         return self
@@ -152,7 +157,7 @@ class Communicator:
         self.close()
 
     def __del__(self):
-        comm = getattr(self, "_comm", None)
+        comm = getattr(self, "_native", None)
         if comm is not None:
             comm.close()
 
@@ -369,7 +374,7 @@ class Communicator:
         sets it up), else through host memory. Stream-ordered like NCCL: enqueued after the current
         stream's work; ``Work.wait()`` makes the current stream wait; graph-capturable."""
         from . import _C
-        return _C.p2p_isend(self._comm, tensor, int(dst), int(tag))
+        return _C.p2p_isend(self._native, tensor, int(dst), int(tag))
 
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0):
         """Posts a receive into ``tensor`` from rank ``src`` (``None``: any rank; the work's
@@ -377,7 +382,7 @@ class Communicator:
         ``torch.distributed.Work``. The message must have ``tensor``'s dtype and number of elements
         (else ``DistBackendError`` "ranks disagree" at ``wait()``; on CPU the message is dropped)."""
         from . import _C
-        return _C.p2p_irecv(self._comm, tensor, -1 if src is None else int(src), int(tag))
+        return _C.p2p_irecv(self._native, tensor, -1 if src is None else int(src), int(tag))
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         """Sends ``tensor`` to rank ``dst``: on CPU returns once it has left this rank; on CUDA once
@@ -405,7 +410,7 @@ class Communicator:
         for op in ops:
             kind, tensor, peer, *rest = op
             normalised.append((str(kind), tensor, int(peer), int(rest[0]) if rest else 0))
-        return _C.p2p_batch(self._comm, normalised)
+        return _C.p2p_batch(self._native, normalised)
 
     # ---- fused operations (python/commlib/fused.py) ----
     def fused_allreduce_rmsnorm(self, x, residual, weight, eps=1e-6, *, residual_mode="replicated", out=None,

@@ -401,7 +401,7 @@ def test_ring_watchdog_thread():
             self.fired.append((next(w for ev, w in trace if not ev.query()), recv_slots))
             self.failure = "timed out"
 
-    wd = cp._watchdog()
+    wd = cp.symmetric._watchdog()
     ok, stuck, late, broken = Transport(), Transport(), Transport(), Transport(broken=True)
     now = time.monotonic()
     wd.watch(ok, [(Event(True), "slot kv1 from rank 1")], now + 0.05, ["kv1"])
@@ -434,9 +434,9 @@ def test_tuned_constants_reach_select_mode(tmp_path, monkeypatch):
     for bw, want in ((1e3, "pass_q"), (1e20, "pass_kv")):
         data["cp"][0].update(bw_bytes_per_s=bw, attn_flops_per_s=1e12)
         path.write_text(__import__("json").dumps(data))
-        cp._tuned.clear()
+        cp.select._tuned.clear()
         assert cp.select_mode(1000, 99_000, 2, 8, 2, 64, torch.float32, device_type="cpu") == want
-    cp._tuned.clear()
+    cp.select._tuned.clear()
 
 
 def test_perf_ring_attention_rows():

@@ -68,9 +68,26 @@ def test_scan_resolves_relative_imports(tmp_path):
     assert "commlib.sub.sibling" in names and "os" in names
 
 
+def test_scan_resolves_a_subpackage_init(tmp_path):
+    """A subpackage's ``__init__`` (commlib.cp's): its relative imports start at the subpackage."""
+    pkg = tmp_path / "commlib" / "sub"
+    pkg.mkdir(parents=True)
+    src = pkg / "__init__.py"
+    src.write_text("from .ring import f\nfrom . import layout\ndef g():\n    from ..perf.tune import main\n"
+                   "    from .. import models\n")
+    names = [n for n, _ in imported_names("commlib.sub", src)]
+    assert [n for n in names if _forbidden(n)] == ["commlib.perf.tune", "commlib.perf.tune.main", "commlib.models"]
+    assert {"commlib.sub.ring", "commlib.sub.layout"} <= set(names)
+
+
 def test_product_modules_do_not_import_perf_or_models():
     modules = list(product_modules())
     assert len(modules) >= 10 and ("commlib.tuned", PACKAGE / "tuned.py") in modules, modules
+    # Subpackages are product modules too: every module of commlib.cp, its __init__ included.
+    cp_modules = {name for name, _ in modules if name == "commlib.cp" or name.startswith("commlib.cp.")}
+    assert cp_modules == {"commlib.cp"} | {f"commlib.cp.{p.stem}" for p in (PACKAGE / "cp").glob("*.py")
+                                           if p.stem != "__init__"}, cp_modules
+    assert len(cp_modules) > 1, cp_modules
     problems = [f"{path.relative_to(ROOT)}:{line}: imports {name}"
                 for module, path in modules for name, line in imported_names(module, path) if _forbidden(name)]
     assert not problems, "product modules import the benchmark or the models:\n" + "\n".join(problems)

@@ -105,7 +105,7 @@ def test_merge_kernel_in_place(world_size, dtype, d):
 
 @pytest.mark.parametrize("world_size", [1])
 def test_merge_kernel_bad_input(world_size):
-    assert cp._merge_kernel(torch.empty(1, device="cuda")), "this CUDA build has the fused merge"
+    assert cp.merge._merge_kernel(torch.empty(1, device="cuda")), "this CUDA build has the fused merge"
     o = torch.randn(4, 2, 64, device="cuda")
     lse = torch.randn(2, 4, device="cuda")
     with pytest.raises(TypeError, match="merge_attention_states: outs\\[0\\] has dtype torch.int32"):
@@ -261,7 +261,7 @@ def _decode_graph(ctx):
         torch.cuda._sleep(2_000_000_000)
     pending = torch.cuda.Event()
     pending.record(busy)
-    cp._watchdog().watch(watched, [(pending, "a test event")], time.monotonic() + 1e9, [])
+    cp.symmetric._watchdog().watch(watched, [(pending, "a test event")], time.monotonic() + 1e9, [])
     time.sleep(0.05)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -176,7 +176,7 @@ def emulated_step_rows(seqlens: List[int], world_sizes: List[int], device: torch
     for length in seqlens:
         q, k, v = (t.to(device) for t in _sequence(length, h, hkv, d, dtype, 0))
         for n in world_sizes:
-            plan = cp._plan([length], [[0]] * n, n, "balanced", True, device)
+            plan = cp.plan._plan([length], [[0]] * n, n, "balanced", True, device)
             shards = [cp.shard([0, length], n, r) for r in range(n)]
             blocks = [(q[s.index.to(device)], k[s.index.to(device)], v[s.index.to(device)]) for s in shards]
             block_bytes = 2 * max(plan.kv_rows) * hkv * d * torch.tensor([], dtype=dtype).element_size()
@@ -187,8 +187,8 @@ def emulated_step_rows(seqlens: List[int], world_sizes: List[int], device: torch
                     qr, kb, vb = blocks[r][0], blocks[src][1], blocks[src][2]
 
                     def one():
-                        state = cp._State(qr.shape[0], h, d, device)
-                        cp._block_attention(plan, r, src, qr, kb, vb, cp.default_attention, d ** -0.5, state)
+                        state = cp.merge._State(qr.shape[0], h, d, device)
+                        cp.plan._block_attention(plan, r, src, qr, kb, vb, cp.default_attention, d ** -0.5, state)
                     worst = max(worst, _time(one, device, iters))
                 rows.append({"seqlen": length, "world": n, "step": step, "attn_ms": worst * 1e3,
                              "block_mib": block_bytes / 2**20, "transfer_ms": block_bytes / bw * 1e3,
@@ -237,7 +237,7 @@ def merge_rows(tokens: List[int], device: torch.device, dtype: torch.dtype, iter
                shape=None) -> List[dict]:
     """Per token count: cp.merge_attention_states of ``num_states`` partials ([T, H, D] in
     ``dtype``, LSE [H, T]) into ``dtype``, timed as the fused op (CUDA) and as the torch-ops path
-    (``cp._merge2``, what CPU tensors run), with the bytes moved (every partial read once, the
+    (``cp.merge._merge2``, what CPU tensors run), with the bytes moved (every partial read once, the
     result written once) over the time."""
     h, _, d = shape or (GPU_SHAPE if device.type == "cuda" else CPU_SHAPE)
     esize = torch.tensor([], dtype=dtype).element_size()
@@ -250,13 +250,13 @@ def merge_rows(tokens: List[int], device: torch.device, dtype: torch.dtype, iter
         def torch_ops():
             o, lse = outs[0].float(), lses[0]
             for o2, l2 in zip(outs[1:], lses[1:]):
-                o, lse = cp._merge2(o, lse, o2.float(), l2)
+                o, lse = cp.merge._merge2(o, lse, o2.float(), l2)
             return o.to(dtype), lse
 
         nbytes = (num_states + 1) * t * h * d * esize + (num_states + 1) * h * t * 4
         row = {"tokens": t, "states": num_states, "mib": nbytes / 2**20,
                "torch_ms": _time(torch_ops, device, iters) * 1e3, "fused_ms": None}
-        if cp._merge_kernel(outs[0]):
+        if cp.merge._merge_kernel(outs[0]):
             row["fused_ms"] = _time(lambda: cp.merge_attention_states(outs, lses), device, iters) * 1e3
             ref, _ = torch_ops()
             got, _ = cp.merge_attention_states(outs, lses)

@@ -1,0 +1,117 @@
+"""The merge of partial attention states: ``merge_attention_states`` (one fused CUDA kernel, or
+the same arithmetic in torch ops on the CPU) and ``_State``, ring attention's running (O, LSE)
+accumulator."""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from .layout import _DTYPE_NAMES, _DTYPES
+
+
+def _merge2(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor):
+    """(o_a, lse_a) (+) (o_b, lse_b) in fp32; o [T, H, D], lse [H, T] (Note [merge of attention
+    states] in csrc/kernels/merge_attn_states.cu: the CUDA kernel's arithmetic). A state with lse
+    -inf (no key seen) contributes nothing, whatever its o holds; two such states give o 0, lse -inf."""
+    m = torch.maximum(lse_a, lse_b)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w_a = torch.exp(lse_a - m_safe)
+    w_b = torch.exp(lse_b - m_safe)
+    s = w_a + w_b
+    lse = torch.where(s > 0, m_safe + torch.log(s), torch.full_like(s, float("-inf")))
+    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+    f_a = (w_a * inv).transpose(0, 1).unsqueeze(-1)
+    f_b = (w_b * inv).transpose(0, 1).unsqueeze(-1)
+    zero = o_a.new_zeros(())
+    nan = torch.isnan(lse_a) | torch.isnan(lse_b)  # a NaN LSE poisons the row (as on CUDA)
+    lse = torch.where(nan, torch.full_like(lse, float("nan")), lse)
+    f_a = torch.where(nan.transpose(0, 1).unsqueeze(-1), torch.full_like(f_a, float("nan")), f_a)
+    return torch.where(f_a != 0, o_a * f_a, zero) + torch.where(f_b != 0, o_b * f_b, zero), lse
+
+
+_merge_op: dict = {}
+
+
+def _merge_kernel(t: torch.Tensor) -> bool:
+    """Whether the fused CUDA merge (torch.ops.commlib.merge_attention_states[_]) takes ``t``."""
+    if not t.is_cuda or t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return False
+    if "ok" not in _merge_op:
+        from .. import _C  # noqa: F401 - loading the extension registers torch.ops.commlib
+        _merge_op["ok"] = hasattr(torch.ops.commlib, "merge_attention_states_")
+    return _merge_op["ok"]
+
+
+def merge_attention_states(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor], *,
+                           out_dtype: Optional[torch.dtype] = None):
+    """Merges partial attention results over disjoint key sets: ``outs[s]`` ``[tokens, heads,
+    head_dim]`` and ``lses[s]`` ``[heads, tokens]`` (natural-log LSE of the scaled scores; -inf
+    for a token that saw no key). Returns ``(out, lse)``: out in ``out_dtype`` (default: the dtype
+    of ``outs[0]``), lse in float32. The arithmetic is float32, max-subtracted (stable for any LSE
+    magnitude); a state with LSE -inf contributes nothing (its out is not read), and a token whose
+    every state is empty gets out 0, LSE -inf. CUDA tensors (float32 / float16 / bfloat16) take one
+    fused kernel (``torch.ops.commlib.merge_attention_states``; Note [merge of attention states]),
+    CPU tensors the same arithmetic in torch ops. Used by ring attention and usable for cascade /
+    paged attention."""
+    if len(outs) == 0 or len(outs) != len(lses):
+        raise ValueError(f"merge_attention_states: need as many outs as lses, at least one; got {len(outs)} "
+                         f"outs and {len(lses)} lses")
+    o0 = outs[0]
+    if o0.dim() != 3:
+        raise ValueError(f"merge_attention_states: outs[0] must be [tokens, heads, head_dim], got {tuple(o0.shape)}")
+    t, h, _ = o0.shape
+    for s, (o, lse) in enumerate(zip(outs, lses)):
+        if o.shape != o0.shape:
+            raise ValueError(f"merge_attention_states: outs[{s}] has shape {tuple(o.shape)}, outs[0] {tuple(o0.shape)}")
+        if tuple(lse.shape) != (h, t):
+            raise ValueError(f"merge_attention_states: lses[{s}] has shape {tuple(lse.shape)}; expected "
+                             f"[heads, tokens] = {(h, t)}")
+        for name, x in ((f"outs[{s}]", o), (f"lses[{s}]", lse)):
+            if x.dtype not in _DTYPES:
+                raise TypeError(f"merge_attention_states: {name} has dtype {x.dtype}; supported: {_DTYPE_NAMES}")
+            if x.device != o0.device:
+                raise TypeError(f"merge_attention_states: {name} is on {x.device} but outs[0] on {o0.device}; "
+                                "every state must be on one device")
+    if out_dtype is not None and out_dtype not in _DTYPES:
+        raise TypeError(f"merge_attention_states: out_dtype {out_dtype} not supported; supported: {_DTYPE_NAMES}")
+    if _merge_kernel(o0) and (out_dtype or o0.dtype) != torch.float64 and all(o.dtype != torch.float64 for o in outs):
+        dt = o0.dtype if all(o.dtype == o0.dtype for o in outs) else torch.float32
+        return torch.ops.commlib.merge_attention_states([o.to(dt) if o.stride(-1) == 1 else o.to(dt).contiguous()
+                                                         for o in outs],
+                                                        [x.float().contiguous() for x in lses], out_dtype or o0.dtype)
+    o_acc = torch.zeros(o0.shape, dtype=torch.float32, device=o0.device)
+    lse_acc = torch.full((h, t), float("-inf"), dtype=torch.float32, device=o0.device)
+    for o, lse in zip(outs, lses):
+        o_acc, lse_acc = _merge2(o_acc, lse_acc, o.float(), lse.float())
+    return o_acc.to(out_dtype or o0.dtype), lse_acc
+
+
+class _State:
+    """A running (O, LSE) accumulator over this rank's query rows (fp32)."""
+
+    def __init__(self, rows: int, heads: int, head_dim: int, device):
+        self.out = torch.zeros(rows, heads, head_dim, dtype=torch.float32, device=device)
+        self.lse = torch.full((heads, rows), float("-inf"), dtype=torch.float32, device=device)
+
+    def merge(self, rows: Optional[torch.Tensor], o: torch.Tensor, lse: torch.Tensor) -> None:
+        if _merge_kernel(o):
+            # One fused in-place pass (Note [merge of attention states]); rows index the accumulator.
+            lse = lse.float()
+            torch.ops.commlib.merge_attention_states_(self.out, self.lse, [o if o.stride(-1) == 1 else o.contiguous()],
+                                                      [lse if lse.stride(-1) == 1 else lse.contiguous()], rows)
+            return
+        if rows is None:
+            self.out, self.lse = _merge2(self.out, self.lse, o.float(), lse.float())
+            return
+        o_new, lse_new = _merge2(self.out[rows], self.lse[:, rows], o.float(), lse.float())
+        self.out[rows] = o_new
+        self.lse[:, rows] = lse_new
+
+    def merge_all(self, outs: List[torch.Tensor], lses: List[torch.Tensor]) -> None:
+        """Merges partials over all rows at once (on CUDA one fused pass over all of them)."""
+        if outs and _merge_kernel(outs[0]):
+            torch.ops.commlib.merge_attention_states_(self.out, self.lse, outs, [x.float() for x in lses], None)
+            return
+        for o, lse in zip(outs, lses):
+            self.merge(None, o, lse)

@@ -1,0 +1,89 @@
+"""The direct API's calls in torch's flight recorder (Note [flight recorder]).
+
+While torch's recorder is on (``TORCH_FR_BUFFER_SIZE`` > 0), a ``Communicator`` talks to its native
+communicator through a ``RecordingComm``: each collective becomes one entry of the recorder that
+gloo, NCCL and the "ddacomm" backend record into, named as torch's analyzer expects
+(``_C.fr_profiling_name``), and a failed call notes commlib's error text and writes this rank's dump
+to ``TORCH_FR_DUMP_TEMP_FILE`` + rank. With the recorder off the communicator holds the native object
+itself, so the call path is unchanged.
+"""
+from __future__ import annotations
+
+import collections
+from datetime import timedelta
+
+import torch
+
+from . import _C
+from .errors import CommError
+
+# Native method -> (the analyzer's op name, index of the input tensor, of the output tensor, of the
+# algorithm argument).
+_RECORDED = {
+    "all_reduce": ("all_reduce", 0, 0, 2),
+    "all_reduce_out": ("all_reduce", 1, 0, 3),
+    "reduce_scatter": ("_reduce_scatter_base", 1, 0, None),
+    "all_gather": ("_all_gather_base", 1, 0, None),
+    "broadcast": ("broadcast", 0, 0, None),
+    "all_to_all_v": ("all_to_all_single", 1, 0, None),
+    "all_to_all_v_device": ("all_to_all_single", 1, 0, None),
+    "barrier": ("barrier", None, None, None),
+}
+
+
+def enabled() -> bool:
+    return _C.fr_enabled()
+
+
+class RecordingComm:
+    """A native communicator whose collectives are recorded; everything else passes through."""
+
+    def __init__(self, native, name: str, rank: int, world_size: int, timeout: timedelta):
+        self._native = native
+        self._rank = rank
+        self._group = _C.FrGroup(name, "commlib", list(range(world_size)), rank,
+                                 int(timeout.total_seconds() * 1000))
+        self._pending: collections.deque = collections.deque()  # (CUDA event, call) in issue order
+
+    def __getattr__(self, attr):
+        value = getattr(self._native, attr)
+        spec = _RECORDED.get(attr)
+        if spec is None:
+            return value
+        return lambda *args: self._call(value, spec, args)
+
+    def _poll(self) -> None:
+        while self._pending and self._pending[0][0].query():
+            self._pending.popleft()[1].completed()
+
+    def _call(self, method, spec, args):
+        op, i_in, i_out, i_algo = spec
+        inputs = [args[i_in]] if i_in is not None else []
+        outputs = [args[i_out]] if i_out is not None else []
+        variant = str(args[i_algo]) if i_algo is not None else ""
+        cuda = bool(inputs) and inputs[0].is_cuda
+        capturing = cuda and torch.cuda.is_current_stream_capturing()
+        self._poll()
+        if capturing:  # a captured call runs at each replay, which the recorder cannot see
+            return method(*args)
+        call = self._group.record(_C.fr_profiling_name(cuda, op, variant or "host", self._rank), False, inputs,
+                                  outputs)
+        call.started()
+        try:
+            result = method(*args)
+        except CommError as e:
+            call.timed_out(str(e))
+            self.dump()
+            raise
+        if cuda:
+            done = torch.cuda.Event()
+            done.record()
+            self._pending.append((done, call))
+        else:
+            call.completed()
+        return result
+
+    def dump(self) -> str:
+        """Writes this rank's flight-recorder dump (TORCH_FR_DUMP_TEMP_FILE + rank); returns the file."""
+        self._poll()
+        return _C.fr_dump_to_file(self._rank)
