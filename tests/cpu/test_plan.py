@@ -137,6 +137,20 @@ def _backend_plans(ctx):
             assert delta(before, commlib.plan_counters()) == {expected: 1}, count
             torch.testing.assert_close(t.double(), sum(rank_input(r, count).double() for r in range(ctx.world_size)),
                                        rtol=1e-5, atol=1e-5)
+        # The exchange ops: one host_exchange each, as through the direct API.
+        n = ctx.world_size
+        x = rank_input(ctx.rank, 4 * n, salt=3)
+        out = torch.full((4,), float("nan"))
+        before = commlib.plan_counters()
+        dist.reduce_scatter_tensor(out, x)
+        assert delta(before, commlib.plan_counters()) == {"host_exchange": 1}
+        mine = sum(rank_input(r, 4 * n, salt=3).double() for r in range(n))[4 * ctx.rank:4 * ctx.rank + 4]
+        torch.testing.assert_close(out.double(), mine, rtol=1e-5, atol=1e-5)
+        gathered = torch.full((4 * n * n,), float("nan"))
+        before = commlib.plan_counters()
+        dist.all_gather_into_tensor(gathered, x)
+        assert delta(before, commlib.plan_counters()) == {"host_exchange": 1}
+        assert torch.equal(gathered, torch.cat([rank_input(r, 4 * n, salt=3) for r in range(n)]))
     finally:
         del os.environ["COMMLIB_HOST_TREE_THRESHOLD"]
         if dist.is_initialized():
