@@ -36,8 +36,8 @@ const std::vector<Knob>& knobs() {
        "Bytes of each slot of the GPU send/recv channels (2 slots x 4 lanes per pair of ranks, "
        "allocated with the GPU state); larger messages go in chunks of this size."},
       {"COMMLIB_TUNE_FILE", "", KnobCategory::kRuntime,
-       "Path of the crossover cache written by commlib-tune; empty: ~/.cache/commlib/tune.json "
-       "when it exists, else the built-in table."},
+       "Path of the crossover cache written by commlib-tune (Note [tune file format]); empty: "
+       "~/.cache/commlib/tune.txt when it exists, else the built-in table."},
       {"COMMLIB_EP_LL", "0", KnobCategory::kRuntime,
        "EPBuffer on GPU: 1: buffers with a decode grid (column parts, at most 4 tokens a chunk, rows a "
        "whole number of 16-byte packs) run dispatch / combine over flag-carrying lines (Note [EP LL "

@@ -1,6 +1,5 @@
 #include "core/algorithm_selector.hpp"
 
-#include <cctype>
 #include <cstdlib>
 #include <fstream>
 #include <map>
@@ -29,98 +28,6 @@ constexpr BuiltinRow kBuiltinAllReduceTable[] = {
     {4, {256u << 10, 8u << 20}},
     {8, {128u << 10, 8u << 20}},
     {1 << 30, {64u << 10, 4u << 20}},
-};
-
-// ---- a minimal JSON reader: objects, arrays, strings, numbers, true/false/null ----
-struct Json {
-  enum class Kind { kNull, kBool, kNumber, kString, kArray, kObject } kind = Kind::kNull;
-  double number = 0;
-  bool boolean = false;
-  std::string string;
-  std::vector<Json> array;
-  std::map<std::string, Json> object;
-};
-
-class JsonParser {
- public:
-  JsonParser(const std::string& text, const std::string& path) : s_(text), path_(path) {}
-  Json parse() {
-    Json v = value();
-    skip();
-    if (i_ != s_.size()) fail("trailing characters");
-    return v;
-  }
-
- private:
-  [[noreturn]] void fail(const char* why) {
-    throw InvalidArgument(detail::concat("COMMLIB_TUNE_FILE: cannot parse '", path_, "': ", why, " at offset ", i_));
-  }
-  void skip() {
-    while (i_ < s_.size() && std::isspace(static_cast<unsigned char>(s_[i_]))) ++i_;
-  }
-  bool eat(char c) {
-    skip();
-    if (i_ < s_.size() && s_[i_] == c) {
-      ++i_;
-      return true;
-    }
-    return false;
-  }
-  std::string str() {
-    if (!eat('"')) fail("expected a string");
-    std::string out;
-    while (i_ < s_.size() && s_[i_] != '"') {
-      if (s_[i_] == '\\' && i_ + 1 < s_.size()) ++i_;
-      out += s_[i_++];
-    }
-    if (i_ >= s_.size()) fail("unterminated string");
-    ++i_;
-    return out;
-  }
-  Json value() {
-    skip();
-    if (i_ >= s_.size()) fail("unexpected end");
-    Json v;
-    const char c = s_[i_];
-    if (c == '{') {
-      ++i_;
-      v.kind = Json::Kind::kObject;
-      if (eat('}')) return v;
-      do {
-        std::string key = str();
-        if (!eat(':')) fail("expected ':'");
-        v.object[key] = value();
-      } while (eat(','));
-      if (!eat('}')) fail("expected '}'");
-    } else if (c == '[') {
-      ++i_;
-      v.kind = Json::Kind::kArray;
-      if (eat(']')) return v;
-      do {
-        v.array.push_back(value());
-      } while (eat(','));
-      if (!eat(']')) fail("expected ']'");
-    } else if (c == '"') {
-      v.kind = Json::Kind::kString;
-      v.string = str();
-    } else if (s_.compare(i_, 4, "true") == 0 || s_.compare(i_, 5, "false") == 0) {
-      v.kind = Json::Kind::kBool;
-      v.boolean = s_[i_] == 't';
-      i_ += v.boolean ? 4 : 5;
-    } else if (s_.compare(i_, 4, "null") == 0) {
-      i_ += 4;
-    } else {
-      char* end = nullptr;
-      v.number = std::strtod(s_.c_str() + i_, &end);
-      if (end == s_.c_str() + i_) fail("unexpected character");
-      v.kind = Json::Kind::kNumber;
-      i_ = static_cast<size_t>(end - s_.c_str());
-    }
-    return v;
-  }
-  const std::string& s_;
-  const std::string& path_;
-  size_t i_ = 0;
 };
 
 struct TuneEntry {
@@ -161,82 +68,70 @@ struct TuneFile {
   std::vector<CollectiveTuneEntry> collectives;
 };
 
-// A list-valued top-level section, or nullptr when the file has none.
-const Json* section(const Json& root, const char* name, const std::string& path) {
-  auto it = root.object.find(name);
-  if (it == root.object.end()) return nullptr;
-  COMMLIB_CHECK(it->second.kind == Json::Kind::kArray, InvalidArgument, "COMMLIB_TUNE_FILE: '", path, "': \"", name,
-                "\" must be a list");
-  for (const Json& e : it->second.array) {
-    COMMLIB_CHECK(e.kind == Json::Kind::kObject, InvalidArgument, "COMMLIB_TUNE_FILE: '", path, "': ", name,
-                  " entries must be objects");
-  }
-  return &it->second;
-}
+// One line of a tune file (Note [tune file format]): `<section> key=value ...`.
+struct TuneLine {
+  const std::string& path;
+  int number;
+  const std::string& text;
+  std::map<std::string, std::string> fields;
 
-double number_field(const Json& e, const char* section_name, const char* key, const std::string& path) {
-  auto f = e.object.find(key);
-  COMMLIB_CHECK(f != e.object.end() && f->second.kind == Json::Kind::kNumber && f->second.number >= 0,
-                InvalidArgument, "COMMLIB_TUNE_FILE: '", path, "': an ", section_name, " entry lacks a non-negative \"",
-                key, "\"");
-  return f->second.number;
-}
+  [[noreturn]] void fail(const std::string& why) const {
+    throw InvalidArgument(detail::concat("COMMLIB_TUNE_FILE: '", path, "' line ", number, ": ", why, ": '", text, "'"));
+  }
+  const std::string& word(const char* key) const {
+    auto it = fields.find(key);
+    if (it == fields.end()) fail(detail::concat("no ", key, "=<value>"));
+    return it->second;
+  }
+  int64_t integer(const char* key) const {  // at most 18 digits: fits int64_t
+    const std::string& value = word(key);
+    if (value.empty() || value.size() > 18 || value.find_first_not_of("0123456789") != std::string::npos) {
+      fail(detail::concat(key, "=", value, " is not an integer >= 0"));
+    }
+    return std::stoll(value);
+  }
+};
 
 TuneFile load_tune_file(const std::string& path) {
   std::ifstream in(path);
   COMMLIB_CHECK(in.good(), InvalidArgument, "COMMLIB_TUNE_FILE: cannot read '", path, "'");
-  std::stringstream text;
-  text << in.rdbuf();
-  const Json root = JsonParser(text.str(), path).parse();
-  COMMLIB_CHECK(root.kind == Json::Kind::kObject, InvalidArgument, "COMMLIB_TUNE_FILE: '", path,
-                "' must hold a JSON object");
   TuneFile file;
-  if (const Json* list = section(root, "all_reduce", path)) {
-    for (const Json& e : list->array) {
-      TuneEntry t{static_cast<int>(number_field(e, "all_reduce", "world_size", path)), "",
-                  {static_cast<size_t>(number_field(e, "all_reduce", "flat_max_bytes", path)),
-                   static_cast<size_t>(number_field(e, "all_reduce", "tree_max_bytes", path))}};
-      auto d = e.object.find("dtype");
-      if (d != e.object.end() && d->second.kind == Json::Kind::kString) t.dtype = d->second.string;
-      file.all_reduce.push_back(t);
+  bool first = true;
+  std::string text;
+  for (int number = 1; std::getline(in, text); ++number) {
+    std::istringstream words(text);
+    std::string section, word;
+    if (!(words >> section) || section[0] == '#') continue;
+    COMMLIB_CHECK(!first || section[0] != '{', InvalidArgument, "COMMLIB_TUNE_FILE: '", path,
+                  "' is a JSON tune file of an older commlib; the format is now one `<section> key=value ...` "
+                  "line per entry (Note [tune file format]): re-run commlib-tune (it replaces the file)");
+    first = false;
+    TuneLine line{path, number, text, {}};
+    while (words >> word) {
+      const size_t eq = word.find('=');
+      if (eq == 0 || eq == std::string::npos) line.fail(detail::concat("'", word, "' is not key=value"));
+      line.fields[word.substr(0, eq)] = word.substr(eq + 1);
     }
-  }
-  if (const Json* list = section(root, "fused_num_sms", path)) {
-    for (const Json& e : list->array) {
-      const double num_sms = number_field(e, "fused_num_sms", "num_sms", path);
-      COMMLIB_CHECK(num_sms >= 1 && num_sms == static_cast<double>(static_cast<int>(num_sms)), InvalidArgument,
-                    "COMMLIB_TUNE_FILE: '", path, "': fused_num_sms entry has num_sms ", num_sms,
-                    "; valid: an integer >= 1");
-      file.fused_num_sms.push_back(
-          {static_cast<int>(number_field(e, "fused_num_sms", "world_size", path)), static_cast<int>(num_sms)});
-    }
-  }
-  if (const Json* list = section(root, "host_all_reduce", path)) {
-    for (const Json& e : list->array) {
-      file.host_all_reduce.push_back({static_cast<int>(number_field(e, "host_all_reduce", "world_size", path)),
-                                      static_cast<int64_t>(number_field(e, "host_all_reduce", "flat_max_bytes", path))});
-    }
-  }
-  if (const Json* list = section(root, "hierarchical", path)) {
-    for (const Json& e : list->array) {
-      auto op = e.object.find("op");
-      COMMLIB_CHECK(op != e.object.end() && op->second.kind == Json::Kind::kString, InvalidArgument,
-                    "COMMLIB_TUNE_FILE: '", path, "': a hierarchical entry lacks a string \"op\"");
-      file.hierarchical.push_back({op->second.string,
-                                   static_cast<int>(number_field(e, "hierarchical", "num_hosts", path)),
-                                   static_cast<int>(number_field(e, "hierarchical", "local_size", path)),
-                                   static_cast<size_t>(number_field(e, "hierarchical", "min_bytes", path))});
-    }
-  }
-  if (const Json* list = section(root, "collectives", path)) {
-    for (const Json& e : list->array) {
-      auto op = e.object.find("op");
-      COMMLIB_CHECK(op != e.object.end() && op->second.kind == Json::Kind::kString, InvalidArgument,
-                    "COMMLIB_TUNE_FILE: '", path, "': a collectives entry lacks a string \"op\"");
-      file.collectives.push_back({static_cast<int>(number_field(e, "collectives", "world_size", path)),
-                                  op->second.string,
-                                  static_cast<int64_t>(number_field(e, "collectives", "max_bytes", path))});
-    }
+    if (section == "all_reduce") {
+      auto dtype = line.fields.find("dtype");
+      file.all_reduce.push_back({static_cast<int>(line.integer("world_size")),
+                                 dtype == line.fields.end() ? "" : dtype->second,
+                                 {static_cast<size_t>(line.integer("flat_max_bytes")),
+                                  static_cast<size_t>(line.integer("tree_max_bytes"))}});
+    } else if (section == "fused_num_sms") {
+      const int64_t num_sms = line.integer("num_sms");
+      if (num_sms < 1 || num_sms > 0x7fffffff) line.fail(detail::concat("num_sms=", num_sms, " is not in 1..2^31-1"));
+      file.fused_num_sms.push_back({static_cast<int>(line.integer("world_size")), static_cast<int>(num_sms)});
+    } else if (section == "host_all_reduce") {
+      file.host_all_reduce.push_back({static_cast<int>(line.integer("world_size")), line.integer("flat_max_bytes")});
+    } else if (section == "hierarchical") {
+      file.hierarchical.push_back({line.word("op"), static_cast<int>(line.integer("num_hosts")),
+                                   static_cast<int>(line.integer("local_size")),
+                                   static_cast<size_t>(line.integer("min_bytes"))});
+    } else if (section == "collectives") {
+      file.collectives.push_back(
+          {static_cast<int>(line.integer("world_size")), line.word("op"), line.integer("max_bytes")});
+    }  // other sections are commlib.tuned's (Python) or a later commlib's
   }
   return file;
 }
@@ -246,7 +141,7 @@ std::string tune_file_path() {
   if (!path.empty()) return path;
   const char* home = std::getenv("HOME");
   if (home == nullptr) return "";
-  path = std::string(home) + "/.cache/commlib/tune.json";
+  path = std::string(home) + "/.cache/commlib/tune.txt";
   // Looked up once per path: this runs on every all-reduce, and opening a file there costs more
   // than the kernel (the file's contents are cached once read, below, in the same way).
   static std::mutex mutex;

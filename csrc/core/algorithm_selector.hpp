@@ -3,32 +3,36 @@
 // Order of precedence (highest first):
 //   1. COMMLIB_ALLREDUCE_ALGO=flat|tree|nccl forces one algorithm for every size;
 //   2. COMMLIB_FLAT_MAX_BYTES / COMMLIB_TREE_MAX_BYTES (non-zero) replace the limits below;
-//   3. the tune cache (COMMLIB_TUNE_FILE, else ~/.cache/commlib/tune.json when it exists);
+//   3. the tune cache (COMMLIB_TUNE_FILE, else ~/.cache/commlib/tune.txt when it exists);
 //   4. the built-in table (kBuiltinAllReduceTable in algorithm_selector.cc).
 // bytes <= flat_max_bytes -> flat; <= tree_max_bytes -> tree; larger -> nccl. These are the limits
 // and the choice by size; what a call runs (LL or not, zero-copy, nccl or tree where no NCCL engine
 // is attached) is its plan's (plan_all_reduce, Note [plan] in csrc/core/plan.hpp).
 //
 // Note [tune file format]
-// JSON written by commlib-tune (python/commlib/tune.py), read here:
-//   {"version": 1,
-//    "all_reduce": [
-//      {"world_size": 2, "dtype": "bfloat16", "flat_max_bytes": 131072, "tree_max_bytes": 67108864},
-//      {"world_size": 4, "flat_max_bytes": 65536, "tree_max_bytes": 33554432}, ...]}
-//    "fused_num_sms": [{"world_size": 2, "num_sms": 16}, ...],
-//    "host_all_reduce": [{"world_size": 2, "flat_max_bytes": 65536}, ...],
-//    "hierarchical": [{"op": "all_gather", "num_hosts": 2, "local_size": 8, "min_bytes": 65536}, ...]}
-// An all_reduce entry applies to its world_size and, if "dtype" is present ("float32", "float16",
-// "bfloat16"), to that dtype only; a dtype-specific entry wins over a generic one. A fused_num_sms
+// A text file written by commlib-tune (python/commlib/perf/tune.py, Note [tune file writer]), one
+// entry per line, `<section> key=value ...` (words split on whitespace, values hold no space),
+// `#` comments and blank lines skipped; no JSON, so no parser. The sections read here:
+//   all_reduce world_size=2 dtype=bfloat16 flat_max_bytes=131072 tree_max_bytes=67108864
+//   all_reduce world_size=4 flat_max_bytes=65536 tree_max_bytes=33554432
+//   fused_num_sms world_size=2 num_sms=16
+//   host_all_reduce world_size=2 flat_max_bytes=65536
+//   collectives world_size=2 op=all_gather max_bytes=16777216
+//   hierarchical op=all_gather num_hosts=2 local_size=8 min_bytes=65536
+// An all_reduce entry applies to its world_size and, if dtype= is present (float32, float16,
+// bfloat16), to that dtype only; a dtype-specific entry wins over a generic one. A fused_num_sms
 // entry gives, for its world_size, the CTA count commlib-tune measured for the fused all-reduce +
 // RMSNorm P2P kernel (tuned_fused_num_sms below); the last entry for a world size wins. A
 // host_all_reduce entry gives the CPU all-reduce's flat limit for its world size (the last wins;
-// resolve_host_all_reduce below). A hierarchical entry gives, for a multi-host group of num_hosts
-// hosts with local_size ranks each, the smallest message of `op` (all_reduce, reduce_scatter,
-// all_gather, broadcast, barrier) that takes the two-level path (Note [hierarchical crossover]);
-// the last matching entry wins. Unknown
-// keys are ignored (other collectives may add their own sections). A file that cannot be read or
-// parsed raises InvalidArgument naming the path. Files are read once per path per process.
+// resolve_host_all_reduce below). A collectives entry gives an op's crossover (Note [collective
+// crossovers]). A hierarchical entry gives, for a multi-host group of num_hosts hosts with
+// local_size ranks each, the smallest message of `op` (all_reduce, reduce_scatter, all_gather,
+// broadcast, barrier) that takes the two-level path (Note [hierarchical crossover]); the last
+// matching entry wins. Unknown sections and keys are ignored (commlib.tuned keeps its own records,
+// e.g. `entry`, `cp`, `tokenweave`, in the same file). A file that cannot be read, a word without
+// `=`, or a missing or non-integer number raises InvalidArgument naming the path, the line number
+// and the line; a file whose first word starts with `{` is an older commlib's JSON file and raises
+// InvalidArgument asking to re-run commlib-tune. Files are read once per path per process.
 #pragma once
 
 #include <cstddef>
@@ -119,9 +123,9 @@ struct FusedConfig {
 // input, broadcast's tensor); larger ones go to NCCL where attached (the torch backend; the direct
 // API has no NCCL engine and always runs commlib's). Precedence: COMMLIB_<OP>_MAX_BYTES (non-zero;
 // -1: never commlib's), then the tune file's "collectives" section
-// ({"world_size": 2, "op": "all_gather", "max_bytes": 16777216}; the last entry of a world size and
-// op wins), then the built-in table (kBuiltinCollectiveTable). Every input is the same on every
-// rank, so the route is too.
+// (`collectives world_size=2 op=all_gather max_bytes=16777216`, Note [tune file format]; the last
+// entry of a world size and op wins), then the built-in table (kBuiltinCollectiveTable). Every
+// input is the same on every rank, so the route is too.
 enum class CollectiveOp : int { kReduceScatter = 0, kAllGather = 1, kBroadcast = 2, kAllToAll = 3 };
 constexpr int kNumCollectiveOps = 4;
 const char* collective_op_name(CollectiveOp op);

@@ -149,8 +149,14 @@ void Communicator::close() {
   host_p2p_.reset();  // shared_ptr: the host layer defines HostP2p
 }
 
+void Communicator::abort() {
+  aborted_->store(true, std::memory_order_relaxed);
+  if (cuda_abort_hook && cuda_) cuda_abort_hook(*cuda_);
+}
+
 void Communicator::check_open(const char* what) const {
   COMMLIB_CHECK(!closed_, InvalidArgument, what, ": communicator '", name_, "' is closed");
+  COMMLIB_CHECK(!aborted(), PeerError, what, ": communicator '", name_, "' was aborted; create a new one");
 }
 
 HostShm& Communicator::host() {
@@ -167,6 +173,7 @@ HostShm& Communicator::host() {
     COMMLIB_CHECK(jitter.count() >= 0, InvalidArgument, "COMMLIB_HOST_TEST_JITTER_US=", jitter.count(),
                   " is negative; valid: 0 (off) or a number of microseconds");
     host_ = std::make_unique<HostShm>(bootstrap, slot, options_.timeout, peer_pids_, jitter);
+    host_->watch_abort(aborted_);
   }
   host_->check_usable("host transport");
   return *host_;

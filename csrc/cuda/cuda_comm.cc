@@ -12,6 +12,7 @@
 #include "kernels/all_reduce_params.hpp"
 #include "kernels/all_to_all_v_params.hpp"
 #include "kernels/exchange_params.hpp"
+#include "transport/cuda_driver.hpp"
 #include "transport/cuda_ipc.hpp"
 
 namespace commlib {
@@ -22,6 +23,8 @@ CudaComm& Communicator::cuda(int device) {
   check_open("cuda transport");
   if (!cuda_) {
     cuda_ = decltype(cuda_)(new CudaComm(*this, device), [](CudaComm* c) { delete c; });
+    cuda_abort_hook = [](CudaComm& c) { c.abort(); };
+    cuda_failed_hook = [](const CudaComm& c) { return c.failed(); };
   } else {
     COMMLIB_CHECK(device == cuda_->device(), InvalidArgument, "communicator '", name_, "': device cuda:", device,
                   " but its GPU state lives on cuda:", cuda_->device(), "; use one device per communicator");
@@ -168,6 +171,24 @@ void CudaComm::check_error(const char* what) const {
       word->elapsed_ns / 1000000, " ms for rank ", word->peer, " at phase '",
       phase_name(word->phase), "' (block ", word->block, ", collective call #", word->call,
       "); the communicator is unusable, create a new one"));
+}
+
+bool CudaComm::failed() const { return static_cast<volatile DeviceErrorWord*>(error_host_)->failed != 0; }
+
+void CudaComm::abort() noexcept {
+  int previous = -1;
+  if (cudaGetDevice(&previous) != cudaSuccess || cudaSetDevice(device_) != cudaSuccess) return;
+  cudaStream_t side = nullptr;
+  if (cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) == cudaSuccess) {
+    try {
+      cuda::stream_write_value32(reinterpret_cast<CUstream>(side), reinterpret_cast<CUdeviceptr>(&state_->poisoned),
+                                 1u, 0, "abort");
+    } catch (const std::exception&) {
+      // the communicator is being given up: a driver that refuses leaves the device waits to their timeout
+    }
+    cudaStreamDestroy(side);  // returns at once; the write still happens
+  }
+  cudaSetDevice(previous);
 }
 
 void CudaComm::begin_op(cudaStream_t stream, const char* what) {

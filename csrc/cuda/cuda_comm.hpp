@@ -67,6 +67,11 @@ class CudaComm {
   // Raises Timeout (naming rank, peer, phase) if a device wait of this communicator expired.
   // Not collective; reads host memory only (no synchronisation).
   void check_error(const char* what) const;
+  // Whether a device wait of this communicator expired (the host-mapped word; no synchronisation).
+  bool failed() const;
+  // Poisons the device call state from a stream of its own (Note [abort] in communicator.hpp):
+  // device waits end at their next check and later kernels return at once. Never throws.
+  void abort() noexcept;
 
   // Stream ordering around one collective (see above). begin_op also calls check_error.
   void begin_op(cudaStream_t stream, const char* what);

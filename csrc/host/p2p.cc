@@ -60,6 +60,9 @@ HostP2p::Handle make_request(P2pRequest::Kind kind, int peer, int64_t tag, void*
   return request;
 }
 
+// How long a closing sender waits for a live peer to open the segment holding its unread messages.
+constexpr auto kFlushWait = std::chrono::seconds(2);
+
 uint8_t* slot_at(uint8_t* slots, uint64_t index) { return slots + (index % HostP2p::kNumSlots) * HostP2p::kSlotBytes; }
 
 }  // namespace
@@ -75,11 +78,37 @@ HostP2p::HostP2p(Store& store, std::string prefix, int rank, int world_size, std
       segment_bytes_(kControlBytes + 2 * kNumSlots * kSlotBytes),
       peers_(world_size) {}
 
+// A message this rank sent may still be in a segment the peer has not opened yet (a send that fits
+// the ring is done on return, so the sender may close at once). The creator of such a segment gives
+// a live peer up to kFlushWait to open it (it unlinks the name when it does) before unlinking the
+// name itself; a peer that closes without having opened a segment whose name was published unlinks
+// it from the name in the store. Closing waits for no peer otherwise.
 HostP2p::~HostP2p() {
-  for (Peer& p : peers_) {
-    if (!p.connected) continue;
-    // The peer never mapped it: nobody else will remove the name.
-    if (p.creator && !(p.opened_seen || p.opened->load(std::memory_order_acquire) != 0)) ::shm_unlink(p.name.c_str());
+  for (int q = 0; q < world_size_; ++q) {
+    Peer& p = peers_[q];
+    if (!p.connected) {
+      if (q == rank_) continue;
+      try {
+        const int lo = std::min(rank_, q), hi = std::max(rank_, q);
+        const std::string key = prefix_ + "/p2p/" + std::to_string(lo) + "-" + std::to_string(hi) + "/name";
+        if (store_.check(key)) {
+          const auto name = store_.get(key);
+          ::shm_unlink(std::string(name.begin(), name.end()).c_str());
+        }
+      } catch (const std::exception&) {
+        // the store is gone with the job; the creator unlinked it if the peer has exited
+      }
+      continue;
+    }
+    auto opened = [&] { return p.opened_seen || p.opened->load(std::memory_order_acquire) != 0; };
+    if (p.creator && !opened()) {
+      const bool unread = p.out->head.load(std::memory_order_acquire) != p.out->tail.load(std::memory_order_acquire);
+      const auto deadline = std::chrono::steady_clock::now() + kFlushWait;
+      while (unread && !opened() && peer_alive(q) && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      if (!opened()) ::shm_unlink(p.name.c_str());
+    }
     ::munmap(p.base, segment_bytes_);
   }
 }
@@ -384,6 +413,14 @@ void HostP2p::wait(const Handle& request, const char* what) {
     const bool any = request->peer == kAnySource;
     if (now >= next_liveness_check) {
       next_liveness_check = now + std::chrono::milliseconds(50);
+      if (aborted()) {
+        cancel(request);
+        throw PeerError(detail::concat(what, ": rank ", rank_, " waiting for ",
+                                       any ? std::string("any rank") : detail::concat("rank ", request->peer),
+                                       " at phase '", request->kind == P2pRequest::Kind::kSend ? "send" : "recv",
+                                       "' (tag ", request->tag, "): the communicator was aborted after ",
+                                       waited.count(), " ms"));
+      }
       for (int q = 0; q < world_size_; ++q) {
         if (q == rank_ || (!any && q != request->peer) || peer_alive(q)) continue;
         cancel(request);
@@ -407,14 +444,40 @@ void HostP2p::wait(const Handle& request, const char* what) {
   raise_if_failed(*request);
 }
 
+bool HostP2p::failed() const {
+  for (const auto& p : peers_) {
+    if (p.broken) return true;
+  }
+  return false;
+}
+
 // A Communicator member, defined in the host layer that owns HostP2p (the core may not include it).
 HostP2p& Communicator::host_p2p() {
   check_open("host p2p");
   COMMLIB_CHECK(num_hosts_ == 1, InvalidArgument, "Communicator '", name(),
                 "': send / recv of CPU tensors go through shared memory, which needs every rank on one host; ",
                 hosts_problem_);
-  if (!host_p2p_) host_p2p_ = std::make_shared<HostP2p>(*store_, prefix_, rank_, world_size_, options_.timeout, peer_pids_);
+  if (!host_p2p_) {
+    host_p2p_ = std::make_shared<HostP2p>(*store_, prefix_, rank_, world_size_, options_.timeout, peer_pids_);
+    host_p2p_->watch_abort(aborted_);
+  }
   return *host_p2p_;
+}
+
+// A Communicator member, here because it reaches the host layer's HostP2p as well as HostShm.
+Communicator::ErrorState Communicator::error() const {
+  if (aborted()) return ErrorState::kAborted;
+  if (host_) {
+    switch (host_->failure()) {
+      case HostShm::Failure::kTimeout: return ErrorState::kTimeout;
+      case HostShm::Failure::kPeer: return ErrorState::kRemote;
+      case HostShm::Failure::kAborted: return ErrorState::kAborted;
+      case HostShm::Failure::kNone: break;
+    }
+  }
+  if (host_p2p_ && host_p2p_->failed()) return ErrorState::kRemote;
+  if (cuda_failed_hook && cuda_ && cuda_failed_hook(*cuda_)) return ErrorState::kTimeout;
+  return ErrorState::kNone;
 }
 
 // A Communicator member, here because it reaches the host layer's HostP2p as well as HostShm.

@@ -76,6 +76,12 @@ class HostP2p {
   void wait(const Handle& request, const char* what);
   // Bounds the waits from now on (the group's timeout changed).
   void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
+  // Waits end (PeerError, within ~50 ms) and new requests are refused once *flag is true (the
+  // communicator's abort flag; Note [abort]).
+  void watch_abort(std::shared_ptr<const std::atomic<bool>> flag) { abort_ = std::move(flag); }
+  bool aborted() const { return abort_ && abort_->load(std::memory_order_relaxed); }
+  // Whether a channel failed (a peer exited, a send stopped half-way).
+  bool failed() const;
 
  private:
   struct Unexpected {
@@ -129,6 +135,7 @@ class HostP2p {
   int rank_;
   int world_size_;
   std::chrono::milliseconds timeout_;
+  std::shared_ptr<const std::atomic<bool>> abort_;
   std::vector<int64_t> peer_pids_;
   size_t segment_bytes_;
   std::vector<Peer> peers_;

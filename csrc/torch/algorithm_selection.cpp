@@ -63,7 +63,7 @@ BindingRegistrar reg("algorithm_selection", [](py::module_& m) {
       },
       py::arg("world_size"),
       "commlib-tune's CTA count for the fused all-reduce + RMSNorm GPU kernel at world_size (the tune "
-      "file's fused_num_sms list, COMMLIB_TUNE_FILE), 0 when none: the by-size cap used when num_sms is "
+      "file's fused_num_sms entries, COMMLIB_TUNE_FILE), 0 when none: the by-size cap used when num_sms is "
       "None and COMMLIB_FUSED_NUM_SMS is 0.");
   m.def(
       "select_host_all_reduce_algorithm",

@@ -198,14 +198,16 @@ void DdaBackend::shutdown() {
 
 void DdaBackend::abort() {
   shut_down_ = true;
+  // Another thread may be inside a call of comm_: end its waits; the destructor releases.
+  if (comm_) comm_->abort();
   stop_dump_watcher();
-  if (comm_) comm_->close();
   if (hier_) hier_->abort();
   if (nccl_) nccl_->abort();
   gloo_->abort();
 }
 
 c10d::Backend& DdaBackend::nccl(const char* what) {
+  TORCH_CHECK(!shut_down_, what, ": the ddacomm process group was shut down or aborted");
   std::lock_guard<std::mutex> lock(nccl_mutex_);
   if (!nccl_) {
     nccl_ = create_nccl(nccl_factory_, what, "inner");
@@ -240,7 +242,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::endCoalescing() {
 }
 
 c10d::Backend& DdaBackend::inner(const at::Device& device, const char* what) {
-  TORCH_CHECK(!shut_down_, what, ": the ddacomm process group was shut down");
+  TORCH_CHECK(!shut_down_, what, ": the ddacomm process group was shut down or aborted");
   // Only gloo's works are collected in a coalescing region; NCCL returns its own at the end.
   collect_next_work_ = coalescing_ && device.is_cpu();
   if (device.is_cuda()) {
@@ -284,6 +286,18 @@ const char* fr_op_name(c10d::OpType op) {
 }
 
 }  // namespace
+
+c10d::ErrorType DdaBackend::getError() {
+  const c10d::ErrorType first = error_.load();
+  if (first != c10d::ErrorType::SUCCESS || !comm_) return first;
+  switch (comm_->error()) {  // a failure of a call that had no flight-recorder entry (a send, a receive)
+    case Communicator::ErrorState::kTimeout: return c10d::ErrorType::TIMEOUT;
+    case Communicator::ErrorState::kRemote: return c10d::ErrorType::REMOTE_ERROR;
+    case Communicator::ErrorState::kAborted: return c10d::ErrorType::COMM_ERROR;
+    case Communicator::ErrorState::kNone: break;
+  }
+  return c10d::ErrorType::SUCCESS;
+}
 
 fr::Group::Call DdaBackend::fr_record(c10d::OpType op, const at::Device& device, const char* variant,
                                       const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs,

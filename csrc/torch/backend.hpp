@@ -62,9 +62,10 @@ class DdaBackend final : public c10d::Backend {
   void setBoundDeviceId(std::optional<at::Device> device);
   void shutdown() override;
   void abort() override;
-  // none / TIMEOUT / REMOTE_ERROR: the first failure of a commlib call of this group (a timeout, a
-  // peer that failed or left); a fall-back call's errors are the inner backend's.
-  c10d::ErrorType getError() override { return error_.load(); }
+  // SUCCESS / TIMEOUT / REMOTE_ERROR / COMM_ERROR (aborted): the first failure of commlib's calls
+  // of this group (a timeout, a peer that failed or left); a fall-back call's are the inner backend's.
+  // abort() ends the pending commlib waits (Note [abort]) and makes every later call raise.
+  c10d::ErrorType getError() override;
 
   // What the Python side can inspect (tests, docs): is the shm path live; has NCCL been created.
   bool has_fast_path() const { return comm_ != nullptr; }

@@ -63,6 +63,18 @@ void bind_communicator(py::module_& m) {
           },
           py::arg("mine"))
       .def("close", &Communicator::close, py::call_guard<py::gil_scoped_release>())
+      .def("abort", &Communicator::abort, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("aborted", &Communicator::aborted)
+      .def("error",
+           [](const Communicator& c) {
+             switch (c.error()) {
+               case Communicator::ErrorState::kTimeout: return "timeout";
+               case Communicator::ErrorState::kRemote: return "remote";
+               case Communicator::ErrorState::kAborted: return "aborted";
+               case Communicator::ErrorState::kNone: break;
+             }
+             return "none";
+           })
       .def(
           "all_reduce",
           [](Communicator& c, at::Tensor t, const std::string& op, const std::string& algo) {

@@ -198,6 +198,8 @@ uint8_t* HostShm::slot(int rank, int buffer) const {
 }
 
 void HostShm::check_usable(const char* what) const {
+  COMMLIB_CHECK(!(abort_ && abort_->load(std::memory_order_relaxed)), PeerError, what,
+                ": the communicator was aborted; create a new one");
   COMMLIB_CHECK(!broken_, PeerError, what, ": communicator unusable after an earlier failure (", broken_reason_,
                 "); create a new one");
 }
@@ -247,16 +249,28 @@ void HostShm::wait_for(int peer, std::atomic<uint64_t>& arrived, uint64_t seq, c
     const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(after - start);
     if (after >= next_liveness_check) {
       next_liveness_check = after + std::chrono::milliseconds(50);
-      if (!peer_alive(peer)) {
+      if (abort_ && abort_->load(std::memory_order_relaxed)) {
         broken_ = true;
-        broken_reason_ = detail::concat("rank ", peer, " (pid ", peer_pids_[peer], ") exited");
+        failure_ = Failure::kAborted;
+        broken_reason_ = "the communicator was aborted";
         throw PeerError(detail::concat(what, ": rank ", rank_, " waiting for rank ", peer, " at phase '", phase,
-                                       "': rank ", peer, " (pid ", peer_pids_[peer], ") has exited after ",
+                                       "': the communicator was aborted after ", waited.count(), " ms"));
+      }
+      // Every peer, not only the awaited one: at three ranks or more the awaited rank may itself be
+      // stuck on (or have left after) the one that died.
+      for (int q = peer, i = 0; i < world_size_; ++i, q = (q + 1) % world_size_) {
+        if (q == rank_ || peer_alive(q)) continue;
+        broken_ = true;
+        failure_ = Failure::kPeer;
+        broken_reason_ = detail::concat("rank ", q, " (pid ", peer_pids_[q], ") exited");
+        throw PeerError(detail::concat(what, ": rank ", rank_, " waiting for rank ", peer, " at phase '", phase,
+                                       "': rank ", q, " (pid ", peer_pids_[q], ") has exited after ",
                                        waited.count(), " ms"));
       }
     }
     if (waited >= timeout_) {
       broken_ = true;
+      failure_ = Failure::kTimeout;
       broken_reason_ = detail::concat("timeout waiting for rank ", peer);
       throw Timeout(detail::concat(what, ": Timed out after ", waited.count(), " ms (timeout ", timeout_.count(),
                                    " ms): rank ", rank_, " waiting for rank ", peer, " at phase '", phase, "' (",

@@ -40,6 +40,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -126,8 +127,15 @@ class HostShm {
   // Waits (bounded, like barrier()) until every peer's `counter` has reached `value`.
   void wait_peers(Progress counter, uint64_t value, const char* what, const char* phase);
 
-  // Throws PeerError if an earlier wait failed: the ranks' sequence numbers no longer agree.
+  // Throws PeerError if an earlier wait failed (the ranks' sequence numbers no longer agree) or
+  // the communicator was aborted.
   void check_usable(const char* what) const;
+  // What ended this transport's usability: none, a timeout, a peer that exited, or an abort.
+  enum class Failure { kNone, kTimeout, kPeer, kAborted };
+  Failure failure() const { return failure_; }
+  // Every wait from now on also ends (PeerError, within ~50 ms) once *flag is true: the
+  // communicator's abort flag, set from any thread (Note [abort]).
+  void watch_abort(std::shared_ptr<const std::atomic<bool>> flag) { abort_ = std::move(flag); }
   // Bounds the waits from now on (the group's timeout changed).
   void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
 
@@ -160,6 +168,8 @@ class HostShm {
   uint64_t steps_ = 0;
   bool broken_ = false;
   std::string broken_reason_;
+  Failure failure_ = Failure::kNone;
+  std::shared_ptr<const std::atomic<bool>> abort_;
 };
 
 }  // namespace commlib

@@ -11,9 +11,11 @@
 // collective and never blocks on peers.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -65,6 +67,20 @@ class Communicator {
   bool closed() const { return closed_; }
   void close();
 
+  // Note [abort]
+  // abort() may be called from any thread while another is inside a call of this communicator
+  // (a watchdog, a signal handler's thread, torch's ProcessGroup.abort()). It sets one flag that
+  // every bounded wait reads at its liveness check: a host wait (shared-memory collectives,
+  // send / recv) raises PeerError "aborted" within ~50 ms, a device wait ends at its next check
+  // (the GPU state is poisoned by a stream write on a stream of its own, which needs no SM), and
+  // every later call raises PeerError at once. It releases nothing (close() still does) and is
+  // not collective: each rank aborts its own communicator.
+  void abort();
+  bool aborted() const { return aborted_->load(std::memory_order_relaxed); }
+  // Why the communicator stopped being usable, if it did (torch's getError()).
+  enum class ErrorState { kNone, kTimeout, kRemote, kAborted };
+  ErrorState error() const;
+
   // ---- CPU collectives over POSIX shared memory (csrc/host). Collective. ----
   // Reads `count` elements of `input`, writes the reduction to `output`; `input` is not modified
   // unless it is `output` (in place). The two must be the same pointer or not overlap at all
@@ -106,6 +122,9 @@ class Communicator {
   // The GPU state cuda(device) created (InvalidArgument when there is none). Not collective.
   CudaComm& cuda();
   bool has_cuda() const { return cuda_ != nullptr; }
+  // Set by the GPU engine with the state: what abort() and error() do for it.
+  std::function<void(CudaComm&)> cuda_abort_hook;
+  std::function<bool(const CudaComm&)> cuda_failed_hook;
   // The multimem kernels' workspace, created on first use (collective, outside graph capture;
   // Note [multicast workspace]). Only where the multicast guard allows it: otherwise throws
   // InvalidArgument naming the deciding variable, before any CUDA call (docs/architecture.md, Safety).
@@ -126,6 +145,7 @@ class Communicator {
   std::string hosts_problem_;
   uint64_t control_calls_ = 0;  // store keys of each control exchange across hosts
   bool closed_ = false;
+  std::shared_ptr<std::atomic<bool>> aborted_ = std::make_shared<std::atomic<bool>>(false);
   int multicast_attempts_ = 0;  // store keys of each multicast workspace attempt
   std::unique_ptr<HostShm> host_;
   std::shared_ptr<const CommConfig> config_;

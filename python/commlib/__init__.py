@@ -10,7 +10,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from . import _C
 from . import cp, fused, hierarchy, kv, tokenweave
 from .communicator import Communicator
-from .ep import EPBuffer, EPDispatchResult, EPHandle
+from .ep import EPBuffer, EPDispatchResult, EPHandle, MaskedEPBuffer
 from .errors import CommError, CommTimeoutError, PeerError
 from .backend_registration import register_backend
 
@@ -45,5 +45,5 @@ except Exception as e:  # noqa: BLE001
     warnings.warn(f"commlib: registering the torch.distributed backend \"ddacomm\" failed "
                   f"({type(e).__name__}: {e}); the direct API still works", RuntimeWarning, stacklevel=2)
 
-__all__ = ["register_backend", "Communicator", "EPBuffer", "EPDispatchResult", "EPHandle", "CommError",
+__all__ = ["register_backend", "Communicator", "EPBuffer", "EPDispatchResult", "EPHandle", "MaskedEPBuffer", "CommError",
            "CommTimeoutError", "PeerError", "knobs", "plan_counters", "reset_plan_counters", "__version__"]

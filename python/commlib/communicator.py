@@ -91,6 +91,7 @@ class Communicator:
         if flight_recorder.enabled():
             self._comm = flight_recorder.RecordingComm(self._native, str(name), int(rank), int(world_size), timeout)
         self._store = store
+        self._timeout = timeout
         self._group_name = str(name)
         try:
             _C.register_group(self._group_name, self._native)
@@ -149,6 +150,39 @@ class Communicator:
         """Releases shared and GPU memory. Not collective; idempotent."""
         _C.unregister_group(self._group_name, self._native)
         self._native.close()
+
+    def abort(self) -> None:
+        """Ends every pending call of this communicator, from any thread: host waits raise
+        ``PeerError`` within ~50 ms, device waits end at their next check; every later call raises
+        ``PeerError`` at once. Not collective; ``close()`` still releases (Note [abort])."""
+        self._native.abort()
+
+    def error(self) -> str:
+        """Why this communicator stopped being usable: ``"none"``, ``"timeout"``, ``"remote"`` (a
+        peer failed or exited) or ``"aborted"``."""
+        return self._native.error()
+
+    def shrink(self, exclude_ranks: Sequence[int], name: Optional[str] = None) -> "Communicator":
+        """A new communicator over this one's ranks but ``exclude_ranks`` (ranks renumbered in
+        order), for carrying on after a rank died (NCCL's ``ncclCommShrink``).
+
+        Collective over the survivors only: every rank not in ``exclude_ranks`` calls it with the
+        same ranks; the excluded ranks do not take part (they may be dead). Survivors that pass
+        different ranks never meet (the set is part of the new communicator's name) and raise
+        ``CommTimeoutError`` after the timeout. This communicator is left as it is: after a peer
+        died it is unusable; ``close()`` it. The new one has the same store and timeout; its name
+        defaults to ``"<name>/shrink-<ranks>"``."""
+        excluded = sorted({int(r) for r in exclude_ranks})
+        n = self.world_size
+        bad = [r for r in excluded if not 0 <= r < n]
+        if bad or not excluded or len(excluded) == n:
+            raise ValueError(f"shrink: exclude_ranks {list(exclude_ranks)} not supported; valid: a non-empty "
+                             f"subset of 0..{n - 1} that leaves at least one rank")
+        if self.rank in excluded:
+            raise ValueError(f"shrink: rank {self.rank} is in exclude_ranks {excluded}; only the survivors call it")
+        survivors = [r for r in range(n) if r not in excluded]
+        new_name = name or f"{self.name}/shrink-{'-'.join(map(str, excluded))}"
+        return Communicator(self._store, survivors.index(self.rank), len(survivors), new_name, self._timeout)
 
     def __enter__(self) -> "Communicator":
         return self

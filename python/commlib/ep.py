@@ -211,4 +211,80 @@ class EPBuffer:
                 f"dtype={self.dtype}, device={self.device}, transport={self.transport!r})")
 
 
-__all__ = ["EPBuffer", "EPDispatchResult", "EPHandle"]
+    def without_ranks(self, comm, masked_ranks, *, renormalize: bool = False) -> "MaskedEPBuffer":
+        """This buffer's layout over the survivors after ``masked_ranks`` died: a new buffer on
+        ``comm`` (``old_comm.shrink(masked_ranks)``, made collectively by the survivors) that takes
+        the original expert ids (Note [EP rank mask])."""
+        return MaskedEPBuffer(comm, self.world_size, masked_ranks, self.max_tokens_per_rank, self.hidden,
+                              self.num_experts, self.topk, self.dtype, self.device, renormalize=renormalize)
+
+
+class MaskedEPBuffer:
+    """Expert parallelism carrying on without some ranks (Note [EP rank mask]).
+
+    Note [EP rank mask]
+    When an EP rank dies the survivors get ``PeerError``; the group and its buffers are unusable.
+    They shrink the communicator (``Communicator.shrink``) and make this buffer over it: it keeps the
+    original expert ids (``num_experts`` over ``original_world_size`` ranks, Note [EP layout]).
+    ``dispatch`` maps each route to its expert on the owner's new rank; a route to an expert of a
+    masked rank is dropped (its ``topk_idx`` entry becomes -1) and counted in ``dropped`` (a tensor
+    on the buffer's device: the routes this rank dropped in the last dispatch; nothing is read on the
+    host, so capture still works). ``combine`` then sums the kept routes only, with their weights as
+    given or, with ``renormalize=True``, divided by the sum of the token's kept weights (a token
+    whose routes were all dropped combines to zeros). The remap is one gather through a
+    [num_experts + 1] table on the device.
+    """
+
+    def __init__(self, comm, original_world_size: int, masked_ranks, max_tokens_per_rank: int, hidden: int,
+                 num_experts: int, topk: int, dtype: torch.dtype = torch.bfloat16, device="cpu", *,
+                 renormalize: bool = False, capacity: Optional[int] = None, transport: str = "auto"):
+        masked = sorted({int(r) for r in masked_ranks})
+        if num_experts % original_world_size != 0:
+            raise ValueError(f"MaskedEPBuffer: num_experts {num_experts} is not a multiple of original_world_size "
+                             f"{original_world_size}")
+        survivors = [r for r in range(original_world_size) if r not in masked]
+        if not masked or any(not 0 <= r < original_world_size for r in masked) or not survivors:
+            raise ValueError(f"MaskedEPBuffer: masked_ranks {list(masked_ranks)} not supported; valid: a non-empty "
+                             f"subset of 0..{original_world_size - 1} that leaves at least one rank")
+        if comm.world_size != len(survivors):
+            raise ValueError(f"MaskedEPBuffer: the communicator has {comm.world_size} ranks but "
+                             f"{len(survivors)} survive; pass the communicator comm.shrink({masked}) returned")
+        local = num_experts // original_world_size
+        self.masked_ranks = masked
+        self.renormalize = renormalize
+        self.num_experts = num_experts
+        self.buffer = EPBuffer(comm, max_tokens_per_rank, hidden, local * len(survivors), topk, dtype, device,
+                               capacity=capacity, transport=transport)
+        table = torch.full((num_experts + 1,), -1, dtype=torch.long)  # the last entry serves idx -1
+        for new_rank, rank in enumerate(survivors):
+            table[rank * local:(rank + 1) * local] = torch.arange(new_rank * local, (new_rank + 1) * local)
+        self._table = table.to(self.buffer.device)
+        self.dropped = torch.zeros((), dtype=torch.long, device=self.buffer.device)
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> EPDispatchResult:
+        """``EPBuffer.dispatch`` with the original expert ids (routes to masked ranks dropped)."""
+        if not isinstance(topk_idx, torch.Tensor) or not isinstance(topk_weights, torch.Tensor):
+            raise TypeError("MaskedEPBuffer.dispatch: topk_idx and topk_weights must be torch.Tensors")
+        idx = topk_idx.long()
+        if idx.numel() and (bool((idx < -1).any()) if not idx.is_cuda else False):
+            raise ValueError("MaskedEPBuffer.dispatch: topk_idx has entries below -1; valid: -1 or 0.."
+                             f"{self.num_experts - 1}")
+        mapped = self._table[torch.where(idx < 0, self.num_experts, idx).clamp(max=self.num_experts)]
+        # Ids past num_experts stay invalid (the buffer reports them as it does without a mask).
+        mapped = torch.where(idx >= self.num_experts, idx, mapped)
+        dropped = (mapped < 0) & (idx >= 0)
+        self.dropped = dropped.sum()
+        weights = topk_weights.float().masked_fill(dropped, 0.0)
+        if self.renormalize:
+            total = weights.sum(dim=-1, keepdim=True)
+            weights = torch.where(total > 0, weights / torch.where(total > 0, total, 1.0), weights)
+        return self.buffer.dispatch(x, mapped, weights)
+
+    def combine(self, expert_out: torch.Tensor, handle: EPHandle, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.buffer.combine(expert_out, handle, out)
+
+    def check(self) -> None:
+        self.buffer.check()
+
+
+__all__ = ["EPBuffer", "EPDispatchResult", "EPHandle", "MaskedEPBuffer"]

@@ -145,8 +145,8 @@ def fused_allreduce_rmsnorm(comm, x: torch.Tensor, residual: torch.Tensor, weigh
 
 
 def tuned_fused_num_sms(world_size: int) -> int:
-    """commlib-tune's CTA count for the GPU kernel at ``world_size`` (the tune file's top-level
-    ``fused_num_sms`` list, ``COMMLIB_TUNE_FILE``; read once per file per process), 0 when none.
+    """commlib-tune's CTA count for the GPU kernel at ``world_size`` (the tune file's
+    ``fused_num_sms`` lines, ``COMMLIB_TUNE_FILE``; read once per file per process), 0 when none.
     The GPU path reads it once per communicator and caps its by-size count with it."""
     return int(_C.tuned_fused_num_sms(int(world_size)))
 

@@ -16,7 +16,7 @@ roles swap. Three pieces:
   captured in a CUDA graph. On CPU the same steps run in the same order on the calling thread.
 
 The wave steps, the crossover and the fused op's SM budget come from ``commlib-tune --tokenweave``
-(the tune file's ``tokenweave`` object for this GPU and world size) when measured, else from the
+(the tune file's ``tokenweave`` record for this GPU and world size) when measured, else from the
 built-in defaults below. ``commlib.models.llama.TPDecoderLayer`` is the reference layer built on
 these pieces; see docs/tokenweave.md.
 """

@@ -1,8 +1,9 @@
 """The values ``commlib-tune`` measured on this machine, as the library reads them.
 
 ``commlib-tune`` (``commlib.perf.tune``) measures and writes the tune file (``COMMLIB_TUNE_FILE``,
-default ``~/.cache/commlib/tune.json``; docs/perf.md gives its format). This module is the
-product's side of it: it finds and reads the file and answers what the library asks of it
+default ``~/.cache/commlib/tune.txt``; docs/perf.md gives its format, one ``<section> key=value ...``
+line per record, Note [tune file format]). This module is the product's side of it: it finds and
+reads the file (``parse_lines``, ``read_file``) and answers what the library asks of it
 (``load``: an all-reduce entry by machine key; ``load_cp``: context parallelism's machine
 constants; ``tokenweave_tuned``: TokenWeave's wave steps, crossover and SM budget). It writes
 nothing and imports nothing of ``commlib.perf`` or ``commlib.models``: the product never imports
@@ -10,12 +11,12 @@ its benchmark. The C++ selector reads the same file itself (csrc/core/algorithm_
 """
 from __future__ import annotations
 
-import json
 import os
 import platform
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Dict, List, Optional, Tuple
+from urllib.parse import quote, unquote
 
 FORMAT_VERSION = 1
 # The CUDA collectives besides all_reduce whose crossovers an entry may carry
@@ -24,11 +25,11 @@ COLLECTIVE_OPS = ("reduce_scatter", "all_gather", "broadcast", "all_to_all")
 
 
 def cache_path(path: Optional[str] = None) -> Path:
-    """``path``, else ``$COMMLIB_TUNE_FILE``, else ``~/.cache/commlib/tune.json``."""
+    """``path``, else ``$COMMLIB_TUNE_FILE``, else ``~/.cache/commlib/tune.txt``."""
     if path:
         return Path(path)
     env = os.environ.get("COMMLIB_TUNE_FILE")
-    return Path(env) if env else Path.home() / ".cache" / "commlib" / "tune.json"
+    return Path(env) if env else Path.home() / ".cache" / "commlib" / "tune.txt"
 
 
 def _library_version() -> str:
@@ -102,7 +103,7 @@ def validate(data, path) -> dict:
                                  f"got {ar.get(field)!r}")
         sms = entry.get("fused_num_sms")
         if sms is not None and (isinstance(sms, bool) or not isinstance(sms, int) or sms < 1):
-            raise ValueError(f"commlib.tuned: {path}: entry {i}: fused_num_sms must be null or an integer >= 1, "
+            raise ValueError(f"commlib.tuned: {path}: entry {i}: fused_num_sms must be None or an integer >= 1, "
                              f"got {sms!r}")
         coll = entry.get("collectives")
         if coll is not None and (not isinstance(coll, dict) or any(
@@ -113,15 +114,100 @@ def validate(data, path) -> dict:
     return data
 
 
+# A record's section in the file -> its list in read_file's dict (the others keep their name).
+_LISTS = {"entry": "entries"}
+
+
+def parse_lines(text: str, path) -> List[Tuple[str, Dict[str, str]]]:
+    """The records of a tune file's ``text`` (Note [tune file format]): ``(section, {key: value})``
+    per line that is neither blank nor a ``#`` comment, values as written. ValueError naming
+    ``path``, the line number and the line for a word without ``=``, or for an older JSON file."""
+    if text.lstrip().startswith("{"):
+        raise ValueError(f"commlib.tuned: '{path}' is a JSON tune file of an older commlib; the format is now one "
+                         "`<section> key=value ...` line per entry: re-run commlib-tune (it replaces the file)")
+    records = []
+    for number, line in enumerate(text.splitlines(), 1):
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        for word in words[1:]:
+            if word.find("=") <= 0:
+                raise ValueError(f"commlib.tuned: '{path}' line {number}: '{word}' is not key=value: '{line}'")
+        records.append((words[0], dict(w.split("=", 1) for w in words[1:])))
+    return records
+
+
+def _number(word: str):
+    for kind in (int, float):
+        try:
+            return kind(word)
+        except ValueError:
+            pass
+    return None
+
+
+def _value(word: str):
+    """A written value: None when empty, an int, a float, else a (percent-encoded) string."""
+    if not word:
+        return None
+    number = _number(word)
+    return unquote(word) if number is None else number
+
+
+def _word(value) -> str:
+    """``value`` as one word of the file: None empty, strings percent-encoded (no space, ``=`` or
+    ``#``) and, when they would read back as a number, with their first character encoded too."""
+    if value is None:
+        return ""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return repr(value)
+    word = quote(str(value), safe="()+,:/@")
+    return word if _number(word) is None else f"%{ord(word[0]):02X}{word[1:]}"
+
+
+def format_record(section: str, record: dict) -> str:
+    """One line of the file: ``record``'s fields, nested dicts as dotted keys (``a.b=1``)."""
+    def flat(d: dict, prefix: str):
+        for k, v in d.items():
+            key = prefix + quote(str(k), safe="").replace(".", "%2E")
+            if isinstance(v, dict):
+                yield from flat(v, key + ".")
+            else:
+                yield f"{key}={_word(v)}"
+    return " ".join([section, *flat(record, "")])
+
+
+def _record(fields: Dict[str, str]) -> dict:
+    out: dict = {}
+    for key, word in fields.items():
+        *parents, leaf = [unquote(k) for k in key.split(".")]
+        d = out
+        for k in parents:
+            d = d.setdefault(k, {})
+        d[leaf] = _value(word)
+    return out
+
+
+def format_file(data: dict) -> str:
+    """The text of the tune file holding ``data`` (read_file's dict): a header comment, then one
+    line per record of every list."""
+    section = {name: sec for sec, name in _LISTS.items()}
+    lines = ["# commlib-tune's measurements of this machine (docs/perf.md, Note [tune file format])"]
+    for name, records in data.items():
+        if isinstance(records, list):
+            lines += [format_record(section.get(name, name), r) for r in records if isinstance(r, dict)]
+    return "\n".join(lines) + "\n"
+
+
 def read_file(path: Optional[str] = None) -> dict:
-    """The whole tune file (an empty one when it does not exist); ValueError if malformed."""
+    """The whole tune file as ``{"version", "entries": [...], <section>: [...]}`` (an empty one
+    when it does not exist); ValueError naming the file if malformed."""
     p = cache_path(path)
+    data = {"version": FORMAT_VERSION, "entries": []}
     if not p.exists():
-        return {"version": FORMAT_VERSION, "entries": []}
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"commlib.tuned: {p} is not valid JSON: {e}") from None
+        return data
+    for section, fields in parse_lines(p.read_text(), p):
+        data.setdefault(_LISTS.get(section, section), []).append(_record(fields))
     return validate(data, p)
 
 
@@ -134,7 +220,7 @@ def load(key: dict, path: Optional[str] = None) -> Optional[dict]:
 
 
 def cp_entries(data: dict) -> list:
-    """The top-level ``cp`` list of a tune file (context parallelism's machine constants)."""
+    """The ``cp`` records of a tune file (context parallelism's machine constants)."""
     entries = data.get("cp", [])
     return entries if isinstance(entries, list) else []
 
@@ -174,4 +260,5 @@ def tokenweave_tuned(world_size: Optional[int] = None, path: Optional[str] = Non
 
 
 __all__ = ["FORMAT_VERSION", "COLLECTIVE_OPS", "cache_path", "cpu_model", "gpu_link", "make_key", "validate",
-           "read_file", "load", "cp_entries", "load_cp", "tokenweave_tuned"]
+           "parse_lines", "format_record", "format_file", "read_file", "load", "cp_entries", "load_cp",
+           "tokenweave_tuned"]

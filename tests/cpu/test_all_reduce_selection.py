@@ -3,7 +3,7 @@
 Reference: the built-in table documented in csrc/core/algorithm_selector.cc / docs/gpu-allreduce.md,
 and the override order documented in csrc/core/algorithm_selector.hpp.
 """
-import json
+import re
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,7 @@ BUILTIN = {2: (512 * KiB, 256 * MiB), 3: (256 * KiB, 8 * MiB), 4: (256 * KiB, 8 
 def clean_env(monkeypatch, tmp_path):
     for name in ENV:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.cache/commlib/tune.json from the machine
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.cache/commlib/tune.txt from the machine
 
 
 def select(nbytes, world=2, dtype=torch.bfloat16):
@@ -82,12 +82,16 @@ def test_bad_arguments():
 
 
 def write_tune(path: Path, entries) -> str:
-    path.write_text(json.dumps({"version": 1, "all_reduce": entries, "all_to_all": [{"ignored": True}]}))
+    """A tune file (Note [tune file format]) with one all_reduce line per entry, among lines the
+    reader skips: a comment, a blank line, a section it does not know."""
+    lines = ["# written by the test", "", "all_to_all ignored=1"]
+    lines += ["all_reduce " + " ".join(f"{k}={v}" for k, v in e.items()) for e in entries]
+    path.write_text("\n".join(lines) + "\n")
     return str(path)
 
 
 def test_tune_file(monkeypatch, tmp_path):
-    tune = write_tune(tmp_path / "tune.json", [
+    tune = write_tune(tmp_path / "tune.txt", [
         {"world_size": 2, "flat_max_bytes": 8192, "tree_max_bytes": 2 * MiB},
         {"world_size": 2, "dtype": "float32", "flat_max_bytes": 1024, "tree_max_bytes": 4 * MiB},
         {"world_size": 4, "flat_max_bytes": 0, "tree_max_bytes": 0},
@@ -106,24 +110,79 @@ def test_tune_file(monkeypatch, tmp_path):
 def test_tune_file_default_location(monkeypatch, tmp_path):
     cache = tmp_path / ".cache" / "commlib"
     cache.mkdir(parents=True)
-    write_tune(cache / "tune.json", [{"world_size": 2, "flat_max_bytes": 777, "tree_max_bytes": 999}])
+    write_tune(cache / "tune.txt", [{"world_size": 2, "flat_max_bytes": 777, "tree_max_bytes": 999}])
     assert _C.all_reduce_limits(2, torch.bfloat16) == (777, 999)
 
 
+def test_tune_file_every_section_comments_and_unknown_keys(monkeypatch, tmp_path):
+    """Each section the C++ reader knows, with comments (whole-line, indented), blank lines, runs
+    of spaces and tabs, unknown keys and the Python-only sections around them. Reference: the
+    values written; the world sizes without a line keep the built-in values."""
+    path = tmp_path / "tune.txt"
+    path.write_text("\n".join([
+        "# commlib tune file",
+        "   # an indented comment",
+        "",
+        "all_reduce world_size=3 flat_max_bytes=11 tree_max_bytes=22 measured_by=someone",
+        "all_reduce\tworld_size=3   dtype=float16 flat_max_bytes=33 tree_max_bytes=44",
+        "   ",
+        "fused_num_sms world_size=3 num_sms=24 note=x",
+        "fused_num_sms world_size=3 num_sms=28",  # the last one wins
+        "host_all_reduce world_size=3 flat_max_bytes=4096 future_key=1",
+        "collectives world_size=3 op=broadcast max_bytes=555 other=x",
+        "collectives world_size=3 op=some_future_op max_bytes=7",
+        "hierarchical op=all_gather num_hosts=2 local_size=8 min_bytes=65536",
+        "entry key.device=NVIDIA%20H200 key.world_size=3 all_reduce.flat_max_bytes=1",
+        "tokenweave device=X wave_steps.8192x1024=256",
+        "some_future_section a=b c=d",
+    ]) + "\n")
+    monkeypatch.setenv("COMMLIB_TUNE_FILE", str(path))
+    monkeypatch.delenv("COMMLIB_HOST_TREE_THRESHOLD", raising=False)
+    assert _C.all_reduce_limits(3, torch.bfloat16) == (11, 22)
+    assert _C.all_reduce_limits(3, torch.float16) == (33, 44)
+    assert _C.all_reduce_limits(2, torch.bfloat16) == BUILTIN[2]
+    assert _C.tuned_fused_num_sms(3) == 28 and _C.tuned_fused_num_sms(2) == 0
+    assert _C.select_host_all_reduce_algorithm(4096, 3) == "flat"
+    assert _C.select_host_all_reduce_algorithm(4097, 3) == "tree"
+    assert _C.collective_max_bytes("broadcast", 3) == 555
+    assert _C.collective_max_bytes("broadcast", 2) == 16 * MiB  # built-in
+
+
+@pytest.mark.parametrize("line, why", [
+    ("all_reduce world_size=2 flat_max_bytes=1k tree_max_bytes=5", "flat_max_bytes=1k is not an integer >= 0"),
+    ("all_reduce world_size=2 flat_max_bytes=-1 tree_max_bytes=5", "flat_max_bytes=-1 is not an integer >= 0"),
+    ("all_reduce world_size=2 flat_max_bytes=1.5 tree_max_bytes=5", "flat_max_bytes=1.5 is not an integer >= 0"),
+    ("all_reduce world_size=2 flat_max_bytes=1", "no tree_max_bytes=<value>"),
+    ("all_reduce world_size=2 flat_max_bytes 1 tree_max_bytes=5", "'flat_max_bytes' is not key=value"),
+    ("fused_num_sms world_size=2 num_sms=", "num_sms= is not an integer >= 0"),
+    ("fused_num_sms world_size=2 num_sms=0", "num_sms=0 is not in 1..2^31-1"),
+    ("host_all_reduce world_size=two flat_max_bytes=1", "world_size=two is not an integer >= 0"),
+    ("collectives world_size=2 max_bytes=5", "no op=<value>"),
+    ("hierarchical op=all_gather num_hosts=2 local_size=8", "no min_bytes=<value>"),
+    ("some_future_section =oops", "'=oops' is not key=value"),
+])
+def test_tune_file_malformed_line(monkeypatch, tmp_path, line, why):
+    """A malformed line names the path, the line number (comments and blank lines count) and the line."""
+    path = tmp_path / "bad.txt"
+    path.write_text(f"# header\n\nall_reduce world_size=8 flat_max_bytes=1 tree_max_bytes=2\n{line}\n")
+    monkeypatch.setenv("COMMLIB_TUNE_FILE", str(path))
+    with pytest.raises(ValueError, match=re.escape(f"COMMLIB_TUNE_FILE: '{path}' line 4: {why}: '{line}'")):
+        select(KiB)
+
+
+def test_old_json_tune_file_says_rerun_commlib_tune(monkeypatch, tmp_path):
+    old = tmp_path / "tune.json"
+    old.write_text('\n  {"version": 1, "all_reduce": [{"world_size": 2, "flat_max_bytes": 1, "tree_max_bytes": 2}]}')
+    monkeypatch.setenv("COMMLIB_TUNE_FILE", str(old))
+    with pytest.raises(ValueError, match=re.escape(f"COMMLIB_TUNE_FILE: '{old}' is a JSON tune file of an older "
+                                                   "commlib") + r".*re-run commlib-tune"):
+        select(KiB)
+
+
 def test_tune_file_errors(monkeypatch, tmp_path):
-    missing = tmp_path / "nope.json"
+    missing = tmp_path / "nope.txt"
     monkeypatch.setenv("COMMLIB_TUNE_FILE", str(missing))
-    with pytest.raises(ValueError, match=r"COMMLIB_TUNE_FILE: cannot read '.*nope.json'"):
-        select(KiB)
-    bad = tmp_path / "bad.json"
-    bad.write_text('{"all_reduce": [ {"world_size": 2, ')
-    monkeypatch.setenv("COMMLIB_TUNE_FILE", str(bad))
-    with pytest.raises(ValueError, match=r"cannot parse '.*bad.json'"):
-        select(KiB)
-    incomplete = tmp_path / "incomplete.json"
-    incomplete.write_text('{"all_reduce": [{"world_size": 2, "flat_max_bytes": 1}]}')
-    monkeypatch.setenv("COMMLIB_TUNE_FILE", str(incomplete))
-    with pytest.raises(ValueError, match=r"lacks a non-negative \"tree_max_bytes\""):
+    with pytest.raises(ValueError, match=r"COMMLIB_TUNE_FILE: cannot read '.*nope.txt'"):
         select(KiB)
 
 

@@ -2,11 +2,9 @@
 
 Reference: the built-in table of Note [collective crossovers] (csrc/core/algorithm_selector.cc,
 docs/gpu-collectives.md) and the override order documented in csrc/core/algorithm_selector.hpp:
-COMMLIB_<OP>_MAX_BYTES, then the tune file's "collectives" list, then the table. Also: the tune
-file commlib-tune writes carries the measured crossovers in that list.
+COMMLIB_<OP>_MAX_BYTES, then the tune file's "collectives" lines, then the table. Also: the tune
+file commlib-tune writes carries the measured crossovers in those lines.
 """
-import json
-
 import pytest
 
 from commlib import _C
@@ -29,7 +27,7 @@ BUILTIN = {
 def clean_env(monkeypatch, tmp_path):
     for name in list(KNOBS.values()) + ["COMMLIB_TUNE_FILE"]:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.cache/commlib/tune.json from the machine
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.cache/commlib/tune.txt from the machine
 
 
 @pytest.mark.parametrize("world", sorted(BUILTIN))
@@ -60,12 +58,12 @@ def test_bad_values_name_knob_value_and_valid_set(monkeypatch):
 
 
 def test_tune_file_entries_and_precedence(monkeypatch, tmp_path):
-    path = tmp_path / "tune.json"
-    path.write_text(json.dumps({"version": 1, "collectives": [
-        {"world_size": 2, "op": "all_gather", "max_bytes": 5 * MiB},
-        {"world_size": 2, "op": "all_gather", "max_bytes": 6 * MiB},  # the last one wins
-        {"world_size": 4, "op": "reduce_scatter", "max_bytes": 123},
-        {"world_size": 2, "op": "some_future_op", "max_bytes": 7}]}))
+    path = tmp_path / "tune.txt"
+    path.write_text(f"""collectives world_size=2 op=all_gather max_bytes={5 * MiB}
+collectives world_size=2 op=all_gather max_bytes={6 * MiB}
+collectives world_size=4 op=reduce_scatter max_bytes=123
+collectives world_size=2 op=some_future_op max_bytes=7
+""")  # the last all_gather line wins
     monkeypatch.setenv("COMMLIB_TUNE_FILE", str(path))
     assert _C.collective_max_bytes("all_gather", 2) == 6 * MiB
     assert _C.collective_max_bytes("reduce_scatter", 4) == 123
@@ -75,23 +73,26 @@ def test_tune_file_entries_and_precedence(monkeypatch, tmp_path):
 
 
 def test_tune_file_errors(monkeypatch, tmp_path):
-    path = tmp_path / "bad.json"
-    path.write_text(json.dumps({"version": 1, "collectives": [{"world_size": 2, "max_bytes": 5}]}))
+    path = tmp_path / "bad.txt"
+    path.write_text("collectives world_size=2 max_bytes=5\n")
     monkeypatch.setenv("COMMLIB_TUNE_FILE", str(path))
-    with pytest.raises(ValueError, match=r"bad.json.*collectives entry lacks a string \"op\""):
+    with pytest.raises(ValueError, match=r"bad.txt' line 1: no op=<value>: 'collectives world_size=2 max_bytes=5'"):
         _C.collective_max_bytes("all_gather", 2)
 
 
-def test_commlib_tune_writes_the_collectives_list(tmp_path):
+def test_commlib_tune_writes_the_collectives_list(monkeypatch, tmp_path):
     key = {"device": "NVIDIA H200", "world_size": 2, "link": "nvlink", "version": "x"}
     entry = {"key": key, "all_reduce": {"flat_max_bytes": 1, "tree_max_bytes": 2}, "fused_num_sms": None,
              "collectives": {"all_gather": 8 * MiB, "broadcast": 0}}
-    path = tmp_path / "t.json"
+    path = tmp_path / "t.txt"
     tune.save(entry, str(path))
-    data = json.loads(path.read_text())
-    assert sorted(data["collectives"], key=lambda e: e["op"]) == [
-        {"world_size": 2, "op": "all_gather", "max_bytes": 8 * MiB},
-        {"world_size": 2, "op": "broadcast", "max_bytes": 0}]
+    lines = path.read_text().splitlines()
+    assert sorted(line for line in lines if line.startswith("collectives ")) == [
+        f"collectives world_size=2 op=all_gather max_bytes={8 * MiB}",
+        "collectives world_size=2 op=broadcast max_bytes=0"]
+    assert _C.collective_max_bytes("all_gather", 2) == 16 * MiB  # not COMMLIB_TUNE_FILE: built-in
+    monkeypatch.setenv("COMMLIB_TUNE_FILE", str(path))
+    assert _C.collective_max_bytes("all_gather", 2) == 8 * MiB  # what the C++ reader makes of it
 
 
 def test_threshold_fit_picks_the_crossover():
@@ -107,4 +108,4 @@ def test_commlib_tune_refuses_a_bad_collectives_entry(tmp_path):
     key = {"device": "NVIDIA H200", "world_size": 2, "link": "nvlink", "version": "x"}
     entry = {"key": key, "all_reduce": {"flat_max_bytes": 1, "tree_max_bytes": 2}, "collectives": {"gather": 5}}
     with pytest.raises(ValueError, match=r"collectives must map reduce_scatter, all_gather, broadcast, all_to_all"):
-        tune.save(entry, str(tmp_path / "t.json"))
+        tune.save(entry, str(tmp_path / "t.txt"))

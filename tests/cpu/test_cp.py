@@ -424,7 +424,7 @@ def test_ring_watchdog_thread():
 
 def test_tuned_constants_reach_select_mode(tmp_path, monkeypatch):
     from commlib.perf import tune
-    path = tmp_path / "tune.json"
+    path = tmp_path / "tune.txt"
     monkeypatch.setenv("COMMLIB_TUNE_FILE", str(path))
     entry = tune.tune_cp("cpu", 2)
     assert entry["bw_bytes_per_s"] > 0 and entry["attn_flops_per_s"] > 0
@@ -433,7 +433,7 @@ def test_tuned_constants_reach_select_mode(tmp_path, monkeypatch):
     data = tune.read_file()
     for bw, want in ((1e3, "pass_q"), (1e20, "pass_kv")):
         data["cp"][0].update(bw_bytes_per_s=bw, attn_flops_per_s=1e12)
-        path.write_text(__import__("json").dumps(data))
+        tune.write_file(data)
         cp.select._tuned.clear()
         assert cp.select_mode(1000, 99_000, 2, 8, 2, 64, torch.float32, device_type="cpu") == want
     cp.select._tuned.clear()

@@ -272,13 +272,11 @@ def test_fused_allreduce_rmsnorm_two_level(ranks, hosts):
 
 # ---------------------------------------------------------------------------------------------
 def _crossover(ctx, tmpdir):
-    import json
-
     import torch.distributed as dist
 
     from commlib.perf import tune
     me = ctx.rank
-    path = os.path.join(tmpdir, f"tune-{me}.json")
+    path = os.path.join(tmpdir, f"tune-{me}.txt")
     with as_host(me // 2), ddacomm_world(ctx) as (world, gloo):
         # measured on this group's layout: one entry per op, every rank the same answer
         entries = tune.measure_hierarchical(sizes=(1024, 65536), iters=2, device="cpu")
@@ -290,8 +288,9 @@ def _crossover(ctx, tmpdir):
         tune.save_hierarchical(entries, path)
         tune.save_hierarchical([{"op": "all_reduce", "num_hosts": 2, "local_size": 2, "min_bytes": 4096},
                                 {"op": "barrier", "num_hosts": 2, "local_size": 2, "min_bytes": 1}], path)
-        saved = json.loads(open(path).read())["hierarchical"]
+        saved = tune.read_file(path)["hierarchical"]
         assert sorted(e["op"] for e in saved) == sorted(tune.HIER_OPS)
+        assert "hierarchical op=all_reduce num_hosts=2 local_size=2 min_bytes=4096" in open(path).read().splitlines()
         # a group created with that file: all_reduce below 4096 bytes and barrier flat, the rest two-level
         os.environ["COMMLIB_TUNE_FILE"] = path
         try:

@@ -10,6 +10,7 @@ import csv
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -192,7 +193,7 @@ def test_bad_arguments(args, message):
 
 
 def test_tuner_writes_and_reads_back(tmp_path):
-    cache = tmp_path / "sub" / "tune.json"
+    cache = tmp_path / "sub" / "tune.txt"
     r = run_cli("commlib.perf.tune", "-b", "1K", "-e", "16K", "-n", "3", "--file", str(cache))
     assert r.returncode == 0, r.stdout + r.stderr
     sys.path.insert(0, str(ROOT / "python"))
@@ -222,7 +223,7 @@ def test_gpu_tune_entry_reaches_the_cpp_selector(tmp_path):
     """A GPU entry saved by commlib-tune is what the C++ selector (GPU path, backend) uses."""
     sys.path.insert(0, str(ROOT / "python"))
     from commlib.perf import tune
-    cache = tmp_path / "gpu-tune.json"
+    cache = tmp_path / "gpu-tune.txt"
     key = {"device": "NVIDIA H200", "world_size": 2, "link": "nvlink", "version": "0.1.0"}
     tune.save({"key": key, "all_reduce": {"flat_max_bytes": 12288, "tree_max_bytes": 3 << 20},
                "fused_num_sms": None}, str(cache))
@@ -241,13 +242,55 @@ def test_gpu_tune_entry_reaches_the_cpp_selector(tmp_path):
 def test_tune_file_malformed_raises(tmp_path):
     sys.path.insert(0, str(ROOT / "python"))
     from commlib.perf import tune
-    bad = tmp_path / "t.json"
-    bad.write_text('{"version": 1, "entries": [{"key": {}, "all_reduce": {"flat_max_bytes": -1}}]}')
+    bad = tmp_path / "t.txt"
+    bad.write_text("entry key.world_size=2 all_reduce.flat_max_bytes=-1 all_reduce.tree_max_bytes=1\n")
     with pytest.raises(ValueError, match="all_reduce.flat_max_bytes must be an integer >= 0"):
         tune.read_file(str(bad))
-    bad.write_text("not json")
-    with pytest.raises(ValueError, match="not valid JSON"):
+    bad.write_text("# header\ncp key.world_size=2 attn_flops_per_s 5\n")
+    with pytest.raises(ValueError, match=re.escape(f"'{bad}' line 2: 'attn_flops_per_s' is not key=value: "
+                                                   "'cp key.world_size=2 attn_flops_per_s 5'")):
         tune.read_file(str(bad))
+    bad.write_text(' {"version": 1, "entries": []}')  # an older commlib's JSON file
+    with pytest.raises(ValueError, match=re.escape(f"'{bad}' is a JSON tune file of an older commlib") +
+                       ".*re-run commlib-tune"):
+        tune.read_file(str(bad))
+    # commlib-tune itself replaces such a file instead of refusing it
+    key = {"device": "cpu model", "world_size": 2, "link": "shm", "version": "0.1.0"}
+    entry = {"key": key, "all_reduce": {"flat_max_bytes": 4, "tree_max_bytes": 8}, "fused_num_sms": None}
+    tune.save(entry, str(bad))
+    assert tune.read_file(str(bad))["entries"] == [entry]
+
+
+def test_tune_file_round_trip(tmp_path):
+    """read_file(write_file(data)) == data for what the savers store: strings with spaces, '=', '#'
+    and '%', strings that look like numbers, floats, None, nested dicts; comments, blank lines and
+    unknown sections and keys of a hand-edited file are read too (and the comments dropped on save)."""
+    sys.path.insert(0, str(ROOT / "python"))
+    from commlib import tuned
+    from commlib.perf import tune
+    path = tmp_path / "t.txt"
+    key = {"device": "Intel(R) Xeon(R) = #1 100%", "world_size": 2, "link": "shm", "version": "1.0"}
+    data = {"version": 1,
+            "entries": [{"key": key, "all_reduce": {"flat_max_bytes": 0, "tree_max_bytes": 1 << 40},
+                         "fused_num_sms": None, "collectives": {"all_gather": 5}}],
+            "cp": [{"key": {**key, "version": "7"}, "bw_bytes_per_s": None, "attn_flops_per_s": 1.25e12}],
+            "tokenweave": [{"device": "NVIDIA H200", "world_size": 2, "wave_steps": {"8192x1024": 128, "a.b": 3},
+                            "split_min_tokens": None, "num_sms": 16}],
+            "hierarchical": [{"op": "barrier", "num_hosts": 2, "local_size": 8, "min_bytes": 1}]}
+    want = json.loads(json.dumps(data))  # write_file adds the C++ lists to data
+    tune.write_file(data, str(path))
+    text = path.read_text()
+    assert all(len(line.split()) >= 2 and all("=" in w for w in line.split()[1:])
+               for line in text.splitlines() if not line.startswith("#")), text
+    got = tune.read_file(str(path))
+    assert {k: got[k] for k in want} == want
+    # write_file's C++ lists, one line each (the CPU entry gives host_all_reduce)
+    assert "host_all_reduce world_size=2 flat_max_bytes=0" in text.splitlines()
+    assert got["host_all_reduce"] == [{"world_size": 2, "flat_max_bytes": 0}]
+    path.write_text("# by hand\n\n   \n" + text + "future_section x=1 y=two\n")
+    assert tuned.read_file(str(path))["future_section"] == [{"x": 1, "y": "two"}]
+    assert tuned.parse_lines("# c\n\nall_reduce world_size=2  flat_max_bytes=1\n", "p") == [
+        ("all_reduce", {"world_size": "2", "flat_max_bytes": "1"})]
 
 
 def test_crossovers():
@@ -302,20 +345,19 @@ def _auto_refuses_bad_tune_file(ctx, path):
 def test_cpu_auto_honours_tune_file(ranks, tmp_path):
     sys.path.insert(0, str(ROOT / "python"))
     from commlib.perf import tune
-    cache = tmp_path / "tune.json"
+    cache = tmp_path / "tune.txt"
     key = tune.make_key("cpu", 2)
     tune.save({"key": key, "all_reduce": {"flat_max_bytes": 4096, "tree_max_bytes": 1 << 20},
                "fused_num_sms": None}, str(cache))
     out = ranks(2, env={"COMMLIB_TUNE_FILE": str(cache)}).run(_auto_follows_tune_file, 4096)
     assert out == [["flat", "tree"]] * 2
     # No CPU entry: the built-in threshold (256 KiB) decides, in C++ as for the backend.
-    gpu_only = tmp_path / "gpu.json"
-    gpu_only.write_text('{"version": 1, "entries": [], "all_reduce": [{"world_size": 2, "flat_max_bytes": 1, '
-                        '"tree_max_bytes": 2}]}')
+    gpu_only = tmp_path / "gpu.txt"
+    gpu_only.write_text("all_reduce world_size=2 flat_max_bytes=1 tree_max_bytes=2\n")
     out = ranks(2, env={"COMMLIB_TUNE_FILE": str(gpu_only)}).run(_auto_follows_tune_file, 4096)
     assert out == [["flat", "flat"]] * 2
     # A tune file that cannot be read is the same clear error on CPU as on GPU.
-    missing = tmp_path / "missing.json"
+    missing = tmp_path / "missing.txt"
     assert all(ranks(2, env={"COMMLIB_TUNE_FILE": str(missing)}).run(_auto_refuses_bad_tune_file, str(missing)))
 
 
@@ -456,7 +498,7 @@ def test_tuner_writes_fused_num_sms_and_the_fused_default_reads_it(tmp_path, mon
         return {4: 41.0, 8: 30.0, 16: 24.9, 32: 24.0, 64: 24.5}
     monkeypatch.setattr(tune, "measure_fused_num_sms", fake_sweep)
     monkeypatch.setattr(tune, "measure_collectives", lambda *a: {"all_gather": 4096})
-    cache = tmp_path / "gpu.json"
+    cache = tmp_path / "gpu.txt"
     assert tune.main(["--device", "cuda", "-np", "2", "--file", str(cache)]) == 0
     assert swept == [2]
     data = tune.read_file(str(cache))
@@ -464,7 +506,7 @@ def test_tuner_writes_fused_num_sms_and_the_fused_default_reads_it(tmp_path, mon
     assert data["entries"][0]["fused_num_sms"] == 16  # the smallest count within 5% of the best (24.0)
     assert data["fused_num_sms"] == [{"world_size": 2, "num_sms": 16}]
     assert tune.main(["--device", "cuda", "-np", "2", "--file", str(cache), "--no-fused"]) == 0
-    assert swept == [2] and tune.read_file(str(cache))["fused_num_sms"] == []
+    assert swept == [2] and "fused_num_sms" not in tune.read_file(str(cache))  # no line
     # The reader (C++, csrc/core/algorithm_selector.cc) behind the fused op's default num_sms.
     tune.save({"key": {**key, "world_size": 4}, "all_reduce": {"flat_max_bytes": 1, "tree_max_bytes": 2},
                "fused_num_sms": 24}, str(cache))
@@ -472,24 +514,24 @@ def test_tuner_writes_fused_num_sms_and_the_fused_default_reads_it(tmp_path, mon
                "fused_num_sms": 99}, str(cache))  # CPU entries never reach the C++ list
     monkeypatch.setenv("COMMLIB_TUNE_FILE", str(cache))
     assert [fused.tuned_fused_num_sms(n) for n in (2, 4, 8)] == [0, 24, 0]
-    other = tmp_path / "other.json"
-    other.write_text(json.dumps({"version": 1, "entries": [], "fused_num_sms": [{"world_size": 2, "num_sms": 8}]}))
+    other = tmp_path / "other.txt"
+    other.write_text("fused_num_sms world_size=2 num_sms=8\n")
     monkeypatch.setenv("COMMLIB_TUNE_FILE", str(other))
     assert fused.tuned_fused_num_sms(2) == 8
 
 
 def test_fused_num_sms_malformed(tmp_path, monkeypatch):
     sys.path.insert(0, str(ROOT / "python"))
-    from commlib import fused
+    from commlib import fused, tuned
     from commlib.perf import tune
-    bad = tmp_path / "bad-sms.json"
-    bad.write_text(json.dumps({"version": 1, "entries": [], "fused_num_sms": [{"world_size": 2, "num_sms": 0}]}))
+    bad = tmp_path / "bad-sms.txt"
+    bad.write_text("fused_num_sms world_size=2 num_sms=0\n")
     monkeypatch.setenv("COMMLIB_TUNE_FILE", str(bad))
-    with pytest.raises(ValueError, match=r"fused_num_sms entry has num_sms 0; valid: an integer >= 1"):
+    with pytest.raises(ValueError, match=r"bad-sms.txt' line 1: num_sms=0 is not in 1..2\^31-1"):
         fused.tuned_fused_num_sms(2)
     entry = {"key": {"world_size": 2}, "all_reduce": {"flat_max_bytes": 1, "tree_max_bytes": 2}, "fused_num_sms": 0}
-    bad.write_text(json.dumps({"version": 1, "entries": [entry]}))
-    with pytest.raises(ValueError, match=r"entry 0: fused_num_sms must be null or an integer >= 1, got 0"):
+    bad.write_text(tuned.format_file({"version": 1, "entries": [entry]}))
+    with pytest.raises(ValueError, match=r"entry 0: fused_num_sms must be None or an integer >= 1, got 0"):
         tune.read_file(str(bad))
 
 

@@ -109,7 +109,7 @@ def test_split_crossover():
 
 def test_tune_record_round_trip(tmp_path, monkeypatch):
     from commlib.perf import tune
-    path = str(tmp_path / "tune.json")
+    path = str(tmp_path / "tune.txt")
     entry = {"key": tune.make_key("cpu", 2), "all_reduce": {"flat_max_bytes": 1024, "tree_max_bytes": 4096},
              "fused_num_sms": None}
     tune.save(entry, path)

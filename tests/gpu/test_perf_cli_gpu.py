@@ -127,16 +127,18 @@ def test_row_ops_planted_wrong_result_on_gpu():
 def test_tune_measures_fused_num_sms_and_the_fused_op_uses_it(tmp_path):
     """commlib-tune on the GPUs writes fused_num_sms (one of the candidates); the C++ reader returns
     it and the fused op stays right with it as its default."""
-    cache = tmp_path / "tune.json"
+    cache = tmp_path / "tune.txt"
     env = dict(os.environ, PYTHONPATH=str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-m", "commlib.perf.tune", "--device", "cuda", "-np", "2", "-b", "64K", "-e", "1M",
                         "-n", "5", "--file", str(cache)], capture_output=True, text=True, env=env, timeout=900,
                        cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
-    data = json.loads(cache.read_text())
+    from commlib import tuned
+    data = tuned.read_file(str(cache))
     sms = data["entries"][0]["fused_num_sms"]
     assert sms in (4, 8, 16, 32, 64), data
     assert data["fused_num_sms"] == [{"world_size": 2, "num_sms": sms}]
+    assert f"fused_num_sms world_size=2 num_sms={sms}" in cache.read_text().splitlines()
     env["COMMLIB_TUNE_FILE"] = str(cache)
     env.pop("COMMLIB_FUSED_NUM_SMS", None)
     code = "import commlib.fused as f; print(f.tuned_fused_num_sms(2))"

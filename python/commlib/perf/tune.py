@@ -5,35 +5,34 @@ CTA count) and caches them.
     commlib-tune -np 2 --device cuda   # GPU: flat vs tree vs NCCL, and fused_allreduce_rmsnorm's num_sms
     torchrun --nnodes=N ... -m commlib.perf.tune --hierarchical   # a multi-node job: two-level vs flat
 
-The cache (``COMMLIB_TUNE_FILE``, default ``~/.cache/commlib/tune.json``) holds one entry per
-(device model, world size, link type, library version)::
+The cache (``COMMLIB_TUNE_FILE``, default ``~/.cache/commlib/tune.txt``) is a text file, one
+``<section> key=value ...`` record per line (Note [tune file format]; strings percent-encoded,
+nested fields as dotted keys). It holds one ``entry`` per (device model, world size, link type,
+library version)::
 
-    {"version": 1,
-     "entries": [{"key": {"device": "NVIDIA H200", "world_size": 2, "link": "nvlink", "version": "0.1.0"},
-                  "all_reduce": {"flat_max_bytes": 262144, "tree_max_bytes": 33554432},
-                  "fused_num_sms": 16}],
-     "all_reduce": [{"world_size": 2, "flat_max_bytes": 262144, "tree_max_bytes": 33554432}],
-     "fused_num_sms": [{"world_size": 2, "num_sms": 16}],
-     "host_all_reduce": [{"world_size": 2, "flat_max_bytes": 65536}],
-     "collectives": [{"world_size": 2, "op": "all_gather", "max_bytes": 16777216}, ...]}
+    entry key.device=NVIDIA%20H200 key.world_size=2 key.link=nvlink key.version=0.1.0 all_reduce.flat_max_bytes=262144 all_reduce.tree_max_bytes=33554432 fused_num_sms=16 collectives.all_gather=16777216
+    all_reduce world_size=2 flat_max_bytes=262144 tree_max_bytes=33554432
+    fused_num_sms world_size=2 num_sms=16
+    host_all_reduce world_size=2 flat_max_bytes=65536
+    collectives world_size=2 op=all_gather max_bytes=16777216
 
 ``commlib-tune --cp`` also measures ring attention's machine constants (``measure_cp``: attention
-FLOP/s and the copy-engine ring bandwidth) into a top-level ``cp`` list of ``{"key": ...,
-"bw_bytes_per_s": ..., "attn_flops_per_s": ...}``, which ``commlib.cp.select_mode`` reads.
+FLOP/s and the copy-engine ring bandwidth) into ``cp`` records (``key.*``, ``bw_bytes_per_s``,
+``attn_flops_per_s``), which ``commlib.cp.select_mode`` reads.
 
-``entries`` is what commlib-tune reads (keyed; CPU entries have link "shm"); the top-level
-``all_reduce`` and ``fused_num_sms`` lists (from the GPU entries) and ``host_all_reduce`` (from the
-CPU entries) are rewritten on every save (``write_file``, Note [tune file writer]) and are what the
-library reads, in C++, for the Python API and the torch backend alike
-(csrc/core/algorithm_selector.hpp, Note [tune file format]): the file describes one machine. The
-Python side of the library reads the file through ``commlib.tuned`` (which imports nothing of
-this package). A malformed file raises ValueError naming the file.
+The ``entry`` records are what commlib-tune reads (keyed; CPU entries have link "shm"); the
+``all_reduce``, ``fused_num_sms`` and ``collectives`` records (from the GPU entries) and
+``host_all_reduce`` (from the CPU entries) are rewritten on every save (``write_file``, Note [tune
+file writer]) and are what the library reads, in C++, for the Python API and the torch backend
+alike (csrc/core/algorithm_selector.hpp, Note [tune file format]): the file describes one machine.
+The Python side of the library reads the file through ``commlib.tuned`` (which imports nothing of
+this package). A malformed file raises ValueError naming the file and the line.
 
 all_reduce with ``algo="auto"`` uses flat up to ``flat_max_bytes`` (inclusive), tree up to
 ``tree_max_bytes``, and NCCL above where an NCCL engine is attached (tree otherwise; on CPU there
 is no NCCL, so ``tree_max_bytes`` is the largest size measured). ``fused_num_sms``: the GPU fused
 all-reduce + RMSNorm kernel's CTA count, the smallest of FUSED_NUM_SMS_CANDIDATES whose time at
-1024 tokens x hidden 8192 bf16 is within 5% of the best; ``null`` on CPU or when not measured. The
+1024 tokens x hidden 8192 bf16 is within 5% of the best; absent on CPU or when not measured. The
 fused op uses it as the cap of its by-size CTA count when the caller passes ``num_sms=None`` and
 ``COMMLIB_FUSED_NUM_SMS`` is 0. ``collectives`` (GPU, from the entries' ``collectives`` dicts):
 per op (reduce_scatter, all_gather, broadcast, all_to_all) the largest message the torch backend
@@ -52,8 +51,8 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 # The reading side lives in the product (commlib.tuned); the names are here too for the CLI's callers.
-from ..tuned import (COLLECTIVE_OPS, FORMAT_VERSION, cache_path, cp_entries, cpu_model, gpu_link,  # noqa: F401
-                     load, load_cp, make_key, read_file, tokenweave_tuned, validate)
+from ..tuned import (COLLECTIVE_OPS, FORMAT_VERSION, cache_path, cp_entries, cpu_model, format_file,  # noqa: F401
+                     gpu_link, load, load_cp, make_key, read_file, tokenweave_tuned, validate)
 
 FUSED_NUM_SMS_CANDIDATES = (8, 16, 32, 64, 132)
 FUSED_TUNE_TOKENS, FUSED_TUNE_HIDDEN = 1024, 8192  # a representative prefill chunk (bf16)
@@ -62,10 +61,11 @@ FUSED_WITHIN = 0.05  # the smallest count within this fraction of the best time 
 
 # Note [tune file writer]
 # Every change to the tune file goes through write_file: the savers below only edit the file's own
-# records (the keyed "entries", and the top-level "tokenweave", "cp" and "hierarchical" lists), and
-# write_file derives, from the entries, the flat lists the C++ selector reads
-# (csrc/core/algorithm_selector.cc, Note [tune file format]) and writes atomically. A change of
-# what the C++ side reads is a change of write_file alone.
+# records (the keyed "entries", and the "tokenweave", "cp" and "hierarchical" lists of read_file's
+# dict), and write_file derives, from the entries, the records the C++ selector reads
+# (csrc/core/algorithm_selector.cc, Note [tune file format]) and writes the whole file atomically,
+# one line per record (commlib.tuned.format_file; comments and blank lines are not kept). A change
+# of what the C++ side reads is a change of write_file alone.
 
 def write_file(data: dict, path: Optional[str] = None) -> Path:
     """Writes the tune file ``data`` (Note [tune file writer]): validates it, rewrites the lists the
@@ -88,17 +88,26 @@ def write_file(data: dict, path: Optional[str] = None) -> Path:
                                 "flat_max_bytes": e["all_reduce"]["flat_max_bytes"]}
                                for e in data["entries"] if e["key"].get("link") == "shm"]
     p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tune-", suffix=".json")
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tune-", suffix=".txt")
     with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
+        f.write(format_file(data))
     os.replace(tmp, p)
     return p
 
 
+def read_for_save(path: Optional[str] = None) -> dict:
+    """The records a save keeps: read_file's, except that an older commlib's JSON file, which the
+    library refuses, is replaced (with a note on stderr) rather than refused here too."""
+    p = cache_path(path)
+    if p.exists() and p.read_text().lstrip().startswith("{"):
+        print(f"commlib-tune: replacing {p}, a JSON tune file of an older commlib", file=sys.stderr)
+        return {"version": FORMAT_VERSION, "entries": []}
+    return read_file(path)
+
+
 def save(entry: dict, path: Optional[str] = None) -> Path:
     """Adds ``entry`` to the cache, replacing one with the same key."""
-    data = read_file(path)
+    data = read_for_save(path)
     data["entries"] = [e for e in data["entries"] if e["key"] != entry["key"]] + [entry]
     return write_file(data, path)
 
@@ -192,8 +201,9 @@ def measure_fused_num_sms(np_: int, iters: int, counts=FUSED_NUM_SMS_CANDIDATES,
 
 # ---------------------------------------------------------------------------------------------
 # TokenWeave (commlib.tokenweave): GEMM wave steps, the split crossover, the overlap's SM budget.
-# Stored apart from the entries, in the top-level list "tokenweave", one record per (GPU, world
-# size): {"device", "world_size", "wave_steps": {"NxK": tokens}, "split_min_tokens", "num_sms"}.
+# Stored apart from the entries, in "tokenweave" records, one per (GPU, world size):
+# {"device", "world_size", "wave_steps": {"NxK": tokens}, "split_min_tokens", "num_sms"}, a line
+# `tokenweave device=... world_size=2 wave_steps.8192x1024=256 ... split_min_tokens=1024 num_sms=16`.
 
 TOKENWEAVE_TOKENS = (256, 512, 1024, 2048, 4096)
 TOKENWEAVE_NUM_SMS_CANDIDATES = (4, 8, 16, 32, 132)
@@ -201,9 +211,9 @@ TOKENWEAVE_NUM_SMS_TOKENS = 2048
 
 
 def save_tokenweave(record: dict, path: Optional[str] = None) -> Path:
-    """Adds ``record`` to the top-level ``tokenweave`` list, replacing the one of the same device
+    """Adds ``record`` to the ``tokenweave`` records, replacing the one of the same device
     and world size."""
-    data = read_file(path)
+    data = read_for_save(path)
     keep = [r for r in data.get("tokenweave") or []
             if (r.get("device"), r.get("world_size")) != (record["device"], record["world_size"])]
     data["tokenweave"] = keep + [record]
@@ -307,11 +317,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("-b", "--minbytes", default="1K")
     p.add_argument("-e", "--maxbytes", default="64M")
     p.add_argument("-n", "--iters", type=int, default=20)
-    p.add_argument("--file", default=None, help="cache path (default $COMMLIB_TUNE_FILE or ~/.cache/commlib/tune.json)")
+    p.add_argument("--file", default=None, help="cache path (default $COMMLIB_TUNE_FILE or ~/.cache/commlib/tune.txt)")
     p.add_argument("--show", action="store_true", help="print the cache and exit")
     p.add_argument("--cp", action="store_true", help="also measure ring attention's BW and C (commlib.cp.select_mode)")
     p.add_argument("--no-fused", dest="fused", action="store_false",
-                   help="GPU: skip the fused kernel's CTA-count sweep (fused_num_sms stays null)")
+                   help="GPU: skip the fused kernel's CTA-count sweep (fused_num_sms stays empty)")
     p.add_argument("--no-collectives", dest="collectives", action="store_false",
                    help="GPU: skip the reduce_scatter / all_gather / broadcast / all_to_all crossovers")
     p.add_argument("--tokenweave", action="store_true",
@@ -323,7 +333,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if opts.hierarchical:
         return hierarchical_main(opts.iters, opts.device, opts.file)
     if opts.show:
-        print(json.dumps(read_file(opts.file), indent=1))
+        print(format_file(read_file(opts.file)), end="")
         return 0
     from .__main__ import _num_gpus
     gpus = _num_gpus()
@@ -409,9 +419,9 @@ def measure_cp(device_type: str, iters: int = 10) -> dict:
 
 def tune_cp(device_type: str, world_size: int, path: Optional[str] = None) -> dict:
     """Measures (``measure_cp``) and caches the cp constants under this machine's key in the
-    tune file's top-level ``cp`` list; returns the new entry."""
+    tune file's ``cp`` records; returns the new entry."""
     entry = {"key": make_key(device_type, world_size), **measure_cp(device_type)}
-    data = read_file(path)
+    data = read_for_save(path)
     data["cp"] = [e for e in cp_entries(data) if e.get("key") != entry["key"]] + [entry]
     write_file(data, path)
     return entry
@@ -530,9 +540,9 @@ def hierarchical_main(iters: int, device: Optional[str], path: Optional[str]) ->
 
 
 def save_hierarchical(entries: List[dict], path: Optional[str] = None) -> Path:
-    """Puts ``entries`` in the top-level ``hierarchical`` list, replacing those of the same op and
+    """Puts ``entries`` in the ``hierarchical`` records, replacing those of the same op and
     layout (Note [tune file format]). Every host reads its own file: write it on each host."""
-    data = read_file(path)
+    data = read_for_save(path)
     new = {(e["op"], e["num_hosts"], e["local_size"]) for e in entries}
     keep = [e for e in data.get("hierarchical") or [] if (e.get("op"), e.get("num_hosts"), e.get("local_size")) not in new]
     data["hierarchical"] = keep + list(entries)
