@@ -70,6 +70,9 @@ const std::vector<Knob>& knobs() {
       {"COMMLIB_KV_STAGING_BYTES", "16777216", KnobCategory::kRuntime,
        "commlib.kv on CUDA: bytes of the sending agent's block-id staging (pinned host + device); a "
        "request holds 8 bytes per block until its last layer is sent."},
+      {"COMMLIB_LOG_PLAN", "0", KnobCategory::kRuntime,
+       "1: log each call's plan (variant and reason, Note [plan] in csrc/core/plan.hpp) to stderr, one "
+       "line with the rank, once per (op, bytes, dtype, variant) in a process. Read once per process."},
       {"COMMLIB_HOST_TREE_THRESHOLD", "262144", KnobCategory::kTuning,
        "CPU all_reduce: messages of at least this many bytes use tree (reduce-scatter + "
        "all-gather), smaller ones flat."},

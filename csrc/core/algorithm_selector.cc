@@ -247,6 +247,8 @@ Algorithm AllReduceSelector::select(size_t bytes, DataType dtype) const {
   return choose(bytes, forced_, limits_[reducible_index(dtype)]);
 }
 
+const AllReduceLimits& AllReduceSelector::limits(DataType dtype) const { return limits_[reducible_index(dtype)]; }
+
 int64_t tuned_host_flat_max_bytes(int world_size) {
   const std::string path = tune_file_path();
   int64_t flat_max = -1;

@@ -5,9 +5,9 @@
 //   2. COMMLIB_FLAT_MAX_BYTES / COMMLIB_TREE_MAX_BYTES (non-zero) replace the limits below;
 //   3. the tune cache (COMMLIB_TUNE_FILE, else ~/.cache/commlib/tune.txt when it exists);
 //   4. the built-in table (kBuiltinAllReduceTable in algorithm_selector.cc).
-// bytes <= flat_max_bytes -> flat; <= tree_max_bytes -> tree; larger -> nccl.
-// The direct API has no NCCL engine: there "nccl" runs tree (docs/gpu-allreduce.md); the torch
-// backend routes it to NCCL.
+// bytes <= flat_max_bytes -> flat; <= tree_max_bytes -> tree; larger -> nccl. These are the limits
+// and the choice by size; what a call runs (LL or not, zero-copy, nccl or tree where no NCCL engine
+// is attached) is its plan's (plan_all_reduce, Note [plan] in csrc/core/plan.hpp).
 //
 // Note [tune file format]
 // A text file written by commlib-tune (python/commlib/perf/tune.py, Note [tune file writer]), one
@@ -71,6 +71,8 @@ class AllReduceSelector {
  public:
   explicit AllReduceSelector(int world_size);
   Algorithm select(size_t bytes, DataType dtype) const;  // never kAuto
+  Algorithm forced() const { return forced_; }  // COMMLIB_ALLREDUCE_ALGO; kAuto: by the limits
+  const AllReduceLimits& limits(DataType dtype) const;  // TypeMismatch for a dtype that is not reducible
 
  private:
   Algorithm forced_;

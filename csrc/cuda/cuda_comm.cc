@@ -34,12 +34,6 @@ CudaComm& Communicator::cuda(int device) {
 
 namespace {
 
-// Payload of one LL all-reduce call; larger LL messages run as several calls. The buffer is also
-// the fused op's (Note [fused LL layout]): this size lets its LL kernel take 32 tokens of hidden
-// 8192 on 2 ranks in one call.
-constexpr size_t kLLBytesPerCall = 512u << 10;
-
-
 // The fields every all-reduce kernel's params take.
 template <typename P>
 P all_reduce_params(const void* input, void* output, size_t count, DataType dtype, ReduceOp op,
@@ -54,11 +48,6 @@ P all_reduce_params(const void* input, void* output, size_t count, DataType dtyp
   p.max_blocks = static_cast<int>(max_blocks);
   return p;
 }
-
-// Largest symmetric tensor that the tree reduces in place (zero-copy). Above it the copy-in tree,
-// whose NVLink traffic is all stores, beat the zero-copy one, whose reduce loads the peers' slices,
-// on 2x H200: 64 MiB 211.7 vs 221.3 µs, 256 MiB 755.2 vs 809.3 (a tie at 16 MiB; docs/gpu-allreduce.md).
-constexpr size_t kZeroCopyTreeMaxBytes = size_t{16} << 20;
 
 }  // namespace
 
@@ -223,49 +212,70 @@ void CudaComm::end_op(cudaStream_t stream, const char* /*what*/) {
   has_last_ = true;
 }
 
+Residence CudaComm::residence(const void* input, const void* output, size_t bytes) const {
+  if (input != output || user_buffers_.empty() || (reinterpret_cast<uintptr_t>(output) & 15u) != 0) {
+    return Residence::kPlain;
+  }
+  size_t offset = 0;
+  return find_symmetric(output, bytes, &offset) != nullptr ? Residence::kSymmetricInPlace : Residence::kPlain;
+}
+
 void CudaComm::all_reduce(const void* input, void* output, size_t count, DataType dtype, ReduceOp op,
                           Algorithm algo, cudaStream_t stream) {
+  const size_t bytes = count * dtype_size(dtype);
+  AllReduceShape shape;
+  shape.bytes = bytes;
+  shape.dtype = dtype;
+  shape.placement = Placement::kCuda;
+  shape.requested = algo;
+  shape.nccl = NcclEngine::kNone;
+  shape.residence = residence(input, output, bytes);
+  all_reduce(input, output, count, dtype, op, plan_all_reduce(config_, shape), stream);
+}
+
+void CudaComm::all_reduce(const void* input, void* output, size_t count, DataType dtype, ReduceOp op,
+                          const Plan& plan, cudaStream_t stream) {
   const char* what = "all_reduce";
   COMMLIB_CHECK(op == ReduceOp::kSum || op == ReduceOp::kAvg, InvalidArgument, what, ": op ", reduce_op_name(op),
                 " not supported for CUDA tensors; supported: sum, avg");
   COMMLIB_CHECK(is_reducible(dtype), TypeMismatch, what, ": dtype ", dtype_name(dtype),
                 " not supported; supported: float32, float16, bfloat16");
-  COMMLIB_CHECK(algo != Algorithm::kNccl, InvalidArgument, what,
-                ": algo 'nccl' needs an NCCL engine (the ddacomm torch backend); supported here: auto, flat, tree");
+  const Variant v = plan.variant;
+  COMMLIB_CHECK(v == Variant::kFlatLL || v == Variant::kFlat || v == Variant::kTree || v == Variant::kTreeZeroCopy,
+                InvalidArgument, what, ": plan '", variant_name(v),
+                "' is not a CUDA all-reduce kernel; supported: flat_ll, flat, tree, tree_zero_copy");
   if (count == 0) {
     check_error(what);
     return;
   }
   const size_t bytes = count * dtype_size(dtype);
-  if (algo == Algorithm::kAuto) {
-    algo = config_.all_reduce.selector.select(bytes, dtype);
-    if (algo == Algorithm::kNccl) algo = Algorithm::kTree;  // no NCCL engine in the direct API
-  }
   DeviceGuard guard(device_);
   begin_op(stream, what);
   Status status;
-  const AllReduceConfig& cfg = config_.all_reduce;
-  const int64_t max_blocks = cfg.max_blocks;
+  const Geometry& geo = plan.geometry;
   const BarrierDevice barrier = barrier_handle();
-  if (algo == Algorithm::kFlat && bytes <= cfg.flat_ll_max_bytes) {
-    auto p = all_reduce_params<kernels::AllReduceFlatLLParams>(input, output, count, dtype, op, barrier, max_blocks);
+  plan_executed(plan, rank_);
+  if (v == Variant::kFlatLL) {
+    auto p = all_reduce_params<kernels::AllReduceFlatLLParams>(input, output, count, dtype, op, barrier, geo.grid);
     p.lines = ll_lines_->device_handle();
-    p.max_bytes_per_call = kLLBytesPerCall;
-    p.order = cfg.order;
+    p.max_bytes_per_call = geo.chunk_bytes;
+    p.order = geo.order;
     status = kernels::launch_all_reduce_flat_ll(p, stream);
-  } else if (algo == Algorithm::kFlat) {
-    auto p = all_reduce_params<kernels::AllReduceFlatParams>(input, output, count, dtype, op, barrier, max_blocks);
+  } else if (v == Variant::kFlat) {
+    auto p = all_reduce_params<kernels::AllReduceFlatParams>(input, output, count, dtype, op, barrier, geo.grid);
     p.workspace = workspace_->device_handle();
-    p.order = cfg.order;
+    p.order = geo.order;
     status = kernels::launch_all_reduce_flat(p, stream);
   } else {
-    auto p = all_reduce_params<kernels::AllReduceTreeParams>(input, output, count, dtype, op, barrier, max_blocks);
+    auto p = all_reduce_params<kernels::AllReduceTreeParams>(input, output, count, dtype, op, barrier,
+                                                             config_.all_reduce.max_blocks);
     p.workspace = workspace_->device_handle();
-    p.config = cfg.tree;
-    size_t offset = 0;
-    std::shared_ptr<SymmetricBuffer> sym;
-    if (input == output && bytes <= kZeroCopyTreeMaxBytes && (reinterpret_cast<uintptr_t>(output) & 15u) == 0 &&
-        (sym = find_symmetric(output, bytes, &offset)) != nullptr) {
+    p.config = config_.all_reduce.tree;
+    if (v == Variant::kTreeZeroCopy) {
+      size_t offset = 0;
+      std::shared_ptr<SymmetricBuffer> sym = find_symmetric(output, bytes, &offset);
+      COMMLIB_CHECK(input == output && sym != nullptr, InvalidArgument, what,
+                    ": plan 'tree_zero_copy' for a tensor that is not a symmetric tensor reduced in place");
       p.source_kind = kernels::AllReduceSource::kSymmetricInput;
       p.source = sym->device_handle_at(offset);
     }
@@ -281,6 +291,16 @@ void copy_local(void* dst, const void* src, size_t bytes, cudaStream_t stream, c
   if (dst != src) cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream), what, "cudaMemcpyAsync");
 }
 
+Plan exchange_plan(const CommConfig& config, CollectiveOp op, size_t message_bytes, DataType dtype) {
+  ExchangeShape shape;
+  shape.op = op;
+  shape.message_bytes = message_bytes;
+  shape.dtype = dtype;
+  shape.placement = Placement::kCuda;
+  shape.nccl = NcclEngine::kNone;
+  return plan_exchange(config, shape);
+}
+
 }  // namespace
 
 void CudaComm::reduce_scatter(const void* input, void* output, size_t count, DataType dtype, ReduceOp op,
@@ -294,9 +314,12 @@ void CudaComm::reduce_scatter(const void* input, void* output, size_t count, Dat
     check_error(what);
     return;
   }
+  const Plan plan = exchange_plan(config_, CollectiveOp::kReduceScatter,
+                                  count * static_cast<size_t>(world_size_) * dtype_size(dtype), dtype);
   DeviceGuard guard(device_);
   begin_op(stream, what);
-  if (world_size_ == 1) {  // the sum (and avg: / 1, exact) of one rank: a copy-engine copy
+  plan_executed(plan, rank_);
+  if (plan.variant == Variant::kLocalCopy) {  // the sum (and avg: / 1, exact) of one rank: a copy-engine copy
     copy_local(output, input, count * dtype_size(dtype), stream, what);
     end_op(stream, what);
     return;
@@ -309,11 +332,10 @@ void CudaComm::reduce_scatter(const void* input, void* output, size_t count, Dat
   p.op = op;
   p.workspace = workspace_->device_handle();
   p.barrier = barrier_handle();
-  p.order = config_.all_reduce.order;
-  // Note [push exchange]: the LL kernel up to the all-reduce's LL limit (of the whole message).
-  if (count * static_cast<size_t>(world_size_) * dtype_size(dtype) <= config_.all_reduce.flat_ll_max_bytes) {
+  p.order = plan.geometry.order;
+  if (plan.variant == Variant::kReduceScatterLL) {
     p.lines = ll_lines_handle();
-    p.max_bytes_per_call = kLLBytesPerCall;
+    p.max_bytes_per_call = plan.geometry.chunk_bytes;
     throw_if_error(kernels::launch_reduce_scatter_ll(p, stream));
   } else {
     throw_if_error(kernels::launch_reduce_scatter(p, stream));
@@ -323,27 +345,28 @@ void CudaComm::reduce_scatter(const void* input, void* output, size_t count, Dat
 
 namespace {
 
-// `message_bytes`: the op's whole message (Note [collective crossovers]), which picks the kernel.
-void run_exchange(CudaComm& cuda, kernels::ExchangeParams& p, size_t message_bytes, cudaStream_t stream) {
+// `message_bytes`: the op's whole message (Note [collective crossovers]), which the plan reads.
+void run_exchange(CudaComm& cuda, kernels::ExchangeParams& p, CollectiveOp op, size_t message_bytes,
+                  cudaStream_t stream) {
   if (p.bytes == 0) {
     cuda.check_error(p.what);
     return;
   }
+  const Plan plan = exchange_plan(cuda.config(), op, message_bytes, DataType::kUInt8);
   DeviceGuard guard(cuda.device());
   cuda.begin_op(stream, p.what);
-  if (cuda.world_size() == 1) {  // no peers: the own block, by the copy engine (broadcast: nothing)
+  plan_executed(plan, cuda.rank());
+  if (plan.variant == Variant::kLocalCopy) {  // no peers: the own block, by the copy engine (broadcast: nothing)
     if (p.root < 0) copy_local(p.output, p.input, p.bytes, stream, p.what);
     cuda.end_op(stream, p.what);
     return;
   }
   p.workspace = cuda.workspace().device_handle();
   p.barrier = cuda.barrier_handle();
-  p.order = cuda.config().all_reduce.order;
-  // Note [push exchange]: the LL kernel (no barrier) up to the all-reduce's LL limit; broadcast
-  // keeps the barrier (only the root sends, so nothing would tell it that a line parity is free).
-  if (p.root < 0 && message_bytes <= cuda.config().all_reduce.flat_ll_max_bytes) {
+  p.order = plan.geometry.order;
+  if (plan.variant == Variant::kExchangeLL) {
     p.lines = cuda.ll_lines_handle();
-    p.max_bytes_per_call = kLLBytesPerCall;
+    p.max_bytes_per_call = plan.geometry.chunk_bytes;
     throw_if_error(kernels::launch_exchange_ll(p, stream));
   } else {
     throw_if_error(kernels::launch_exchange(p, stream));
@@ -360,7 +383,7 @@ void CudaComm::all_gather(const void* input, void* output, size_t bytes, cudaStr
   p.output = output;
   p.bytes = bytes;
   p.out_stride = bytes;
-  run_exchange(*this, p, bytes * static_cast<size_t>(world_size_), stream);
+  run_exchange(*this, p, CollectiveOp::kAllGather, bytes * static_cast<size_t>(world_size_), stream);
 }
 
 void CudaComm::broadcast(void* data, size_t bytes, int root, cudaStream_t stream) {
@@ -372,7 +395,7 @@ void CudaComm::broadcast(void* data, size_t bytes, int root, cudaStream_t stream
   p.output = data;
   p.bytes = bytes;
   p.root = root;
-  run_exchange(*this, p, bytes, stream);
+  run_exchange(*this, p, CollectiveOp::kBroadcast, bytes, stream);
 }
 
 void CudaComm::all_to_all(const void* input, void* output, size_t block_bytes, cudaStream_t stream) {
@@ -383,7 +406,7 @@ void CudaComm::all_to_all(const void* input, void* output, size_t block_bytes, c
   p.bytes = block_bytes;
   p.in_stride = block_bytes;
   p.out_stride = block_bytes;
-  run_exchange(*this, p, block_bytes * static_cast<size_t>(world_size_), stream);
+  run_exchange(*this, p, CollectiveOp::kAllToAll, block_bytes * static_cast<size_t>(world_size_), stream);
 }
 
 const SymmetricBuffer& CudaComm::all_to_all_control() {

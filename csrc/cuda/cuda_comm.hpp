@@ -28,6 +28,7 @@
 #include "commlib/symmetric_buffer.hpp"
 #include "commlib/types.hpp"
 #include "core/algorithm_selector.hpp"
+#include "core/plan.hpp"
 
 namespace commlib {
 
@@ -82,14 +83,23 @@ class CudaComm {
   // the GPU state. PeerError when peer memory is unavailable (p2p_ok() false).
   CudaP2p& p2p();
 
-  // In-place or out-of-place all-reduce of `count` elements on `stream` (collective).
-  // algo kAuto chooses (csrc/core/algorithm_selector.hpp); kNccl runs tree here (no NCCL engine).
+  // In-place or out-of-place all-reduce of `count` elements on `stream` (collective), as
+  // plan_all_reduce plans it without an NCCL engine (a planned nccl runs tree; an explicit algo
+  // nccl raises InvalidArgument).
   void all_reduce(const void* input, void* output, size_t count, DataType dtype, ReduceOp op, Algorithm algo,
                   cudaStream_t stream);
+  // The same with the caller's plan (Note [plan]): runs exactly plan.variant with plan.geometry;
+  // InvalidArgument for a variant that is not a CUDA all-reduce kernel (nccl is the caller's).
+  void all_reduce(const void* input, void* output, size_t count, DataType dtype, ReduceOp op, const Plan& plan,
+                  cudaStream_t stream);
+  // Whether an all-reduce from `input` to `output` of `bytes` may reduce in place in a symmetric
+  // buffer of this communicator (the zero-copy tree's condition; the plan decides). Not collective.
+  Residence residence(const void* input, const void* output, size_t bytes) const;
 
   // The push-exchange collectives (Note [push exchange], csrc/kernels/exchange_params.hpp) on
-  // `stream` (collective; include/commlib/gpu.hpp has the contracts). The torch backend asks
-  // config().collectives whether a size is commlib's; these run commlib's kernel whatever the size.
+  // `stream` (collective; include/commlib/gpu.hpp has the contracts), as plan_exchange plans them
+  // without an NCCL engine: commlib's kernel whatever the size (the torch backend routes its nccl
+  // plans to NCCL before calling these).
   void reduce_scatter(const void* input, void* output, size_t count, DataType dtype, ReduceOp op,
                       cudaStream_t stream);
   void all_gather(const void* input, void* output, size_t bytes, cudaStream_t stream);

@@ -10,6 +10,7 @@
 #include "commlib/errors.hpp"
 #include "commlib/gpu.hpp"
 #include "core/algorithm_selector.hpp"
+#include "core/plan.hpp"
 #include "cuda/cuda_comm.hpp"
 #include "cuda/cuda_ep_nvshmem.hpp"
 #include "kernels/ep_params.hpp"
@@ -25,6 +26,7 @@ struct EPBufferGpu::Impl {
   std::shared_ptr<void> heap;  // kNvshmem: the buffer on the NVSHMEM symmetric heap
   nvshmem_ep::Params nv;       // kNvshmem: the fixed part of the kernels' params
   kernels::EPParams params;  // the fixed part; per-call fields are filled by each call
+  Plan plan;                 // plan_ep, once per buffer: every call runs it
   const void* pending_x = nullptr;  // the last dispatch send's x (the caller keeps it alive until kRecv)
   // The call the protocol expects next: the kernels' flags are sequence-numbered per
   // dispatch/combine pair, so out-of-order calls would read stale rows (Note [EP GPU protocol]).
@@ -140,14 +142,21 @@ EPBufferGpu::EPBufferGpu(Communicator& comm, const EPConfig& config_in, int devi
     all_ll = all_ll && w.ll != 0;
   }
   const kernels::EPGrid grid = kernels::ep_grid(config, min_sms);
-  const kernels::EPPath path =
-      all_ll && kernels::ep_ll_eligible(config, grid) ? kernels::EPPath::kLL : kernels::EPPath::kFlags;
+  EPShape shape;
+  shape.placement = Placement::kCuda;
+  shape.transport = transport;
+  shape.agreement = all_ll ? LLAgreement::kEveryRank : LLAgreement::kNotEveryRank;
+  shape.fit = kernels::ep_ll_eligible(config, grid) ? LLFit::kYes : LLFit::kNo;
+  shape.grid = grid.num_blocks();
+  const Plan plan = plan_ep(cuda.config(), shape);
+  const kernels::EPPath path = plan.variant == Variant::kEpLL ? kernels::EPPath::kLL : kernels::EPPath::kFlags;
   const kernels::EPLLGeometry ll = kernels::ep_ll_geometry(config, n, grid, path);
   const kernels::EPSymmetricLayout layout = kernels::ep_symmetric_layout(config, n, grid, ll);
   Impl& s = *impl_;
   s.comm = &comm;
   s.cuda = &cuda;
   s.config = config;
+  s.plan = plan;
   s.transport = transport;
   if (transport == EPTransport::kNvshmem) {
     setup_nvshmem(s, comm, config, min_sms);  // collective
@@ -238,6 +247,9 @@ void EPBufferGpu::dispatch(const void* x, int64_t num_tokens, const int64_t* top
     p.num_tokens = num_tokens;
   }
   p.x = s.pending_x;
+  Plan plan = s.plan;
+  plan.op = "ep_dispatch";
+  plan_executed(plan, p.rank);
   if (s.transport == EPTransport::kNvshmem) {
     launch_nvshmem(s, p, /*dispatch=*/true, mode_of(phase), stream, what);
   } else {
@@ -258,6 +270,9 @@ void EPBufferGpu::combine(const void* expert_out, void* out, EPPhase phase, GpuS
   kernels::EPParams p = s.params;
   p.out = out;
   if (phase != EPPhase::kRecv) p.expert_out = expert_out;
+  Plan plan = s.plan;
+  plan.op = "ep_combine";
+  plan_executed(plan, p.rank);
   if (s.transport == EPTransport::kNvshmem) {
     launch_nvshmem(s, p, /*dispatch=*/false, mode_of(phase), stream, what);
   } else {

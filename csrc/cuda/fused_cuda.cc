@@ -1,6 +1,6 @@
-// CudaComm's fused all-reduce + RMSNorm (include/commlib/gpu.hpp): the kernel choice (LL or
-// barrier P2P kernel by size; the multicast kernel for FusedAlgo::kMultimem, behind the guard) and
-// the multicast workspace's factory. Kept apart from cuda_comm.cc, whose all-reduce path never
+// CudaComm's fused all-reduce + RMSNorm (include/commlib/gpu.hpp): the kernel plan_fused chose
+// (one-shot or two-shot LL, the barrier P2P kernel; the multicast kernel for FusedAlgo::kMultimem,
+// behind the guard) and the multicast workspace's factory. Kept apart from cuda_comm.cc, whose all-reduce path never
 // touches multicast (docs/architecture.md, Safety).
 #include <cuda_runtime.h>
 
@@ -9,6 +9,7 @@
 #include "commlib/env.hpp"
 #include "commlib/errors.hpp"
 #include "commlib/gpu.hpp"
+#include "core/plan.hpp"
 #include "cuda/cuda_comm.hpp"
 #include "kernels/rs_rmsnorm_ag_params.hpp"
 #include "transport/cuda_ipc.hpp"
@@ -25,17 +26,26 @@ void CudaComm::fused_allreduce_rmsnorm(const FusedRmsNormArgs& args, int num_sms
   COMMLIB_CHECK(args.dtype == DataType::kBFloat16 || args.dtype == DataType::kFloat16, TypeMismatch, what, ": dtype ",
                 dtype_name(args.dtype), " not supported for CUDA tensors; supported: bfloat16, float16");
   COMMLIB_CHECK(num_sms >= 0, InvalidArgument, what, ": num_sms ", num_sms, " must be >= 0");
+  FusedShape shape;
+  shape.num_tokens = args.num_tokens;
+  shape.hidden = args.hidden;
+  shape.dtype = args.dtype;
+  shape.mode = args.mode;
+  shape.num_sms = num_sms;
+  shape.algo = algo;
+  shape.placement = Placement::kCuda;
+  const Plan plan = plan_fused(config_, shape);
   DeviceGuard guard(device_);
-  const int blocks = num_sms > 0 ? num_sms : config_.fused.num_sms;
-  if (algo == FusedAlgo::kMultimem) {
+  if (plan.variant == Variant::kFusedMultimem) {
     const MulticastWorkspace& mc = comm_.multicast(device_);  // collective on first use
     kernels::RsRmsNormAgMultimemParams p;
     p.args = args;
     p.barrier = barrier_handle();
-    p.num_blocks = blocks;
+    p.num_blocks = plan.geometry.grid;
     p.workspace = mc.unicast().device_handle();
     p.multicast_workspace = mc.address();
     begin_op(stream, what);
+    plan_executed(plan, rank_);
     throw_if_error(kernels::launch_rs_rmsnorm_ag_multimem(p, stream));
     end_op(stream, what);
     return;
@@ -43,14 +53,22 @@ void CudaComm::fused_allreduce_rmsnorm(const FusedRmsNormArgs& args, int num_sms
   kernels::RsRmsNormAgP2pParams p;
   p.args = args;
   p.barrier = barrier_handle();
-  p.num_blocks = blocks;
+  p.num_blocks = plan.geometry.grid;
   p.workspace = workspace_->device_handle();
   p.lines = ll_lines_handle();
   p.config = config_.fused.kernel;
   begin_op(stream, what);
-  // The LL kernel for small slices, the barrier kernel beyond (Note [fused LL layout]).
-  throw_if_error(kernels::fused_rmsnorm_use_ll(p) ? kernels::launch_rs_rmsnorm_ag_p2p_ll(p, stream)
-                                                  : kernels::launch_rs_rmsnorm_ag_p2p(p, stream));
+  plan_executed(plan, rank_);
+  if (plan.variant == Variant::kFusedP2p) {
+    throw_if_error(kernels::launch_rs_rmsnorm_ag_p2p(p, stream));
+  } else {
+    p.shot = plan.variant == Variant::kFusedOneShot ? kernels::FusedShot::kOneShot : kernels::FusedShot::kTwoShot;
+    p.ll_grid.row_ctas = plan.geometry.row_ctas;
+    p.ll_grid.blocks = plan.geometry.grid;
+    p.ll_grid.threads = plan.geometry.block;
+    p.ll_grid.packs_per_thread = plan.geometry.packs_per_thread;
+    throw_if_error(kernels::launch_rs_rmsnorm_ag_p2p_ll(p, stream));
+  }
   end_op(stream, what);
 }
 

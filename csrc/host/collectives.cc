@@ -21,6 +21,7 @@
 #include "commlib/communicator.hpp"
 #include "commlib/errors.hpp"
 #include "core/algorithm_selector.hpp"
+#include "core/plan.hpp"
 #include "host/host_ops.hpp"
 #include "host/reduce.hpp"
 #include "transport/host_shm.hpp"
@@ -226,10 +227,15 @@ void Communicator::all_reduce_host(const void* input, void* output, size_t count
   check_reducible(what, dtype, op);
   const size_t esize = dtype_size(dtype);
   check_same_or_disjoint(what, input, output, count * esize);
-  if (algo == Algorithm::kAuto) algo = config().host.select(count * esize);  // Note [communicator configuration]
-  COMMLIB_CHECK(algo == Algorithm::kFlat || algo == Algorithm::kTree, InvalidArgument, what, ": algo ",
-                algorithm_name(algo), " not supported for CPU tensors; supported: auto, flat, tree");
+  AllReduceShape shape;
+  shape.bytes = count * esize;
+  shape.dtype = dtype;
+  shape.placement = Placement::kCpu;
+  shape.requested = algo;
+  const Plan plan = plan_all_reduce(config(), shape);  // Note [plan]
+  algo = plan.variant == Variant::kHostTree ? Algorithm::kTree : Algorithm::kFlat;
   HostShm& shm = host();
+  plan_executed(plan, rank_);
   const OpTag tag{static_cast<uint32_t>(algo == Algorithm::kFlat ? HostOp::kAllReduceFlat : HostOp::kAllReduceTree),
                   static_cast<uint32_t>(dtype), count, static_cast<uint64_t>(op)};
   const AllReduceArgs args{what, tag, byte_ptr(input), byte_ptr(output), count, esize, dtype, op, rank_, world_size_};

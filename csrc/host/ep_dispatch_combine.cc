@@ -10,6 +10,7 @@
 #include "commlib/communicator.hpp"
 #include "commlib/ep.hpp"
 #include "commlib/errors.hpp"
+#include "core/plan.hpp"
 #include "host/reduce.hpp"
 
 namespace commlib {
@@ -43,6 +44,16 @@ void store_float(uint8_t* row, int64_t i, float v, DataType dtype) {
   std::memcpy(row + i * 2, &bits, 2);
 }
 
+// The CPU path has one variant (Note [plan]); recorded for the counters and COMMLIB_LOG_PLAN.
+void record_ep_plan(Communicator& comm, const EPConfig& config, const char* op) {
+  EPShape shape;
+  shape.placement = Placement::kCpu;
+  shape.bytes = static_cast<size_t>(config.max_tokens_per_rank * config.hidden) * dtype_size(config.dtype);
+  Plan plan = plan_ep(comm.config(), shape);
+  plan.op = op;
+  plan_executed(plan, comm.rank());
+}
+
 }  // namespace
 
 void ep_dispatch_host(Communicator& comm, const EPConfig& config, const EPState& st, const void* x,
@@ -50,6 +61,7 @@ void ep_dispatch_host(Communicator& comm, const EPConfig& config, const EPState&
   const char* what = "EPBuffer.dispatch";
   const int n = comm.world_size();
   const int me = comm.rank();
+  record_ep_plan(comm, config, "ep_dispatch");
   const int64_t num_experts = config.num_experts;
   const int64_t num_local = config.num_local_experts(n);
   const int64_t topk = config.topk;
@@ -144,6 +156,7 @@ void ep_combine_host(Communicator& comm, const EPConfig& config, const EPState& 
                      void* out) {
   const int n = comm.world_size();
   const int me = comm.rank();
+  record_ep_plan(comm, config, "ep_combine");
   const int64_t num_local = config.num_local_experts(n);
   const int64_t topk = config.topk;
   const int64_t cap = config.capacity;

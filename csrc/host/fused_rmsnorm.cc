@@ -21,6 +21,7 @@
 
 #include "commlib/communicator.hpp"
 #include "commlib/errors.hpp"
+#include "core/plan.hpp"
 #include "host/reduce.hpp"
 #include "transport/host_shm.hpp"
 
@@ -164,6 +165,13 @@ void run(Communicator& comm, const FusedRmsNormArgs& a) {
 
 void fused_allreduce_rmsnorm_host(Communicator& comm, const FusedRmsNormArgs& args) {
   check_fused_rmsnorm_args(args, comm.world_size(), comm.rank());
+  FusedShape shape;
+  shape.num_tokens = args.num_tokens;
+  shape.hidden = args.hidden;
+  shape.dtype = args.dtype;
+  shape.mode = args.mode;
+  shape.placement = Placement::kCpu;
+  plan_executed(plan_fused(comm.config(), shape), comm.rank());  // one variant on CPU (Note [plan])
   switch (args.dtype) {
     case DataType::kFloat32: return run<F32>(comm, args);
     case DataType::kFloat16: return run<Half16<DataType::kFloat16>>(comm, args);

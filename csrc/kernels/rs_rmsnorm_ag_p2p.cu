@@ -576,14 +576,6 @@ Status check_p2p_args(const char* what, const FusedRmsNormArgs& a, const Barrier
 }  // namespace fused_detail
 
 
-int fused_rmsnorm_num_blocks(int requested, int max_blocks, int64_t work_units) {
-  const int limit = std::min(kFusedMaxBlocks, kMaxBarrierBlocks);
-  if (requested > 0) return std::min(requested, limit);
-  // By size: one CTA per unit of work up to the cap (no idle CTAs in the barriers).
-  const int cap = max_blocks > 0 ? std::min(max_blocks, limit) : kFusedDefaultMaxBlocks;
-  return static_cast<int>(std::clamp<int64_t>(work_units, 1, cap));
-}
-
 Status launch_rs_rmsnorm_ag_p2p(const RsRmsNormAgP2pParams& params, Stream stream) {
   const char* what = "fused_allreduce_rmsnorm(p2p)";
   const FusedRmsNormArgs& a = params.args;

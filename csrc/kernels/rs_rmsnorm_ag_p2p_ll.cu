@@ -16,7 +16,7 @@
 // Every CTA pushes before it waits, so waits only depend on other ranks (and, for the cluster
 // barrier, on CTAs that are co-scheduled with it). Waits are bounded (COMMLIB timeout); a timeout
 // records rank, peer and phase, and nothing is pushed from a row a wait failed on. Single call: the
-// launcher only picks this kernel when every rank's slice fits one region (fused_rmsnorm_use_ll).
+// plan only picks this kernel when every rank's slice fits one region (plan_fused, csrc/core/plan.cc).
 // Call parity and flag = call + 1 come from the shared call counter, so the kernel is graph-replay
 // safe like every other.
 //
@@ -80,23 +80,7 @@ namespace commlib::kernels {
 namespace {
 using namespace fused_detail;
 
-constexpr int kLLMaxThreads = 512;   // up to 4 packs per thread (hidden 16384 on one CTA)
 constexpr int kLLMaxWarps = kLLMaxThreads / 32;
-constexpr int kLLMinBlocks = 4;      // default floor: spreads the push and gather stores over SMs
-constexpr int kLLMaxRowCtas = 8;     // the portable cluster size
-// By default a row is split over a cluster only when the slice has at most this many rows. On 2x H200
-// (hidden 8192) the split won at 1-4 rows (1 token: 7.5 µs with 8 CTAs per row against 11.0 with
-// the lane-high single CTA), but at 8 rows one lane-major CTA per row beat 2 CTAs per row (sharded
-// 9.4 vs 12.2 µs; docs/fused.md).
-constexpr int64_t kLLSplitMaxRows = 4;
-// The one-shot kernel's by-size CTA cap (one CTA per row beyond 4 rows): it normalises every row,
-// twice a slice's. On 2x H200 (hidden 8192, replicated) 32 CTAs against 16 took 32 tokens from
-// 14.1 to 11.4 µs and 16 tokens from 8.4 to 7.6 (docs/fused.md).
-constexpr int kLLOneShotMaxBlocks = 32;
-// Most CTAs that COMMLIB_FUSED_LL_BYTES_PER_CTA asks for (one SM stores only ~45 GB/s of lines, so a
-// push of many rows wants more SMs than rows: at 32 tokens one-shot, 64 CTAs took 9.8 µs against
-// 11.6 with 32; docs/fused.md).
-constexpr int kLLMaxPushBlocks = 128;
 constexpr int kLLPushUnroll = 4;     // packs loaded before their stores, per thread, in phase 1
 constexpr int kLLGatherPacks = 4;    // packs polled at once per thread in phase 3
 
@@ -451,85 +435,7 @@ __global__ void __launch_bounds__(kLLMaxThreads)
   device::call_end(p.barrier);
 }
 
-// Largest power of two <= v (v >= 1).
-int64_t floor_pow2(int64_t v) {
-  int64_t p = 1;
-  while (2 * p <= v) p *= 2;
-  return p;
-}
-
-// Note [fused one-shot]: the bytes from a slot's x lines (every row) to its residual lines.
-size_t oneshot_residual_offset(int64_t num_tokens, size_t row_bytes) {
-  return (2 * static_cast<size_t>(num_tokens) * row_bytes + 31) / 32 * 32;
-}
-
 }  // namespace
-
-bool fused_rmsnorm_use_oneshot(const RsRmsNormAgP2pParams& params) {
-  const FusedRmsNormArgs& a = params.args;
-  const int world = params.barrier.world_size;
-  if (world < 2 || params.lines.bytes == 0 || a.num_tokens <= 0) return false;
-  // Sharded, the owners' residual rows travel too: on 2x H200 the two-shot kernel was faster from
-  // 16 tokens (9.5 vs 11.2 µs; replicated one-shot 8.4 vs 11.0; docs/fused.md).
-  const bool sharded = a.mode == ResidualMode::kSharded;
-  const int64_t max_tokens = sharded ? params.config.oneshot_sharded_max_tokens : params.config.oneshot_max_tokens;
-  if (a.num_tokens > max_tokens) return false;
-  const size_t row_bytes = static_cast<size_t>(a.hidden) * dtype_size(a.dtype);
-  const int64_t per_rank = (a.num_tokens + world - 1) / world;
-  const size_t residual = sharded ? 2 * static_cast<size_t>(per_rank) * row_bytes : 0;
-  // A slot's three regions hold every row's x lines and, sharded, the owner's residual lines.
-  return oneshot_residual_offset(a.num_tokens, row_bytes) + residual <=
-         3 * fused_ll_region_bytes(params.lines.bytes, world);
-}
-
-bool fused_rmsnorm_use_ll(const RsRmsNormAgP2pParams& params) {
-  const FusedRmsNormArgs& a = params.args;
-  const int world = params.barrier.world_size;
-  if (world < 2 || params.lines.bytes == 0 || a.num_tokens <= 0) return false;
-  if (fused_rmsnorm_use_oneshot(params)) return true;
-  const int64_t rows = (a.num_tokens + world - 1) / world;
-  const int64_t slice_bytes = rows * a.hidden * static_cast<int64_t>(dtype_size(a.dtype));
-  const int64_t limit = params.config.ll_max_bytes;
-  // Lines carry 8 payload bytes in 16.
-  // ll_max_rows (COMMLIB_FUSED_LL_MAX_ROWS, 16): at 16 rows per rank (hidden 8192) the LL kernel with one
-  // lane-major CTA per row beat the barrier kernel on 2x H200 (sharded 11.8 vs 13.8 µs, replicated
-  // 15.0 vs 15.1; docs/fused.md); beyond, the LL buffer or
-  // COMMLIB_FUSED_LL_MAX_BYTES ends it at this hidden size anyway.
-  const int64_t max_rows = params.config.ll_max_rows;
-  return rows <= max_rows && slice_bytes <= limit &&
-         2 * static_cast<size_t>(slice_bytes) <= fused_ll_region_bytes(params.lines.bytes, world);
-}
-
-FusedLLGrid fused_ll_grid(int64_t rows_per_rank, int64_t hidden, int num_blocks, int max_blocks, int min_blocks,
-                          int64_t row_ctas) {
-  // C: row_ctas (COMMLIB_FUSED_LL_ROW_CTAS, rounded down to a power of two, at most kLLMaxRowCtas), or when 0
-  // and the slice has at most kLLSplitMaxRows rows the most that give every row of the slice its own
-  // cluster within the CTA budget (beyond: 1, lane-major, Note [fused LL row split]). At least 32
-  // packs per CTA (a smaller share would leave most of a warp holding zeros).
-  const int64_t padded = next_pow2(std::max<int64_t>(1, hidden / kGroup));
-  const int64_t knob = row_ctas;
-  const int64_t rows = std::max<int64_t>(rows_per_rank, 1);
-  const int64_t max_ctas = knob > 0              ? floor_pow2(std::min<int64_t>(knob, kLLMaxRowCtas))
-                           : rows <= kLLSplitMaxRows ? kLLMaxRowCtas
-                                                     : 1;
-  // The budget: num_blocks (num_sms, or COMMLIB_FUSED_NUM_SMS) exactly, else by size (C CTAs per row, at least
-  // kLLMinBlocks and min_blocks, at most max_blocks or kFusedDefaultMaxBlocks). With C = 1: one CTA
-  // per row; CTAs beyond the rows only push (and, two-shot, gather).
-  const int budget = fused_rmsnorm_num_blocks(
-      num_blocks, max_blocks, std::max<int64_t>({rows * max_ctas, kLLMinBlocks, static_cast<int64_t>(min_blocks)}));
-  int64_t ctas = 1;
-  while (2 * ctas <= max_ctas && 2 * ctas * 32 <= padded && 2 * ctas <= budget &&
-         (knob > 0 || rows * 2 * ctas <= budget)) {
-    ctas *= 2;
-  }
-  FusedLLGrid grid;
-  grid.row_ctas = static_cast<int>(ctas);
-  grid.blocks = static_cast<int>(budget / ctas * ctas);
-  const int64_t per_cta = padded / ctas;
-  grid.threads = static_cast<int>(std::clamp<int64_t>(per_cta, 32, kLLMaxThreads));
-  grid.packs_per_thread = static_cast<int>(std::max<int64_t>(1, per_cta / grid.threads));
-  return grid;
-}
 
 Status launch_rs_rmsnorm_ag_p2p_ll(const RsRmsNormAgP2pParams& params, Stream stream) {
   const char* what = "fused_allreduce_rmsnorm(p2p, LL)";
@@ -540,26 +446,17 @@ Status launch_rs_rmsnorm_ag_p2p_ll(const RsRmsNormAgP2pParams& params, Stream st
   const size_t region_bytes = fused_ll_region_bytes(params.lines.bytes, world);
   const int64_t per_rank = (a.num_tokens + world - 1) / world;
   const size_t slice_bytes = static_cast<size_t>(per_rank * a.hidden) * dtype_size(a.dtype);
-  const bool one_shot = fused_rmsnorm_use_oneshot(params);
+  const bool one_shot = params.shot == FusedShot::kOneShot;
   if (world < 2 || (!one_shot && 2 * slice_bytes > region_bytes)) {
     return Status(StatusCode::kInvalidArgument,
                   detail::concat(what, ": a slice of ", slice_bytes, " bytes needs ", 2 * slice_bytes,
                                  " bytes of LL region; the LL buffer has ", region_bytes, " per region (world ", world,
                                  ")"));
   }
-  // The tuned count (measured on the barrier kernel at a large batch) does not apply here.
-  // One-shot: every rank normalises every row (Note [fused one-shot]). Either way the by-size CTA
-  // count also covers the x bytes this rank pushes at COMMLIB_FUSED_LL_BYTES_PER_CTA per CTA.
-  const int64_t rows = one_shot ? a.num_tokens : per_rank;  // rows a rank normalises and pushes to each peer
+  // The grid is the plan's (plan_fused); only the layout offsets are computed here.
+  const FusedLLGrid& grid = params.ll_grid;
   const size_t row_bytes = static_cast<size_t>(a.hidden) * dtype_size(a.dtype);
-  const size_t pushed = static_cast<size_t>(world - 1) * rows * row_bytes;
-  const int64_t bytes_per_cta = params.config.ll_bytes_per_cta;
-  const int push_ctas = bytes_per_cta > 0 ? static_cast<int>(std::min<int64_t>(
-                                                (pushed + bytes_per_cta - 1) / bytes_per_cta, kLLMaxPushBlocks))
-                                          : 0;
-  const int cap = std::max(one_shot ? kLLOneShotMaxBlocks : kFusedDefaultMaxBlocks, push_ctas);
-  const FusedLLGrid grid = fused_ll_grid(rows, a.hidden, params.num_blocks, cap, push_ctas, params.config.ll_row_ctas);
-  const LLGeometry geo{region_bytes, grid.row_ctas, one_shot ? oneshot_residual_offset(a.num_tokens, row_bytes) : 0};
+  const LLGeometry geo{region_bytes, grid.row_ctas, one_shot ? fused_oneshot_residual_offset(a.num_tokens, row_bytes) : 0};
   const LaunchOrder order = params.config.order;
   const LaunchShape shape{dim3(static_cast<unsigned>(grid.blocks)), dim3(static_cast<unsigned>(grid.threads)), 0,
                           static_cast<unsigned>(grid.row_ctas)};

@@ -7,8 +7,8 @@
 //   rs_rmsnorm_ag_multimem.cu  NVLS multimem.ld_reduce / multimem.st (sm_90a; behind the multicast
 //                              guard, csrc/common/multicast_guard.hpp; never run on lent machines)
 // Semantics, slicing and arithmetic: include/commlib/fused_rmsnorm.hpp. Host-compilable, no torch.
-// Launchers validate, choose the grid and return a Status; which kernel serves a call is the core's
-// choice (fused_rmsnorm_use_ll), made with the configuration in the params.
+// Launchers validate and return a Status; which kernel serves a call, and the LL kernel's whole
+// launch shape, are the plan's (plan_fused, Note [plan] in csrc/core/plan.hpp), handed in the params.
 //
 // Note [NVLink copy rate by CTA count]
 // Between two H200 over NV18, both GPUs sending 64 MiB at once, a plain push (16-byte stores to
@@ -66,6 +66,41 @@ struct FusedKernelConfig {
   LaunchOrder order = LaunchOrder::kStream;  // COMMLIB_PDL (the LL kernels)
 };
 
+// The LL kernel's launch shape for `rows_per_rank` rows per rank (one-shot: every row; Note [fused
+// LL row split] in rs_rmsnorm_ag_p2p_ll.cu): `row_ctas` CTAs per row (a thread-block cluster when
+// > 1), `blocks` CTAs in all (a multiple of row_ctas), `threads` per CTA and packs per thread. The
+// same on every rank; plan_fused computes it.
+struct FusedLLGrid {
+  int row_ctas = 1;
+  int blocks = 1;
+  int threads = 32;
+  int packs_per_thread = 1;
+};
+enum class FusedShot : uint8_t { kTwoShot, kOneShot };  // Note [fused one-shot]
+
+// The LL kernel's limits (the plan sizes its grid within them; the kernel's arrays are sized by them).
+constexpr int kLLMaxThreads = 512;   // up to 4 packs per thread (hidden 16384 on one CTA)
+constexpr int kLLMinBlocks = 4;      // default floor: spreads the push and gather stores over SMs
+constexpr int kLLMaxRowCtas = 8;     // the portable cluster size
+// By default a row is split over a cluster only when the slice has at most this many rows. On 2x H200
+// (hidden 8192) the split won at 1-4 rows (1 token: 7.5 µs with 8 CTAs per row against 11.0 with
+// the lane-high single CTA), but at 8 rows one lane-major CTA per row beat 2 CTAs per row (sharded
+// 9.4 vs 12.2 µs; docs/fused.md).
+constexpr int64_t kLLSplitMaxRows = 4;
+// The one-shot kernel's by-size CTA cap (one CTA per row beyond 4 rows): it normalises every row,
+// twice a slice's. On 2x H200 (hidden 8192, replicated) 32 CTAs against 16 took 32 tokens from
+// 14.1 to 11.4 µs and 16 tokens from 8.4 to 7.6 (docs/fused.md).
+constexpr int kLLOneShotMaxBlocks = 32;
+// Most CTAs that COMMLIB_FUSED_LL_BYTES_PER_CTA asks for (one SM stores only ~45 GB/s of lines, so a
+// push of many rows wants more SMs than rows: at 32 tokens one-shot, 64 CTAs took 9.8 µs against
+// 11.6 with 32; docs/fused.md).
+constexpr int kLLMaxPushBlocks = 128;
+
+// Note [fused one-shot]: the bytes from a slot's x lines (every row) to its residual lines.
+inline size_t fused_oneshot_residual_offset(int64_t num_tokens, size_t row_bytes) {
+  return (2 * static_cast<size_t>(num_tokens) * row_bytes + 31) / 32 * 32;
+}
+
 struct RsRmsNormAgP2pParams {
   FusedRmsNormArgs args{};            // x, residual, weight, out: this rank's, 16-byte aligned
   SymmetricBufferDevice workspace{};  // two halves alternating by call parity (Note [flag barrier])
@@ -73,6 +108,9 @@ struct RsRmsNormAgP2pParams {
   BarrierDevice barrier{};
   int num_blocks = 0;  // CTAs; 0: by size (<= the cap, fused_rmsnorm_num_blocks)
   FusedKernelConfig config{};
+  // The LL kernel only: one-shot or two-shot, and its grid (plan_fused).
+  FusedShot shot = FusedShot::kTwoShot;
+  FusedLLGrid ll_grid{};
 };
 
 // The multimem variant: the reduction reads x through the multicast mapping of the workspace
@@ -90,7 +128,13 @@ struct RsRmsNormAgMultimemParams {
 // (num_sms as the core resolved it) if > 0, exactly (capped at kFusedMaxBlocks); else one CTA per unit of work up to `max_blocks` (the p2p kernel passes
 // commlib-tune's measurement or kFusedP2pDefaultMaxBlocks) if > 0, else up to kFusedDefaultMaxBlocks. A cap rather than a count, so small
 // batches do not launch idle CTAs that would still take part in every barrier.
-int fused_rmsnorm_num_blocks(int requested, int max_blocks, int64_t work_units);
+inline int fused_rmsnorm_num_blocks(int requested, int max_blocks, int64_t work_units) {
+  const int limit = kFusedMaxBlocks < kMaxBarrierBlocks ? kFusedMaxBlocks : kMaxBarrierBlocks;
+  if (requested > 0) return requested < limit ? requested : limit;
+  // By size: one CTA per unit of work up to the cap (no idle CTAs in the barriers).
+  const int cap = max_blocks > 0 ? (max_blocks < limit ? max_blocks : limit) : kFusedDefaultMaxBlocks;
+  return static_cast<int>(work_units < 1 ? 1 : (work_units > cap ? cap : work_units));
+}
 
 // Note [fused LL layout]
 // The LL kernel shares the communicator's LL buffer with all_reduce_flat_ll (same halves by call
@@ -103,30 +147,6 @@ inline size_t fused_ll_region_bytes(size_t lines_bytes, int world_size) {
   if (world_size < 2) return 0;
   return lines_bytes / (2 * static_cast<size_t>(world_size - 1) * 3) / 32 * 32;
 }
-// Whether the LL kernel (launch_rs_rmsnorm_ag_p2p_ll) serves this call rather than the barrier
-// kernel (launch_rs_rmsnorm_ag_p2p); the core decides with it: every rank's slice (ceil(tokens /
-// world) rows, at most config.ll_max_rows) fits one LL region as lines (twice its bytes) and is at
-// most config.ll_max_bytes.
-bool fused_rmsnorm_use_ll(const RsRmsNormAgP2pParams& params);
-// Whether that LL call is one-shot (Note [fused one-shot] in rs_rmsnorm_ag_p2p_ll.cu): at most
-// config.oneshot_max_tokens (sharded: oneshot_sharded_max_tokens) tokens, and every row's lines (sharded: plus the owner's
-// residual lines) fit one slot of the LL buffer. fused_rmsnorm_use_ll is then true as well.
-bool fused_rmsnorm_use_oneshot(const RsRmsNormAgP2pParams& params);
-
-// The LL kernel's launch shape for `rows_per_rank` rows per rank (one-shot: every row; Note [fused
-// LL row split] in rs_rmsnorm_ag_p2p_ll.cu): `row_ctas` CTAs per row (a thread-block cluster when
-// > 1; from config.ll_row_ctas, 0: by size), `blocks` CTAs in all (a multiple of row_ctas,
-// within the budget of fused_rmsnorm_num_blocks with the by-size cap max_blocks, 0: its default,
-// and by size at least min_blocks), `threads` per CTA and packs per thread. The same on every rank.
-struct FusedLLGrid {
-  int row_ctas = 1;
-  int blocks = 1;
-  int threads = 32;
-  int packs_per_thread = 1;
-};
-FusedLLGrid fused_ll_grid(int64_t rows_per_rank, int64_t hidden, int num_blocks, int max_blocks, int min_blocks,
-                          int64_t row_ctas);
-
 Status launch_rs_rmsnorm_ag_p2p(const RsRmsNormAgP2pParams& params, Stream stream);
 Status launch_rs_rmsnorm_ag_p2p_ll(const RsRmsNormAgP2pParams& params, Stream stream);
 Status launch_rs_rmsnorm_ag_multimem(const RsRmsNormAgMultimemParams& params, Stream stream);

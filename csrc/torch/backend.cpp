@@ -20,8 +20,8 @@
 //         check (Note [host shm protocol]), which is what catches op, dtype, size and reduction
 //         mismatches between ranks on the fast path. Data movements (broadcast, all_gather, ...)
 //         compare byte counts, not dtypes, as NCCL does: equal-sized dtypes that differ move the bytes.
-//   CUDA: all_reduce (sum/avg, float32/float16/bfloat16, contiguous, where the selector picks
-//         flat or tree for the byte count) -> torch_layer::all_reduce_cuda;
+//   CUDA: all_reduce (sum/avg, float32/float16/bfloat16, contiguous, where its plan (Note [plan]) is
+//         one of commlib's kernels, not nccl) -> torch_layer::all_reduce_cuda;
 //         reduce_scatter(_tensor) (sum/avg, float32/float16/bfloat16), all_gather(_into_tensor),
 //         broadcast and all_to_all_single with equal splits (every dtype commlib moves), up to the
 //         op's crossover (Note [collective crossovers]) -> commlib's push kernels

@@ -14,6 +14,8 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+
+#include "cuda/cuda_comm.hpp"
 #endif
 
 namespace commlib::torch_layer {
@@ -29,21 +31,27 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::route_cuda_all_reduce(std::vector<at:
   // is the same everywhere (Note [ddacomm routing]).
   const bool candidate = comm_ && !shut_down_ && op && (*op == ReduceOp::kSum || *op == ReduceOp::kAvg) &&
                          is_reducible_type(t.scalar_type()) && t.layout() == at::kStrided;
-  // The communicator's configuration, as for the Python and C++ APIs (Note [communicator configuration]).
-  const Algorithm algo = candidate ? comm_->config().all_reduce.selector.select(
-                                         static_cast<size_t>(t.numel()) * t.element_size(),
-                                         to_data_type(t.scalar_type(), "allreduce"))
-                                   : Algorithm::kNccl;
-  const bool eligible = algo != Algorithm::kNccl;
-  if (eligible && t.is_contiguous()) {
+  // The plan (Note [plan]), as for the Python and C++ APIs, with this backend's NCCL attached.
+  Plan plan;
+  if (candidate) {
+    AllReduceShape shape;
+    shape.bytes = static_cast<size_t>(t.numel()) * t.element_size();
+    shape.dtype = to_data_type(t.scalar_type(), "allreduce");
+    shape.placement = Placement::kCuda;
+    shape.nccl = NcclEngine::kAttached;
+    shape.residence = comm_->has_cuda() ? comm_->cuda().residence(t.data_ptr(), t.data_ptr(), shape.bytes)
+                                        : Residence::kPlain;
+    plan = plan_all_reduce(comm_->config(), shape);
+  }
+  if (candidate && plan.variant != Variant::kNccl && t.is_contiguous()) {
     const int device = t.device().index();
     c10::cuda::CUDAGuard device_guard(device);
     const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device);
-    fr::Group::Call call = fr_records_cuda() ? fr_record(c10d::OpType::ALLREDUCE, t.device(), algorithm_name(algo),
+    fr::Group::Call call = fr_records_cuda() ? fr_record(c10d::OpType::ALLREDUCE, t.device(), variant_name(plan.variant),
                                                          tensors, tensors)
                                              : fr::Group::Call();
     if (!opts.asyncOp) {
-      run_recorded(call, "allreduce", [&] { torch_layer::all_reduce_cuda(*comm_, t, *op, algo); });
+      run_recorded(call, "allreduce", [&] { torch_layer::all_reduce_cuda(*comm_, t, *op, plan); });
       cuda_state_->issued(std::move(call), current);
       ++num_fast_calls_;
       return c10::make_intrusive<CudaWork>(getRank(), c10d::OpType::ALLREDUCE, tensors, current);
@@ -56,13 +64,21 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::route_cuda_all_reduce(std::vector<at:
     start.block(internal);
     {
       c10::cuda::CUDAStreamGuard stream_guard(internal);
-      run_recorded(call, "allreduce", [&] { torch_layer::all_reduce_cuda(*comm_, t, *op, algo); });
+      run_recorded(call, "allreduce", [&] { torch_layer::all_reduce_cuda(*comm_, t, *op, plan); });
     }
     cuda_state_->issued(std::move(call), internal);
     t.record_stream(internal);
     ++num_fast_calls_;
     return c10::make_intrusive<CudaWork>(getRank(), c10d::OpType::ALLREDUCE, tensors, internal);
   }
+  // What NCCL takes is counted as its plan: the planned nccl, or a call commlib's kernels do not take.
+  if (plan.variant != Variant::kNccl) {
+    plan = Plan{};
+    plan.variant = Variant::kNccl;
+    plan.op = "all_reduce";
+    plan.rule = "an op, dtype, layout or stride commlib's CUDA all-reduce does not take";
+  }
+  plan_executed(plan, getRank());
 #endif
   return fallback(nccl("allreduce").allreduce(tensors, opts));
 }
@@ -73,7 +89,17 @@ bool DdaBackend::cuda_collective(CollectiveOp op, const std::vector<at::Tensor>&
   for (const auto& t : tensors) {
     if (!t.defined() || !t.is_cuda() || t.layout() != at::kStrided || t.device() != tensors[0].device()) return false;
   }
-  return comm_->config().collectives.use_commlib(op, bytes);
+  // The plan (Note [plan]) with this backend's NCCL attached; a planned nccl is counted here, the
+  // caller hands the call on.
+  ExchangeShape shape;
+  shape.op = op;
+  shape.message_bytes = bytes;
+  shape.placement = Placement::kCuda;
+  shape.nccl = NcclEngine::kAttached;
+  const Plan plan = plan_exchange(comm_->config(), shape);
+  if (plan.variant != Variant::kNccl) return true;
+  plan_executed(plan, comm_->rank());
+  return false;
 }
 
 c10::intrusive_ptr<c10d::Work> DdaBackend::run_cuda(const char* what, c10d::OpType op, std::vector<at::Tensor> outputs,

@@ -39,6 +39,16 @@ void all_reduce_cuda(Communicator& comm, at::Tensor& t, ReduceOp op, Algorithm a
   });
 }
 
+void all_reduce_cuda(Communicator& comm, at::Tensor& t, ReduceOp op, const Plan& plan) {
+  const char* what = "all_reduce";
+  const DataType dtype = reducible_type(t, what);
+  TORCH_CHECK(t.is_cuda() && t.is_contiguous(), what, ": expected a contiguous CUDA tensor");
+  CudaComm& cuda = cuda_state(comm, t.device(), what);
+  c10::cuda::CUDAGuard guard(t.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+  cuda.all_reduce(t.data_ptr(), t.data_ptr(), static_cast<size_t>(t.numel()), dtype, op, plan, stream);
+}
+
 namespace {
 
 cudaStream_t current_stream(const at::Tensor& t) {

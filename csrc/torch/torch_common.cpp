@@ -81,6 +81,17 @@ void require_cpu(const at::Tensor& t, const char* what) {
 
 }  // namespace
 
+// The CPU exchange ops have one variant (Note [plan]); the plan is recorded for the counters and
+// COMMLIB_LOG_PLAN (here, not in the host engine, whose exchanges also serve other operations).
+void record_host_exchange(Communicator& comm, CollectiveOp op, size_t message_bytes, const at::Tensor& t) {
+  ExchangeShape shape;
+  shape.op = op;
+  shape.message_bytes = message_bytes;
+  shape.dtype = to_data_type(t.scalar_type(), collective_op_name(op));
+  shape.placement = Placement::kCpu;
+  plan_executed(plan_exchange(comm.config(), shape), comm.rank());
+}
+
 void all_reduce(Communicator& comm, at::Tensor& t, ReduceOp op, Algorithm algo) {
   const char* what = "all_reduce";
   check_cpu_or_cuda(t, what, "tensor");
@@ -129,6 +140,7 @@ void reduce_scatter(Communicator& comm, at::Tensor& out, const at::Tensor& in, R
   require_cpu(in, what);
   check_world_multiple(what, "input", in, "output", out, comm.world_size());
   const at::Tensor src = in.contiguous();
+  record_host_exchange(comm, CollectiveOp::kReduceScatter, nbytes(src), src);
   with_contiguous(out, [&](at::Tensor& c) {
     comm.reduce_scatter_host(c.data_ptr(), src.data_ptr(), static_cast<size_t>(c.numel()), dtype, op);
   });
@@ -147,6 +159,7 @@ void all_gather(Communicator& comm, at::Tensor& out, const at::Tensor& in) {
   require_cpu(in, what);
   check_world_multiple(what, "output", out, "input", in, comm.world_size());
   const at::Tensor src = in.contiguous();
+  record_host_exchange(comm, CollectiveOp::kAllGather, nbytes(out), src);
   with_contiguous(out, [&](at::Tensor& c) { comm.all_gather_host(c.data_ptr(), src.data_ptr(), nbytes(src)); });
 }
 
@@ -158,6 +171,7 @@ void broadcast(Communicator& comm, at::Tensor& t, int src) {
   if (t.device().is_cuda()) return broadcast_cuda(comm, t, src);
 #endif
   require_cpu(t, what);
+  record_host_exchange(comm, CollectiveOp::kBroadcast, nbytes(t), t);
   with_contiguous(t, [&](at::Tensor& c) { comm.broadcast_host(c.data_ptr(), nbytes(c), src); });
 }
 
@@ -224,6 +238,7 @@ void all_to_all_v(Communicator& comm, at::Tensor& out, const at::Tensor& in, con
 #endif
   require_cpu(in, what);
   const at::Tensor src = in.contiguous();
+  record_host_exchange(comm, CollectiveOp::kAllToAll, nbytes(src), src);
   with_contiguous(out, [&](at::Tensor& c) { comm.all_to_all_v_host(c.data_ptr(), src.data_ptr(), in_bytes, out_bytes); });
 }
 

@@ -12,6 +12,7 @@
 #include "commlib/errors.hpp"
 #include "commlib/store.hpp"
 #include "commlib/types.hpp"
+#include "core/plan.hpp"
 
 namespace commlib::torch_layer {
 
@@ -93,6 +94,9 @@ void all_reduce_out(Communicator& comm, at::Tensor& out, const at::Tensor& in, R
 void reduce_scatter(Communicator& comm, at::Tensor& out, const at::Tensor& in, ReduceOp op);
 void all_gather(Communicator& comm, at::Tensor& out, const at::Tensor& in);
 void broadcast(Communicator& comm, at::Tensor& t, int src);
+// Records the plan of a CPU exchange op (one variant, host_exchange; Note [plan]) for the counters
+// and COMMLIB_LOG_PLAN: the CPU paths above call it, and the backend's own CPU reduce_scatter.
+void record_host_exchange(Communicator& comm, CollectiveOp op, size_t message_bytes, const at::Tensor& t);
 void all_to_all(Communicator& comm, at::Tensor& out, const at::Tensor& in);
 // Splits are counts along dim 0 (host lists); empty lists mean equal splits.
 void all_to_all_v(Communicator& comm, at::Tensor& out, const at::Tensor& in, const std::vector<int64_t>& out_splits,
@@ -101,6 +105,8 @@ void all_to_all_v(Communicator& comm, at::Tensor& out, const at::Tensor& in, con
 #if defined(COMMLIB_TORCH_CUDA)
 // GPU implementations (csrc/torch/cuda_ops.cpp), on the current stream of the tensor's device.
 void all_reduce_cuda(Communicator& comm, at::Tensor& t, ReduceOp op, Algorithm algo);
+// The same running the caller's plan (the torch backend's, Note [plan]); `t` contiguous.
+void all_reduce_cuda(Communicator& comm, at::Tensor& t, ReduceOp op, const Plan& plan);
 // `out` and `in` on one CUDA device, sizes as the CPU versions above require.
 void reduce_scatter_cuda(Communicator& comm, at::Tensor& out, const at::Tensor& in, ReduceOp op);
 void all_gather_cuda(Communicator& comm, at::Tensor& out, const at::Tensor& in);

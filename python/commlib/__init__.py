@@ -22,6 +22,18 @@ def knobs():
     return list(_C.knobs())
 
 
+def plan_counters() -> dict:
+    """Plans executed by this process, by variant ({"flat_ll": 3, "host_tree": 0, ...}; every variant
+    is listed). Each engine counts the plan it runs (Note [plan]); the "ddacomm" backend counts
+    "nccl" for the calls it hands to NCCL."""
+    return dict(_C.plan_counters())
+
+
+def reset_plan_counters() -> None:
+    """Sets every variant's count of ``plan_counters()`` to 0 (this process only)."""
+    _C.reset_plan_counters()
+
+
 def __getattr__(name: str):
     from .errors import deprecated_alias
     return deprecated_alias("commlib", name)
@@ -34,4 +46,4 @@ except Exception as e:  # noqa: BLE001
                   f"({type(e).__name__}: {e}); the direct API still works", RuntimeWarning, stacklevel=2)
 
 __all__ = ["register_backend", "Communicator", "EPBuffer", "EPDispatchResult", "EPHandle", "MaskedEPBuffer", "CommError",
-           "CommTimeoutError", "PeerError", "knobs", "__version__"]
+           "CommTimeoutError", "PeerError", "knobs", "plan_counters", "reset_plan_counters", "__version__"]

@@ -16,6 +16,7 @@ _OP_SET = frozenset(_OPS)
 _TORCH_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MIN: "min",
               dist.ReduceOp.MAX: "max", dist.ReduceOp.PRODUCT: "prod"}
 _ALGOS = ("auto", "flat", "tree", "nccl")
+_PLAN_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "fused_allreduce_rmsnorm")
 _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 
 
@@ -281,6 +282,22 @@ class Communicator:
         """
         if hasattr(self._comm, "check_gpu_error"):
             self._comm.check_gpu_error()
+
+    def plan(self, op: str, tensor: torch.Tensor, *, algo: str = "auto", nccl: bool = False, num_sms: int = 0,
+             residual_mode: str = "replicated", fused_algo: str = "auto", device: Optional[str] = None) -> "_C.Plan":
+        """What ``op`` would run for ``tensor`` on this communicator (Note [plan], docs/architecture.md):
+        ``.variant`` (e.g. ``"flat_ll"``, ``"host_tree"``), ``.reason`` (one line, e.g. ``"flat_ll: 64 KiB
+        <= flat_ll_max 256 KiB"``) and ``.geometry`` (a dict: grid, block, row_ctas, packs_per_thread,
+        chunk_bytes, pdl). ``tensor`` is what the op takes: all_reduce's and broadcast's tensor,
+        reduce_scatter's, all_gather's and all_to_all's input, fused_allreduce_rmsnorm's ``x``.
+        ``nccl=True`` plans as the "ddacomm" backend does, with an NCCL engine attached; ``device``
+        ("cpu" or "cuda") plans as if the tensor lived there (the plan is pure: no GPU needed). Local:
+        no peer is involved and nothing runs. Executed plans are counted (``commlib.plan_counters()``) and, with
+        COMMLIB_LOG_PLAN=1, logged."""
+        if op not in _PLAN_OPS:
+            raise ValueError(f"Communicator.plan: op {op!r} not known; known: {', '.join(_PLAN_OPS)}")
+        _check_tensor("Communicator.plan", "tensor", tensor)
+        return _C.plan(self._comm, op, tensor, algo, bool(nccl), int(num_sms), residual_mode, fused_algo, device or "")
 
     def _host_auto_algo(self, nbytes: int) -> str:
         """The CPU algorithm ("flat" or "tree") that ``algo="auto"`` runs for ``nbytes``: chosen in C++

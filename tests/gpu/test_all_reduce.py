@@ -7,6 +7,7 @@ tolerance. Inputs are random (never zeros); user buffers carry NaN guard regions
 bounds, or an element left unwritten, fails the test.
 """
 import functools
+import os
 from datetime import timedelta
 
 import pytest
@@ -47,6 +48,32 @@ def bits(t):
     return t.contiguous().view(INT_VIEW[t.dtype])
 
 
+def meant_variant(algo, nbytes, symmetric=False):
+    """The kernel an explicit algo means for a message of nbytes (Note [plan]): flat is the LL kernel
+    up to COMMLIB_FLAT_LL_MAX_BYTES (default 256 KiB), tree reduces a symmetric tensor in place up
+    to 16 MiB. None for auto (the plan's limits decide)."""
+    if algo == "flat":
+        return "flat_ll" if nbytes <= int(os.environ.get("COMMLIB_FLAT_LL_MAX_BYTES") or 262144) else "flat"
+    if algo == "tree":
+        return "tree_zero_copy" if symmetric and nbytes <= (16 << 20) else "tree"
+    return None
+
+
+def run_counted(comm, t, call, algo, symmetric=False):
+    """Runs call() (one all_reduce of t) and asserts that exactly the planned variant ran, once, and
+    that it is the one algo means."""
+    import commlib
+    plan = comm.plan("all_reduce", t, algo=algo)
+    meant = meant_variant(algo, t.numel() * t.element_size(), symmetric)
+    assert meant is None or plan.variant == meant, f"algo {algo}: planned {plan.reason}, meant {meant}"
+    before = commlib.plan_counters()
+    call()
+    after = commlib.plan_counters()
+    ran = {k: after[k] - before[k] for k in after if after[k] != before[k]}
+    assert ran == ({plan.variant: 1} if t.numel() else {}), f"planned {plan.reason}; ran {ran}"
+    return plan
+
+
 def _run_case(ctx, comm, count, dtype, op, algo, pad, salt=0):
     """All-reduces a [pad | count | pad] window of a NaN-filled buffer; returns the result (CPU)."""
     dev = torch.device("cuda", ctx.device)
@@ -55,7 +82,7 @@ def _run_case(ctx, comm, count, dtype, op, algo, pad, salt=0):
     buf = torch.full((count + 2 * pad,), float("nan"), dtype=dtype, device=dev)
     view = buf[pad:pad + count]
     view.copy_(inputs[ctx.rank])
-    comm.all_reduce_(view, op=op, algo=algo)
+    run_counted(comm, view, lambda: comm.all_reduce_(view, op=op, algo=algo), algo)
     out = buf.cpu()
     assert torch.isnan(out[:pad].float()).all() and torch.isnan(out[pad + count:].float()).all(), \
         f"{algo} wrote outside the tensor (count={count}, pad={pad})"
@@ -269,7 +296,7 @@ def _symmetric_zero_copy(ctx):
             for algo in ("tree", "flat", "auto"):
                 t = ctx.comm.symmetric_empty((count,), dtype, dev)
                 t.copy_(inputs[ctx.rank])
-                ctx.comm.all_reduce_(t, algo=algo)
+                run_counted(ctx.comm, t, lambda: ctx.comm.all_reduce_(t, algo=algo), algo, symmetric=True)
                 assert torch.equal(bits(t.cpu()), bits(ordered_reference(inputs, "sum", ctx.world_size))), \
                     f"symmetric {algo} {dtype} count={count}"
     # 2-D symmetric tensor, and one reused many times (the end barrier keeps iterations apart).
@@ -484,3 +511,21 @@ def test_flat_without_ll_matches_references(ranks, dtype_name):
 
 def test_flat_without_ll_graph_replays(ranks):
     assert all(ranks(2, env=NO_LL_ENV).run(_graph_replay, "flat", False))
+
+
+# ---- the plan (Note [plan]): above tree's limit the plan is NCCL, which the direct API does not have ----
+def _nccl_planned_runs_tree(ctx):
+    dev = torch.device("cuda", ctx.device)
+    count = (1 << 20) + 3  # bf16: 2 MiB + 6 bytes > COMMLIB_TREE_MAX_BYTES below
+    inputs, expected, _ = references(count, torch.bfloat16, "sum", ctx.world_size, 5)
+    t = inputs[ctx.rank].to(dev)
+    plan = run_counted(ctx.comm, t, lambda: ctx.comm.all_reduce_(t), "auto")
+    assert plan.variant == "tree" and plan.reason.startswith(
+        "tree (nccl planned; the direct API has no NCCL engine): "), plan.reason
+    assert ctx.comm.plan("all_reduce", t, nccl=True).variant == "nccl"
+    assert torch.equal(bits(t.cpu()), bits(expected))
+    return True
+
+
+def test_direct_api_runs_tree_where_the_plan_says_nccl(ranks):
+    assert all(ranks(2, env={"COMMLIB_TREE_MAX_BYTES": str(1 << 20)}).run(_nccl_planned_runs_tree))

@@ -156,6 +156,7 @@ def test_every_op_matches_nccl(ranks):
 
 def _tp_mlp(ctx):
     """Column-parallel Linear then row-parallel Linear (hidden 8192, bf16): ddacomm vs nccl."""
+    import commlib
     import torch.distributed as dist
     n, r = ctx.world_size, ctx.rank
     hidden, ffn, tokens = 8192, 4 * 8192, 16
@@ -173,8 +174,13 @@ def _tp_mlp(ctx):
             return y
 
         fast0, fallback0 = fast_path_counts(world)
+        plans0 = commlib.plan_counters()
         ours = forward(world)
         assert fast_path_counts(world) == (fast0 + 1, fallback0), "the MLP's all_reduce did not take commlib's path"
+        plans = commlib.plan_counters()
+        ran = {k: plans[k] - plans0[k] for k in plans if plans[k] != plans0[k]}
+        # 256 KiB at world 2: one commlib all-reduce kernel ran (Note [plan]), none of it NCCL's.
+        assert len(ran) == 1 and set(ran) <= {"flat_ll", "flat", "tree"} and sum(ran.values()) == 1, ran
         ref = forward(nccl)
         torch.testing.assert_close(ours.float(), ref.float(), rtol=2e-2, atol=2e-2)
     return True

@@ -14,6 +14,7 @@ checked went through commlib's path (num_fast_calls), none to the inner NCCL (nu
 from __future__ import annotations
 
 import functools
+import os
 from datetime import timedelta
 
 import pytest
@@ -88,6 +89,29 @@ def ordered_reference(inputs, op, n):
 
 # ---- the direct API ----
 
+def meant_variant(op, message_bytes):
+    """The kernel the direct API means for a message (Note [plan], Note [push exchange]): the LL kernels
+    up to COMMLIB_FLAT_LL_MAX_BYTES (default 256 KiB) of the whole message, broadcast never."""
+    ll = message_bytes <= int(os.environ.get("COMMLIB_FLAT_LL_MAX_BYTES") or 262144) and op != "broadcast"
+    if op == "reduce_scatter":
+        return "reduce_scatter_ll" if ll else "reduce_scatter"
+    return "exchange_ll" if ll else "exchange"
+
+
+def counted(comm, op, t, call):
+    """Runs call() (one `op` with input t) and asserts that exactly the planned variant ran, once, and
+    that it is the one meant for the message."""
+    import commlib
+    plan = comm.plan(op, t)
+    message = t.numel() * t.element_size() * (comm.world_size if op == "all_gather" else 1)
+    assert plan.variant == meant_variant(op, message), f"{op}: planned {plan.reason}"
+    before = commlib.plan_counters()
+    call()
+    after = commlib.plan_counters()
+    ran = {k: after[k] - before[k] for k in after if after[k] != before[k]}
+    assert ran == ({plan.variant: 1} if t.numel() else {}), f"{op}: planned {plan.reason}; ran {ran}"
+
+
 def _reduce_scatter_case(ctx, comm, count, dtype, op, pad, salt=0):
     dev = torch.device("cuda", ctx.device)
     n, r = ctx.world_size, ctx.rank
@@ -95,7 +119,7 @@ def _reduce_scatter_case(ctx, comm, count, dtype, op, pad, salt=0):
     src_buf, src = guarded(count * n, dtype, pad, dev)
     src.copy_(inputs[r])
     buf, out = guarded(count, dtype, pad, dev)
-    comm.reduce_scatter(out, src, op=op)
+    counted(comm, "reduce_scatter", src, lambda: comm.reduce_scatter(out, src, op=op))
     check_guards(buf, count, pad, "reduce_scatter")
     same_bytes(src, inputs[r], "reduce_scatter changed its input")
     mine = [x[r * count:(r + 1) * count] for x in inputs]
@@ -114,7 +138,7 @@ def _all_gather_case(ctx, comm, count, dtype, pad, salt=0):
     src_buf, src = guarded(count, dtype, pad, dev)
     src.copy_(inputs[r])
     buf, out = guarded(count * n, dtype, pad, dev)
-    comm.all_gather(out, src)
+    counted(comm, "all_gather", src, lambda: comm.all_gather(out, src))
     check_guards(buf, count * n, pad, "all_gather")
     same_bytes(out, torch.cat(inputs), f"all_gather {dtype} count={count} pad={pad}")
 
@@ -124,7 +148,7 @@ def _broadcast_case(ctx, comm, count, dtype, pad, root, salt=0):
     buf, t = guarded(count, dtype, pad, dev)
     if ctx.rank == root:
         t.copy_(rank_input(root, count, dtype, salt))
-    comm.broadcast(t, src=root)
+    counted(comm, "broadcast", t, lambda: comm.broadcast(t, src=root))
     check_guards(buf, count, pad, "broadcast")
     same_bytes(t, rank_input(root, count, dtype, salt), f"broadcast {dtype} count={count} root={root}")
 
@@ -136,7 +160,7 @@ def _all_to_all_case(ctx, comm, block, dtype, pad, salt=0):
     src_buf, src = guarded(block * n, dtype, pad, dev)
     src.copy_(inputs[r])
     buf, out = guarded(block * n, dtype, pad, dev)
-    comm.all_to_all(out, src)
+    counted(comm, "all_to_all", src, lambda: comm.all_to_all(out, src))
     check_guards(buf, block * n, pad, "all_to_all")
     expected = torch.cat([inputs[q][r * block:(r + 1) * block] for q in range(n)])
     same_bytes(out, expected, f"all_to_all {dtype} block={block} pad={pad}")
@@ -473,6 +497,7 @@ def test_backend_cuda_graph_capture(ranks):
 def _backend_vs_nccl(ctx):
     """Above and below the crossovers (COMMLIB_*_MAX_BYTES=1 MiB here): commlib below, NCCL above,
     both against NCCL on the same inputs."""
+    import commlib
     import torch.distributed as dist
     n, r = ctx.world_size, ctx.rank
     dev = torch.device("cuda", ctx.device)
@@ -482,6 +507,7 @@ def _backend_vs_nccl(ctx):
                 x = rank_input(r, count * n, dtype, 9).to(dev)
                 below = count * n * x.element_size() <= (1 << 20)
                 fast0, fallback0 = fast_path_counts(world)
+                plans0 = commlib.plan_counters()
                 ours, theirs = torch.empty(count, dtype=dtype, device=dev), torch.empty(count, dtype=dtype, device=dev)
                 dist.reduce_scatter_tensor(ours, x)
                 dist.reduce_scatter_tensor(theirs, x, group=nccl)
@@ -493,6 +519,13 @@ def _backend_vs_nccl(ctx):
                 torch.cuda.synchronize()
                 expected = (fast0 + 2, fallback0) if below else (fast0, fallback0 + 2)
                 assert fast_path_counts(world) == expected, f"count={count}: wrong route"
+                # The plan says the same (Note [plan]): the backend counts nccl for what it hands on.
+                plans = commlib.plan_counters()
+                ran = {k: plans[k] - plans0[k] for k in plans if plans[k] != plans0[k]}
+                if below:
+                    assert "nccl" not in ran and sum(ran.values()) == 2, f"count={count}: ran {ran}"
+                else:
+                    assert ran == {"nccl": 2}, f"count={count}: ran {ran}"
     return True
 
 

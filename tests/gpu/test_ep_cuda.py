@@ -7,6 +7,8 @@ bit for bit for dispatch rows, counts and combine, and the CPU shared-memory pat
 EPBuffer API on the same inputs, bit for bit. all_to_all_v: the rows every rank's deterministic
 input must deliver. Outputs are poisoned (NaN) before every call, including graph replays.
 """
+import os
+
 import pytest
 import torch
 from ep_reference import check_dead_peer_times_out, expert_fn, make_routing, make_tokens, reference_combine, run_dispatch_combine, simulate
@@ -57,8 +59,16 @@ def _cases(ctx, which):
 
 
 def _dispatch_combine(ctx, which):
+    import commlib
     try:
-        return run_dispatch_combine(ctx, _cases(ctx, which), f"cuda:{ctx.device}")
+        before = commlib.plan_counters()
+        result = run_dispatch_combine(ctx, _cases(ctx, which), f"cuda:{ctx.device}")
+        after = commlib.plan_counters()
+        ran = {k: after[k] - before[k] for k in after if after[k] != before[k]}
+        # Without COMMLIB_EP_LL the flag kernels run every call; with it, at least the decode grids run LL.
+        if os.environ.get("COMMLIB_EP_LL") != "1":
+            assert ran.get("ep_normal", 0) > 0 and "ep_ll" not in ran, ran
+        return result
     finally:
         # Give the cached blocks back: with COMMLIB_TEST_SHARE_GPUS, every pool's ranks share one
         # GPU, and at world 8 two pools' caches of the largest case did not fit beside each other.
@@ -250,7 +260,12 @@ def _ll_suite(ctx):
                               (1024, 4096, torch.bfloat16, "flags")]:
         buf = commlib.EPBuffer(ctx.comm, T, H, 16, 2, dtype, device=dev)
         assert buf.kernels == want, (T, H, dtype, buf.kernels)
+    # The decode grids run the LL kernels, counted per dispatch / combine call (Note [plan]).
+    before = commlib.plan_counters()
     _dispatch_combine(ctx, "column_parts")
+    after = commlib.plan_counters()
+    ran = {k: after[k] - before[k] for k in after if after[k] != before[k]}
+    assert ran.get("ep_ll", 0) > 0 and "ep_normal" not in ran, ran
     _dispatch_combine(ctx, "basic")
     _same_as_cpu(ctx)
     for split in (False, True):

@@ -33,7 +33,21 @@ def bits(t):
     return t.contiguous().view(torch.int16)
 
 
-def _gpu_case(ctx, dtype_name, tokens_list, hidden_list, num_sms_list=(None,), eps=1e-6):
+def counted_fused(comm, x, meant, where, call, num_sms, mode):
+    """Runs call() (one fused call on x) and asserts that exactly the planned variant ran, once, and
+    that it is `meant` (a variant name; None: whatever the plan says)."""
+    import commlib
+    plan = comm.plan("fused_allreduce_rmsnorm", x, num_sms=num_sms or 0, residual_mode=mode)
+    assert meant is None or plan.variant == meant, f"{where}: planned {plan.reason}, meant {meant}"
+    before = commlib.plan_counters()
+    call()
+    after = commlib.plan_counters()
+    ran = {k: after[k] - before[k] for k in after if after[k] != before[k]}
+    assert ran == {plan.variant: 1}, f"{where}: planned {plan.reason}; ran {ran}"
+
+
+def _gpu_case(ctx, dtype_name, tokens_list, hidden_list, num_sms_list=(None,), eps=1e-6, meant=None):
+    """meant(tokens, hidden) -> the variant the test means to run (Note [plan]), or None."""
     from commlib.fused import reference_rmsnorm
     dev = torch.device("cuda", ctx.device)
     dtype = DTYPES[dtype_name]
@@ -55,8 +69,10 @@ def _gpu_case(ctx, dtype_name, tokens_list, hidden_list, num_sms_list=(None,), e
                     where = f"{mode} {dtype_name} tokens={tokens} hidden={hidden} num_sms={num_sms} rank={rank}"
                     residual = residual0.to(dev)
                     out = torch.full((tokens, hidden), float("nan"), dtype=dtype, device=dev)
-                    comm.fused_allreduce_rmsnorm(x, residual, weight.to(dev), eps, residual_mode=mode, out=out,
-                                                 num_sms=num_sms)
+                    counted_fused(comm, x, meant(tokens, hidden) if meant else None, where,
+                                  lambda: comm.fused_allreduce_rmsnorm(x, residual, weight.to(dev), eps,
+                                                                       residual_mode=mode, out=out, num_sms=num_sms),
+                                  num_sms, mode)
                     got_out, got_res = out.cpu(), residual.cpu()
                     assert torch.equal(bits(got_out), bits(ref_out)), f"{where}: out differs from unfused"
                     lo, hi = (0, tokens) if mode == "replicated" else (begin, end)
@@ -94,9 +110,13 @@ NO_ONESHOT = {"COMMLIB_FUSED_ONESHOT_MAX_TOKENS": "0", "COMMLIB_FUSED_ONESHOT_SH
 NO_LL = {"COMMLIB_FUSED_LL_MAX_BYTES": "0", **NO_ONESHOT}
 
 
+def p2p(tokens, hidden):
+    return "fused_p2p"
+
+
 def test_fused_gpu_barrier_kernel_small_tokens(ranks):
     # No LL kernel (two-shot or one-shot): even 1 token runs the barrier kernel (rs_rmsnorm_ag_p2p.cu).
-    ranks(2, env=NO_LL).run(_gpu_case, "bfloat16", [1, 2, 3, 33], [1024, 8192], (None, 1, 3))
+    ranks(2, env=NO_LL).run(_gpu_case, "bfloat16", [1, 2, 3, 33], [1024, 8192], (None, 1, 3), meant=p2p)
 
 
 @pytest.mark.parametrize("world_size", [3, 4, 8])
@@ -105,7 +125,7 @@ def test_fused_gpu_more_ranks(ranks, world_size):
     # kernels (default at these sizes), then the barrier kernel. Needs world_size GPUs, or
     # COMMLIB_TEST_SHARE_GPUS=1.
     ranks(world_size).run(_gpu_case, "bfloat16", [1, 5, 301], [1032, 8192])
-    ranks(world_size, env=NO_LL).run(_gpu_case, "bfloat16", [5, 301], [8192], (None, 3))
+    ranks(world_size, env=NO_LL).run(_gpu_case, "bfloat16", [5, 301], [8192], (None, 3), meant=p2p)
 
 
 def test_fused_gpu_barrier_kernel_row_groups(ranks):
@@ -113,7 +133,7 @@ def test_fused_gpu_barrier_kernel_row_groups(ranks):
     # per CTA (Note [fused p2p phase B]): 301 tokens (slices of 151 and 150 rows) on 1, 20, 40 and
     # 132 CTAs give groups of 32, 64, 128 and 256 threads; hidden 8 (one pack), 1032 (129 packs:
     # zero-padded tree) and 16384 (64 packs per thread of a warp). Same bits for every group size.
-    ranks(2, env=NO_LL).run(_gpu_case, "bfloat16", [301], [8, 1032, 16384], (1, 20, 40, 132))
+    ranks(2, env=NO_LL).run(_gpu_case, "bfloat16", [301], [8, 1032, 16384], (1, 20, 40, 132), meant=p2p)
 
 
 # The barrier kernel's pipelined chunk loop (Note [fused p2p persistent]) and replicated mode's
@@ -125,7 +145,7 @@ def test_fused_gpu_barrier_kernel_row_groups(ranks):
 @pytest.mark.parametrize("workspace,hidden", [(1 << 16, 1032), (1 << 20, 8192)])
 def test_fused_gpu_chunk_loop_and_gather(ranks, workspace, hidden):
     env = {"COMMLIB_GPU_WORKSPACE_BYTES": str(workspace), **NO_LL}
-    ranks(2, env=env).run(_gpu_case, "bfloat16", [3, 77, 1001], [hidden], (None, 3, 132))
+    ranks(2, env=env).run(_gpu_case, "bfloat16", [3, 77, 1001], [hidden], (None, 3, 132), meant=p2p)
 
 
 def test_fused_gpu_chunk_loop_fp16_default_workspace(ranks):
@@ -208,8 +228,8 @@ LL_ALWAYS = {"COMMLIB_FUSED_LL_MAX_BYTES": str(1 << 30), "COMMLIB_FUSED_LL_MAX_R
 def test_fused_gpu_ll_kernel_large_slices(ranks):
     # A huge LL limit: the LL kernel (rs_rmsnorm_ag_p2p_ll.cu) runs whenever the slice fits the LL
     # buffer (40 tokens of hidden 16384 does not: the launcher falls back to the barrier kernel).
-    ranks(2, env=LL_ALWAYS).run(_gpu_case, "float16", [1, 5, 40], [8192, 16384],
-                                                                    (None, 1, 7))
+    ranks(2, env=LL_ALWAYS).run(_gpu_case, "float16", [1, 5, 40], [8192, 16384], (None, 1, 7),
+                                meant=lambda t, h: "fused_p2p" if (t, h) == (40, 16384) else "fused_ll")
 
 
 @pytest.mark.parametrize("row_ctas", ["1", "2", "4", "8"])
@@ -219,7 +239,8 @@ def test_fused_gpu_ll_row_split(ranks, row_ctas):
     # tree), 8192 and 16384 (4 packs per thread at one CTA per row); num_sms 1 and 3 cap the split,
     # 16 loops clusters over rows. Same bits as the unfused reference for every split.
     ranks(2, env={"COMMLIB_FUSED_LL_ROW_CTAS": row_ctas, **LL_ALWAYS}).run(
-        _gpu_case, "bfloat16", [1, 2, 7, 16], [8, 1032, 8192, 16384], (None, 1, 3, 16))
+        _gpu_case, "bfloat16", [1, 2, 7, 16], [8, 1032, 8192, 16384], (None, 1, 3, 16),
+        meant=lambda t, h: "fused_ll")
 
 
 @pytest.mark.parametrize("row_ctas", ["1", "2", "8"])
@@ -230,7 +251,8 @@ def test_fused_gpu_one_shot(ranks, row_ctas):
     # CTAs, hidden 8 .. 16384 (33 tokens of hidden 16384 do not fit: the launcher falls back).
     env = {"COMMLIB_FUSED_ONESHOT_MAX_TOKENS": str(1 << 30), "COMMLIB_FUSED_ONESHOT_SHARDED_MAX_TOKENS": str(1 << 30),
            "COMMLIB_FUSED_LL_ROW_CTAS": row_ctas}
-    ranks(2, env=env).run(_gpu_case, "bfloat16", [1, 2, 7, 16, 33], [8, 1032, 8192, 16384], (None, 1, 3, 16))
+    ranks(2, env=env).run(_gpu_case, "bfloat16", [1, 2, 7, 16, 33], [8, 1032, 8192, 16384], (None, 1, 3, 16),
+                          meant=lambda t, h: "fused_p2p" if (t, h) == (33, 16384) else "fused_oneshot")
 
 
 @pytest.mark.parametrize("oneshot", ["0", "64"])
@@ -239,7 +261,8 @@ def test_fused_gpu_ll_push_ctas(ranks, oneshot):
     # while one CTA per row normalises; two-shot (oneshot 0) and one-shot LL kernels.
     env = {"COMMLIB_FUSED_LL_BYTES_PER_CTA": "512", "COMMLIB_FUSED_ONESHOT_MAX_TOKENS": oneshot,
            "COMMLIB_FUSED_ONESHOT_SHARDED_MAX_TOKENS": oneshot}
-    ranks(2, env=env).run(_gpu_case, "bfloat16", [1, 7, 16, 32], [1032, 8192])
+    ranks(2, env=env).run(_gpu_case, "bfloat16", [1, 7, 16, 32], [1032, 8192],
+                          meant=lambda t, h: "fused_ll" if oneshot == "0" else "fused_oneshot")
 
 
 def _mixed_sequence(ctx):

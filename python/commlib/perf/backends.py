@@ -75,8 +75,8 @@ class DDAComm(Backend):
                                          name=f"perf-{algo}")
         # The engine for the sizes where NCCL is the faster one (auto only, as in the torch backend).
         self.nccl = dist.new_group(backend="nccl") if device.type == "cuda" and algo == "auto" else None
-        self._select = commlib._C.select_all_reduce_algorithm
-        self._to_nccl: dict = {}  # (bytes, dtype) -> bool, decided once: the lookup stays out of timed calls
+        # (op, bytes, dtype) -> whether the backend's plan is nccl, asked once: the lookup stays out of timed calls.
+        self._to_nccl: dict = {}
 
     def label(self) -> str:
         return self.name if self.algo == "auto" else f"{self.name}:{self.algo}"
@@ -94,11 +94,16 @@ class DDAComm(Backend):
         self._call(self.comm.all_reduce_, t, redop, self.algo)
 
     def _routes_to_nccl(self, t, redop) -> bool:
-        if self.nccl is None or not t.is_cuda or redop not in ("sum", "avg"):
+        return redop in ("sum", "avg") and self._planned_nccl("all_reduce", t)
+
+    def _planned_nccl(self, op: str, t) -> bool:
+        """Whether the torch backend's plan (Note [plan]: the same function, with NCCL attached) hands
+        this call to NCCL; only with ``auto``, as there, so this column is what "ddacomm" delivers."""
+        if self.nccl is None or not t.is_cuda:
             return False
-        key = (t.numel() * t.element_size(), t.dtype)
+        key = (op, t.numel() * t.element_size(), t.dtype)
         if key not in self._to_nccl:
-            self._to_nccl[key] = self._select(key[0], self.world_size, t.dtype) == "nccl"
+            self._to_nccl[key] = self.comm.plan(op, t, nccl=True).variant == "nccl"
         return self._to_nccl[key]
 
     def all_reduce_out(self, out: torch.Tensor, inp: torch.Tensor, redop: str) -> None:
@@ -106,37 +111,26 @@ class DDAComm(Backend):
             return super().all_reduce_out(out, inp, redop)
         self._call(lambda: self.comm.all_reduce(inp, redop, self.algo, out=out))
 
-    def _collective_to_nccl(self, op: str, t, nbytes: int) -> bool:
-        """Above the op's crossover (Note [collective crossovers]) the torch backend hands a CUDA call
-        to NCCL; with ``auto`` this backend does the same, so its column is what "ddacomm" delivers."""
-        if self.nccl is None or not t.is_cuda:
-            return False
-        key = (op, nbytes)
-        if key not in self._to_nccl:
-            import commlib
-            self._to_nccl[key] = nbytes > commlib._C.collective_max_bytes(op, self.world_size)
-        return self._to_nccl[key]
-
     def reduce_scatter(self, out, inp, redop):
-        if redop in ("sum", "avg") and self._collective_to_nccl("reduce_scatter", inp, inp.numel() * inp.element_size()):
+        if redop in ("sum", "avg") and self._planned_nccl("reduce_scatter", inp):
             dist.reduce_scatter_tensor(out, inp, op=_DIST_OPS[redop], group=self.nccl)
             return
         self._call(self.comm.reduce_scatter, out, inp, redop)
 
     def all_gather(self, out, inp):
-        if self._collective_to_nccl("all_gather", out, out.numel() * out.element_size()):
+        if self._planned_nccl("all_gather", inp):
             dist.all_gather_into_tensor(out, inp, group=self.nccl)
             return
         self._call(self.comm.all_gather, out, inp)
 
     def all_to_all(self, out, inp):
-        if self._collective_to_nccl("all_to_all", inp, inp.numel() * inp.element_size()):
+        if self._planned_nccl("all_to_all", inp):
             dist.all_to_all_single(out, inp, group=self.nccl)
             return
         self._call(self.comm.all_to_all, out, inp)
 
     def broadcast(self, t, root):
-        if self._collective_to_nccl("broadcast", t, t.numel() * t.element_size()):
+        if self._planned_nccl("broadcast", t):
             dist.broadcast(t, src=dist.get_global_rank(self.nccl, root), group=self.nccl)
             return
         self._call(self.comm.broadcast, t, root)
