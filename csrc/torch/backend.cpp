@@ -327,7 +327,7 @@ void DdaBackend::failed(fr::Group::Call& call, const char* error_class, const ch
                                                ? c10d::ErrorType::TIMEOUT
                                                : c10d::ErrorType::REMOTE_ERROR);
   call.timed_out(what);
-  if (!fr::enabled()) return;
+  if (!fr::enabled() || !fr::dump_requested()) return;
   if (comm_ && !dump_key_.empty()) {
     try {
       comm_->store().set(dump_key_, {1});  // the other ranks' watchers dump too
@@ -354,7 +354,7 @@ void DdaBackend::dump_once() {
 }
 
 void DdaBackend::start_dump_watcher() {
-  if (!fr::enabled() || !comm_) return;
+  if (!fr::enabled() || !fr::dump_requested() || !comm_) return;
   dump_key_ = comm_->prefix() + "/fr-dump";
   dump_watcher_ = std::thread([this] {
     std::unique_lock<std::mutex> lock(dump_mutex_);

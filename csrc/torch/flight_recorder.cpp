@@ -32,6 +32,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <unordered_map>
@@ -236,6 +237,11 @@ std::string profiling_name(bool cuda, const std::string& op, const std::string& 
   return variant.empty() ? name : name + " ddacomm." + variant;
 }
 
+bool dump_requested() {
+  static const bool requested = std::getenv("TORCH_FR_DUMP_TEMP_FILE") != nullptr;
+  return requested;
+}
+
 std::string dump() {
   return c10d::dump_fr_trace(/*includeCollectives=*/true, /*includeStackTraces=*/true, /*onlyActive=*/false);
 }
@@ -283,6 +289,7 @@ BindingRegistrar reg("flight_recorder", [](py::module_& m) {
           py::arg("name"), py::arg("p2p"), py::arg("inputs"), py::arg("outputs"));
   m.def("fr_profiling_name", &profiling_name, py::arg("cuda"), py::arg("op"), py::arg("variant"), py::arg("rank"),
         py::arg("peer") = -1, "The entry name torch's analyzer reads (Note [flight recorder]).");
+  m.def("fr_dump_requested", &dump_requested, "Whether failures write dumps (TORCH_FR_DUMP_TEMP_FILE is set).");
   m.def("fr_dump_to_file", &dump_to_file, py::arg("rank"),
         "Writes torch's flight-recorder dump to TORCH_FR_DUMP_TEMP_FILE + rank; returns the file, or ''.");
 });

@@ -73,6 +73,10 @@ class Group {
 // "ddacomm.<variant>" for a collective or "<rank>-><peer>" / "<rank><-<peer>" for a send / recv.
 std::string profiling_name(bool cuda, const std::string& op, const std::string& variant, int rank, int peer);
 
+// Whether failures write dumps: TORCH_FR_DUMP_TEMP_FILE is set (symbolizing the stacks of a dump
+// takes seconds, so a failure pays for it only when someone asked for the files).
+bool dump_requested();
+
 // torch's dump (pickle) of the recorder, as `_dump_fr_trace()` returns it.
 std::string dump();
 // Writes dump() where ProcessGroupNCCL writes its own: TORCH_FR_DUMP_TEMP_FILE + rank (torch's

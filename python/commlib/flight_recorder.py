@@ -3,8 +3,8 @@
 While torch's recorder is on (``TORCH_FR_BUFFER_SIZE`` > 0), a ``Communicator`` talks to its native
 communicator through a ``RecordingComm``: each collective becomes one entry of the recorder that
 gloo, NCCL and the "ddacomm" backend record into, named as torch's analyzer expects
-(``_C.fr_profiling_name``), and a failed call notes commlib's error text and writes this rank's dump
-to ``TORCH_FR_DUMP_TEMP_FILE`` + rank. With the recorder off the communicator holds the native object
+(``_C.fr_profiling_name``), and a failed call notes commlib's error text and, when
+``TORCH_FR_DUMP_TEMP_FILE`` is set, writes this rank's dump to it + rank. With the recorder off the communicator holds the native object
 itself, so the call path is unchanged.
 """
 from __future__ import annotations
@@ -84,7 +84,8 @@ class RecordingComm:
             result = method(*args)
         except CommError as e:
             call.timed_out(str(e))
-            self.dump()
+            if _C.fr_dump_requested():
+                self.dump()
             raise
         if cuda:
             done = torch.cuda.Event()
