@@ -73,7 +73,7 @@ bool ranges_overlap(const void* a, size_t a_bytes, const void* b, size_t b_bytes
   do {                                                                                           \
     ncclComm_t inner = nullptr;                                                                  \
     if (ncclResult_t r = real_comm(comm, what, RealComm::kCreate, &inner); r != ncclSuccess) return r; \
-    return forwarded(call);                                                                      \
+    return call;                                                                                 \
   } while (0)
 
 ncclResult_t all_reduce(const char* what, const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t type,

@@ -94,11 +94,11 @@ def forwarder(ret: str, name: str, args: list[tuple[str, str]]) -> str:
     if comm_outs:
         n = comm_outs[0]
         parent = next((an for t, an in args if is_comm(t)), None)
-        body.append(f"  ncclResult_t result = shim::forwarded({call});\n"
+        body.append(f"  ncclResult_t result = {call};\n"
                     f"  if ({n} != nullptr) *{n} = shim::wrap_real(real_{n}, {parent or 'nullptr'});\n"
                     f"  return result;")
     else:
-        body.append(f"  return shim::forwarded({call});")
+        body.append(f"  return {call};")
     return f"NCCL_SHIM_API {ret} {name}({params}) {{\n" + "\n".join(body) + "\n}\n"
 
 
@@ -107,11 +107,12 @@ def real_call(ret: str, name: str, args: list[tuple[str, str]]) -> str:
     types = ", ".join(t for t, _ in args)
     names = ", ".join(n for _, n in args)
     missing = "return nullptr;" if ret != "ncclResult_t" else f"return missing(\"{name}\");"
+    call = f"fn({names})" if ret != "ncclResult_t" else f"forwarded(fn({names}))"
     return (f"{ret} {name}({params}) {{\n"
             f"  using Fn = {ret} (*)({types});\n"
             f"  static Fn fn = reinterpret_cast<Fn>(symbol(\"{name}\"));\n"
             f"  if (fn == nullptr) {missing}\n"
-            f"  return fn({names});\n}}\n")
+            f"  return {call};\n}}\n")
 
 
 def real_exports(lib: Path, nm: str) -> list[str]:

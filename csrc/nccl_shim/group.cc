@@ -55,7 +55,7 @@ ncclResult_t group_end(const char* what, ncclSimInfo_t* sim_info) {
   });
   if (real_group_open) {
     real_group_open = false;
-    const ncclResult_t r = forwarded(sim_info != nullptr ? real::ncclGroupSimulateEnd(sim_info) : real::ncclGroupEnd());
+    const ncclResult_t r = sim_info != nullptr ? real::ncclGroupSimulateEnd(sim_info) : real::ncclGroupEnd();
     if (result == ncclSuccess) result = r;
   } else if (sim_info != nullptr) {
     sim_info->estimatedTime = 0.0f;  // nothing of the group reaches the real NCCL's model

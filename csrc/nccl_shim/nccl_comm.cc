@@ -181,7 +181,7 @@ ncclResult_t destroy(const char* what, ncclComm_t comm, bool abort) {
   if (abort && comm->commlib) comm->commlib->abort();
   ncclResult_t result = ncclSuccess;
   if (ncclComm_t real = comm->real.exchange(nullptr)) {
-    result = forwarded(abort ? real::ncclCommAbort(real) : real::ncclCommDestroy(real));
+    result = abort ? real::ncclCommAbort(real) : real::ncclCommDestroy(real);
   }
   const ncclResult_t closed = guarded(what, [&] {
     if (comm->commlib) {
@@ -217,7 +217,7 @@ ncclResult_t async_error(const char* what, ncclComm_t comm, ncclResult_t* error)
       return ncclSuccess;
     }
   }
-  if (ncclComm_t real = comm->real.load()) return forwarded(real::ncclCommGetAsyncError(real, error));
+  if (ncclComm_t real = comm->real.load()) return real::ncclCommGetAsyncError(real, error);
   return ncclSuccess;
 }
 
@@ -226,7 +226,7 @@ template <typename RealQuery>
 ncclResult_t query(const char* what, ncclComm_t comm, int* out, const char* out_name, int value, RealQuery&& ask) {
   if (ncclResult_t r = check_comm(comm, what); r != ncclSuccess) return r;
   if (out == nullptr) return fail(ncclInvalidArgument, std::string(what) + ": " + out_name + " is NULL");
-  if (comm->commlib == nullptr) return forwarded(ask(comm->real.load(), out));
+  if (comm->commlib == nullptr) return ask(comm->real.load(), out);
   *out = value;
   return ncclSuccess;
 }
@@ -284,7 +284,7 @@ ncclResult_t real_comm(ncclComm_t comm, const char* what, RealComm mode, ncclCom
       if (switch_device) cudaSetDevice(comm->device);
       const ncclResult_t r = real::ncclCommInitRankConfig(&real, comm->nranks, id, comm->rank, &config);
       if (switch_device) cudaSetDevice(previous);
-      if (r != ncclSuccess) return forwarded(r);
+      if (r != ncclSuccess) return r;
       comm->real.store(real);
     }
     *out = comm->real.load();
@@ -339,7 +339,7 @@ ncclResult_t init_all(const char* what, ncclComm_t* comms, int ndev, const int* 
   if (comms == nullptr) return fail(ncclInvalidArgument, std::string(what) + ": comm is NULL");
   if (ndev < 1) return fail(ncclInvalidArgument, std::string(what) + ": ndev " + std::to_string(ndev) + " invalid; must be >= 1");
   std::vector<ncclComm_t> real(ndev, nullptr);
-  const ncclResult_t r = forwarded(real::ncclCommInitAll(real.data(), ndev, devlist));
+  const ncclResult_t r = real::ncclCommInitAll(real.data(), ndev, devlist);
   if (r != ncclSuccess) return r;
   for (int i = 0; i < ndev; ++i) comms[i] = wrap_real(real[i], nullptr);
   return ncclSuccess;
@@ -365,7 +365,7 @@ ncclResult_t init_scalable(const char* what, ncclComm_t* newcomm, int nranks, in
     std::memcpy(id.internal, shim_id.real, kRealIdBytes);
   }
   ncclComm_t real = nullptr;
-  const ncclResult_t r = forwarded(real::ncclCommInitRankScalable(&real, nranks, myrank, nId, ids.data(), config));
+  const ncclResult_t r = real::ncclCommInitRankScalable(&real, nranks, myrank, nId, ids.data(), config);
   if (r != ncclSuccess) return r;
   *newcomm = wrap_real(real, nullptr);
   return ncclSuccess;

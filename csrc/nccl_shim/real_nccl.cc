@@ -4,6 +4,8 @@
 #include <link.h>
 #include <sys/stat.h>
 
+#include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -94,7 +96,8 @@ RealNccl load() {
       continue;
     }
     real.handle = handle;
-    real.path = path;
+    char resolved[PATH_MAX] = {};
+    real.path = ::realpath(path.c_str(), resolved) != nullptr ? resolved : path;
     return real;
   }
   real.error = tried.empty() ? "no candidate path (set COMMLIB_NCCL_REAL)" : "tried " + tried.substr(2);

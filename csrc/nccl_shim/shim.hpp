@@ -122,7 +122,8 @@ extern const size_t kNumTrampolines;
 // ---- errors (errors.cc) ----
 // Records `message` as the last error (ncclGetLastError) and returns `code`.
 ncclResult_t fail(ncclResult_t code, const std::string& message);
-// A real NCCL call's result: on failure the last error becomes the real NCCL's.
+// A real NCCL function's result (every real:: call passes through it): on failure the last
+// error becomes the real NCCL's.
 ncclResult_t forwarded(ncclResult_t result);
 // The last error for ncclGetLastError(comm).
 const char* last_error(ncclComm_t comm);

@@ -106,6 +106,11 @@ def test_exports_every_function_of_the_header():
     missing = sorted(declared - exported.keys())
     assert not missing, f"the shim lacks {len(missing)} functions of {HEADER}: {missing}"
     assert all(exported[name] in "TW" for name in declared)
+    # And every nccl* / pnccl* function the real library exports (the device API's host functions,
+    # which torch links against, through trampolines: Note [nccl shim trampolines]).
+    out = subprocess.run(["nm", "-D", "--defined-only", str(REAL)], capture_output=True, text=True, check=True).stdout
+    real_names = {f[-1] for f in (line.split() for line in out.splitlines()) if f and re.match(r"p?nccl\w+$", f[-1])}
+    assert not sorted(real_names - exported.keys()), sorted(real_names - exported.keys())
     # Nothing of commlib, cudart or the C++ runtime leaks out (only NCCL's API and the shim's own).
     extra = sorted(n for n in exported if not re.match(r"(p?nccl|commlibNccl)\w+$", n))
     assert not extra, extra
@@ -195,6 +200,51 @@ def test_argument_errors_name_the_function_and_the_value(shim):
     assert "ncclGroupEnd" in last_error(shim)
     assert shim.ncclGroupStart() == NCCL_SUCCESS and shim.ncclGroupStart() == NCCL_SUCCESS
     assert shim.ncclGroupEnd() == NCCL_SUCCESS and shim.ncclGroupEnd() == NCCL_SUCCESS
+
+
+@needs_shim
+def test_functions_outside_the_header_reach_the_real_nccl(shim, real):
+    """Trampolines (Note [nccl shim trampolines]): a plain one returns the real function's result; one
+    whose first argument is a communicator checks it first."""
+    for max_elts, elt_size in [(1, 4), (77, 8), (1000, 16), (4097, 2)]:
+        assert shim.ncclLLA2ACalcSlots(max_elts, elt_size) == real.ncclLLA2ACalcSlots(max_elts, elt_size)
+        assert shim.pncclLLA2ACalcSlots(max_elts, elt_size) == real.ncclLLA2ACalcSlots(max_elts, elt_size)
+    assert shim.ncclDevCommDestroy(None, None) == NCCL_INVALID_ARGUMENT
+    assert last_error(shim) == "ncclDevCommDestroy: comm is NULL"
+
+
+NO_REAL_SCRIPT = r"""
+import ctypes, json, sys
+lib = ctypes.CDLL(sys.argv[1])
+lib.ncclGetLastError.restype = ctypes.c_char_p
+lib.ncclGetErrorString.restype = ctypes.c_char_p
+version = ctypes.c_int()
+uid = (ctypes.c_char * 128)()
+ptr = ctypes.c_void_p()
+out = {"version_rc": lib.ncclGetVersion(ctypes.byref(version)), "version": version.value,
+       "id_rc": lib.ncclGetUniqueId(uid), "strings": [lib.ncclGetErrorString(i).decode() for i in range(10)],
+       "alloc_rc": lib.ncclMemAlloc(ctypes.byref(ptr), 1024)}
+out["alloc_error"] = lib.ncclGetLastError(None).decode()
+out["flags"] = int.from_bytes(bytes(uid)[14:16], "little")
+print("RESULT " + json.dumps(out))
+"""
+
+
+@needs_shim
+def test_without_the_real_nccl_the_shim_still_answers(real):
+    """COMMLIB_NCCL_REAL naming no file: version (the header's), error strings, unique ids (without a
+    real id) still work; a forwarded call fails with ncclSystemError and says what was tried."""
+    env = dict(os.environ, COMMLIB_NCCL_REAL="/nonexistent/libnccl.so.2")
+    result = subprocess.run([sys.executable, "-c", NO_REAL_SCRIPT, str(SHIM)], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    header_code = int(re.search(r"#define NCCL_VERSION_CODE (\d+)", HEADER.read_text()).group(1))
+    assert (out["version_rc"], out["version"]) == (NCCL_SUCCESS, header_code)
+    assert out["id_rc"] == NCCL_SUCCESS and out["flags"] & 1 == 0
+    assert out["strings"] == [real.ncclGetErrorString(i).decode() for i in range(10)]
+    assert out["alloc_rc"] == 2  # ncclSystemError
+    assert "ncclMemAlloc" in out["alloc_error"] and "/nonexistent/libnccl.so.2 (no such file)" in out["alloc_error"]
 
 
 # ---- a communicator over the shim's own rendezvous, two processes, no GPU ----
