@@ -30,6 +30,16 @@ def find_nvshmem():
     return None
 
 
+def find_nccl():
+    """The nvidia-nccl wheel's nvidia/nccl folder (nccl.h and the real libnccl.so.2 the NCCL shim is
+    built against and forwards to), or None."""
+    for entry in sys.path:
+        home = Path(entry or ".") / "nvidia" / "nccl"
+        if (home / "include" / "nccl.h").exists() and (home / "lib" / "libnccl.so.2").exists():
+            return home.resolve()
+    return None
+
+
 def find_nvcc():
     if os.environ.get("COMMLIB_NO_CUDA") == "1":
         return None
@@ -62,6 +72,8 @@ class CMakeBuild(build_ext):
             args.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
         nvshmem = find_nvshmem() if nvcc else None
         args.append(f"-DCOMMLIB_NVSHMEM_HOME={nvshmem or ''}")
+        nccl = find_nccl() if nvcc else None
+        args.append(f"-DCOMMLIB_NCCL_HOME={nccl or ''}")
         if shutil.which("ninja"):
             args.append("-GNinja")
         subprocess.check_call(["cmake", "-S", str(ROOT), "-B", str(build_dir), *args])
@@ -76,12 +88,14 @@ class CMakeBuild(build_ext):
 
     @staticmethod
     def _copy_nvshmem_library(out_dir: Path) -> None:
-        """The NVSHMEM kernels' library (built beside _C when found) is no extension setuptools
-        knows: an in-place or editable build copies it into the package itself."""
-        lib = out_dir / "libcommlib_nvshmem.so"
-        dest = ROOT / "python" / "commlib" / lib.name
-        if lib.exists() and lib.resolve() != dest.resolve():
-            shutil.copy2(lib, dest)
+        """The NVSHMEM kernels' library and the NCCL shim (built beside _C when found) are no
+        extensions setuptools knows: an in-place or editable build copies them into the package."""
+        for name in ("libcommlib_nvshmem.so", "lib/libnccl.so.2"):  # the second: the NCCL shim
+            lib = out_dir / name
+            dest = ROOT / "python" / "commlib" / name
+            if lib.exists() and lib.resolve() != dest.resolve():
+                dest.parent.mkdir(exist_ok=True)
+                shutil.copy2(lib, dest)
 
 
 setup(

@@ -134,6 +134,16 @@ const std::vector<Knob>& knobs() {
        "Fused all-reduce + RMSNorm, LL kernel: CTAs (a thread-block cluster) that share one row, "
        "1, 2, 4 or 8; 0 chooses by size (up to 4 rows per rank as many as the CTA budget allows for "
        "the slice's rows, at most 8; beyond, 1). 1 is one CTA per row."},
+      {"COMMLIB_NCCL_REAL", "", KnobCategory::kRuntime,
+       "NCCL shim (libnccl.so.2, docs/nccl.md): path of the real libnccl.so.2 it forwards to; empty: "
+       "the nvidia-nccl wheel's beside the loaded torch, beside the shim's package, or found at build time."},
+      {"COMMLIB_NCCL_HOST", "", KnobCategory::kRuntime,
+       "NCCL shim: the name or IPv4 address of this host that ncclGetUniqueId puts in the id for the "
+       "ranks to reach its rendezvous; empty: the first IPv4 address of an interface that is up and "
+       "not loopback."},
+      {"COMMLIB_NCCL_SERVE", "1", KnobCategory::kRuntime,
+       "NCCL shim: 1 runs the collectives and send/recv of one-host communicators on commlib "
+       "(docs/nccl.md says which); 0 forwards every call to the real NCCL."},
       {"COMMLIB_HOST_TEST_JITTER_US", "0", KnobCategory::kTestOnly,
        "Testing only: after each of its waits on the CPU shared-memory transport (a barrier, a "
        "pipeline step) a rank sleeps a random 0..N microseconds, so that its peers run ahead as on "

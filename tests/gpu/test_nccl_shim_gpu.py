@@ -1,0 +1,198 @@
+"""The NCCL shim on GPUs (docs/nccl.md): ranks load python/commlib/lib/libnccl.so.2 with ctypes (as
+vLLM's PyNcclCommunicator does), form a communicator from the shim's own unique id, and call
+ncclAllReduce, ncclReduceScatter, ncclAllGather, ncclBroadcast / ncclBcast, ncclAlltoAll and
+ncclSend / ncclRecv (alone and in a group) on torch CUDA tensors; the route must be commlib's
+(commlibNcclCommRoute). A forwarded call (an int32 all-reduce, max) goes to the real NCCL, which
+needs a GPU per rank (skipped when COMMLIB_TEST_SHARE_GPUS puts ranks on one GPU).
+
+References: every rank regenerates every rank's input from its seed; reductions against an fp64 sum
+(avg = sum / n) within the dtype's rounding, data movement against the exact bytes. Inputs are
+fresh random values; outputs are poisoned (NaN / -7) first, so an element left unwritten fails;
+odd sizes and 0 elements included."""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIM = ROOT / "python" / "commlib" / "lib" / "libnccl.so.2"
+SHARE_GPUS = os.environ.get("COMMLIB_TEST_SHARE_GPUS", "0") == "1"
+NCCL_TYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4, torch.float16: 6, torch.float32: 7,
+              torch.float64: 8, torch.bfloat16: 9}
+NCCL_SUM, NCCL_MAX, NCCL_AVG = 0, 2, 4
+FLOATS = [torch.float32, torch.float16, torch.bfloat16]
+TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+SIZES = [0, 1, 7, 1023, 65537]
+
+if not SHIM.exists():
+    pytest.skip("NCCL shim not built (needs CUDA and the nvidia-nccl wheel)", allow_module_level=True)
+
+
+class UniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_char * 128)]
+
+
+def rank_input(rank, count, dtype, salt=0):
+    g = torch.Generator().manual_seed(1000003 * rank + 7919 * count + 104729 * salt + 17)
+    if dtype.is_floating_point:
+        return (torch.rand(count, generator=g, dtype=torch.float64) * 4 - 2).to(dtype)
+    return torch.randint(-1000, 1000, (count,), generator=g, dtype=torch.int64).to(dtype)
+
+
+def poisoned(count, dtype, dev):
+    return torch.full((count,), float("nan") if dtype.is_floating_point else -7, dtype=dtype, device=dev)
+
+
+class Shim:
+    """One rank's shim communicator (ctypes), made from rank 0's unique id shared over the pool's store."""
+
+    def __init__(self, ctx, key):
+        self.lib = ctypes.CDLL(str(SHIM))
+        self.lib.ncclGetLastError.restype = ctypes.c_char_p
+        self.lib.commlibNcclCommRoute.restype = ctypes.c_char_p
+        uid = UniqueId()
+        if ctx.rank == 0:
+            assert self.lib.ncclGetUniqueId(ctypes.byref(uid)) == 0
+            ctx.store.set(key, ctypes.string_at(ctypes.byref(uid), 128))
+        else:
+            ctypes.memmove(ctypes.byref(uid), ctx.store.get(key), 128)
+        self.comm = ctypes.c_void_p()
+        self.check(self.lib.ncclCommInitRank(ctypes.byref(self.comm), ctx.world_size, uid, ctx.rank))
+        self.stream = torch.cuda.current_stream()
+
+    def check(self, rc):
+        assert rc == 0, f"NCCL result {rc}: {self.lib.ncclGetLastError(None).decode()}"
+
+    def route(self):
+        return self.lib.commlibNcclCommRoute(self.comm).decode()
+
+    def call(self, name, *args):
+        self.check(getattr(self.lib, name)(*args, self.comm, ctypes.c_void_p(self.stream.cuda_stream)))
+
+    def destroy(self):
+        self.check(self.lib.ncclCommDestroy(self.comm))
+
+
+def ptr(t):
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def _collectives(ctx):
+    dev = torch.device("cuda", ctx.device)
+    n = ctx.world_size
+    shim = Shim(ctx, "nccl-shim-id/collectives")
+    assert shim.route().startswith("commlib:"), shim.route()
+    for dtype in FLOATS:
+        t = NCCL_TYPES[dtype]
+        for count in SIZES:
+            inputs = [rank_input(r, count, dtype) for r in range(n)]
+            total = sum(x.double() for x in inputs)
+            for op, ref in ((NCCL_SUM, total), (NCCL_AVG, total / n)):
+                out = poisoned(count, dtype, dev)
+                src = inputs[ctx.rank].to(dev)
+                shim.call("ncclAllReduce", ptr(src), ptr(out), ctypes.c_size_t(count), t, op)
+                torch.cuda.synchronize()
+                torch.testing.assert_close(out.cpu().double(), ref, rtol=TOL[dtype], atol=TOL[dtype] * n * 2)
+                inplace = inputs[ctx.rank].to(dev)  # in place
+                shim.call("ncclAllReduce", ptr(inplace), ptr(inplace), ctypes.c_size_t(count), t, op)
+                torch.cuda.synchronize()
+                assert torch.equal(inplace.cpu(), out.cpu())
+            # reduce_scatter: rank r gets block r of the sum of every rank's n * count input.
+            big = [rank_input(r, n * count, dtype, salt=1) for r in range(n)]
+            total = sum(x.double() for x in big)[ctx.rank * count:(ctx.rank + 1) * count]
+            out = poisoned(count, dtype, dev)
+            shim.call("ncclReduceScatter", ptr(big[ctx.rank].to(dev)), ptr(out), ctypes.c_size_t(count), t, NCCL_SUM)
+            torch.cuda.synchronize()
+            torch.testing.assert_close(out.cpu().double(), total, rtol=TOL[dtype], atol=TOL[dtype] * n * 2)
+    for dtype in [torch.float32, torch.bfloat16, torch.int64, torch.int8]:
+        t = NCCL_TYPES[dtype]
+        for count in SIZES:
+            inputs = [rank_input(r, count, dtype, salt=2) for r in range(n)]
+            out = poisoned(n * count, dtype, dev)
+            shim.call("ncclAllGather", ptr(inputs[ctx.rank].to(dev)), ptr(out), ctypes.c_size_t(count), t)
+            torch.cuda.synchronize()
+            assert torch.equal(out.cpu(), torch.cat(inputs)), (dtype, count)
+            root = n - 1
+            out = poisoned(count, dtype, dev)
+            shim.call("ncclBroadcast", ptr(inputs[ctx.rank].to(dev)), ptr(out), ctypes.c_size_t(count), t, root)
+            torch.cuda.synchronize()
+            assert torch.equal(out.cpu(), inputs[root]), (dtype, count)
+            buf = inputs[ctx.rank].to(dev) if ctx.rank == 0 else poisoned(count, dtype, dev)
+            shim.call("ncclBcast", ptr(buf), ctypes.c_size_t(count), t, 0)
+            torch.cuda.synchronize()
+            assert torch.equal(buf.cpu(), inputs[0]), (dtype, count)
+            # all_to_all: block q of rank r's input lands as block r of rank q's output.
+            blocks = [rank_input(r, n * count, dtype, salt=3) for r in range(n)]
+            out = poisoned(n * count, dtype, dev)
+            shim.call("ncclAlltoAll", ptr(blocks[ctx.rank].to(dev)), ptr(out), ctypes.c_size_t(count), t)
+            torch.cuda.synchronize()
+            expected = torch.cat([blocks[r][ctx.rank * count:(ctx.rank + 1) * count] for r in range(n)])
+            assert torch.equal(out.cpu(), expected), (dtype, count)
+    err = ctypes.c_int(-1)
+    shim.check(shim.lib.ncclCommGetAsyncError(shim.comm, ctypes.byref(err)))
+    assert err.value == 0
+    shim.destroy()
+
+
+def _send_recv(ctx):
+    dev = torch.device("cuda", ctx.device)
+    n = ctx.world_size
+    shim = Shim(ctx, "nccl-shim-id/p2p")
+    assert shim.route().startswith("commlib:"), shim.route()
+    right, left = (ctx.rank + 1) % n, (ctx.rank - 1) % n
+    for dtype in [torch.float32, torch.bfloat16, torch.int32]:
+        t = NCCL_TYPES[dtype]
+        for count in [0, 1, 4097, (3 << 20) + 5]:  # the last is several channel slots
+            mine = rank_input(ctx.rank, count, dtype, salt=4).to(dev)
+            got = poisoned(count, dtype, dev)
+            # A ring exchange in one group: every rank sends right and receives from the left at once.
+            shim.check(shim.lib.ncclGroupStart())
+            shim.call("ncclSend", ptr(mine), ctypes.c_size_t(count), t, right)
+            shim.call("ncclRecv", ptr(got), ctypes.c_size_t(count), t, left)
+            shim.check(shim.lib.ncclGroupEnd())
+            torch.cuda.synchronize()
+            assert torch.equal(got.cpu(), rank_input(left, count, dtype, salt=4)), (dtype, count)
+            # Alone (no group): even ranks send first, odd ranks receive first.
+            got = poisoned(count, dtype, dev)
+            order = [("ncclSend", mine, right), ("ncclRecv", got, left)]
+            for name, buf, peer in order if ctx.rank % 2 == 0 else order[::-1]:
+                shim.call(name, ptr(buf), ctypes.c_size_t(count), t, peer)
+            torch.cuda.synchronize()
+            assert torch.equal(got.cpu(), rank_input(left, count, dtype, salt=4)), (dtype, count)
+    shim.destroy()
+
+
+def _forwarded(ctx):
+    dev = torch.device("cuda", ctx.device)
+    n = ctx.world_size
+    shim = Shim(ctx, "nccl-shim-id/forwarded")
+    for count in [1, 1000]:
+        inputs = [rank_input(r, count, torch.int32, salt=5) for r in range(n)]
+        out = poisoned(count, torch.int32, dev)
+        shim.call("ncclAllReduce", ptr(inputs[ctx.rank].to(dev)), ptr(out), ctypes.c_size_t(count),
+                  NCCL_TYPES[torch.int32], NCCL_MAX)
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), torch.stack(inputs).max(dim=0).values)
+    shim.destroy()
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_collectives_run_on_commlib(ranks, world_size):
+    ranks(world_size).run(_collectives)
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_send_recv_run_on_commlib(ranks, world_size):
+    ranks(world_size).run(_send_recv)
+
+
+@pytest.mark.nccl
+@pytest.mark.parametrize("world_size", [2])
+def test_other_calls_go_to_the_real_nccl(ranks, world_size):
+    ranks(world_size).run(_forwarded)
