@@ -297,7 +297,7 @@ class Communicator:
         if op not in _PLAN_OPS:
             raise ValueError(f"Communicator.plan: op {op!r} not known; known: {', '.join(_PLAN_OPS)}")
         _check_tensor("Communicator.plan", "tensor", tensor)
-        return _C.plan(self._comm, op, tensor, algo, bool(nccl), int(num_sms), residual_mode, fused_algo, device or "")
+        return _C.plan(self._native, op, tensor, algo, bool(nccl), int(num_sms), residual_mode, fused_algo, device or "")
 
     def _host_auto_algo(self, nbytes: int) -> str:
         """The CPU algorithm ("flat" or "tree") that ``algo="auto"`` runs for ``nbytes``: chosen in C++
