@@ -84,8 +84,12 @@ def last_error(lib) -> str:
 @needs_shim
 def test_builds_with_the_nccl_soname():
     d = build_dir()
-    if d is not None and shutil.which("cmake"):
-        result = subprocess.run(["cmake", "--build", str(d), "--target", "commlib_nccl_shim", "-j",
+    ninja, make = (d / "build.ninja", d / "Makefile") if d else (None, None)
+    has_target = d is not None and any(f.exists() and "commlib_nccl_shim" in f.read_text() for f in (ninja, make))
+    # The CMake that configured the directory (another version would configure it again).
+    cmake = re.search(r"^CMAKE_COMMAND:INTERNAL=(.*)$", (d / "CMakeCache.txt").read_text(), re.M) if d else None
+    if has_target and cmake:  # the extension's build directory, when it builds the shim
+        result = subprocess.run([cmake.group(1), "--build", str(d), "--target", "commlib_nccl_shim", "-j",
                                  os.environ.get("MAX_JOBS", "1")], capture_output=True, text=True)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     if shutil.which("readelf") is None:
