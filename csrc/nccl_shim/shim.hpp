@@ -30,7 +30,7 @@
 // A communicator whose ranks are all on one host and reach each other's GPU memory (commlib's
 // CudaComm p2p_ok) runs ncclAllReduce and ncclReduceScatter (sum / avg of float32, float16,
 // bfloat16), ncclAllGather, ncclBroadcast / ncclBcast, ncclAlltoAll (non-overlapping buffers) and
-// ncclSend / ncclRecv (to another rank) on commlib, whatever the size; anything else (other types
+// ncclSend / ncclRecv (a send to itself meets its receive as a copy) on commlib, whatever the size; anything else (other types
 // and ops, ncclReduce, gather / scatter, windows, splits) goes to the real NCCL. Every rank decides
 // alike: the route depends on the communicator (agreed at init) and the call's arguments.
 // COMMLIB_NCCL_SERVE=0 sends everything to the real NCCL. Never NVLink multicast.
@@ -40,6 +40,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -90,6 +91,14 @@ struct ncclComm {
   bool has_config = false;
   ncclConfig_t config{};
   std::string config_net_name, config_comm_name;  // config's strings, copied
+  // Sends to and receives from this rank itself not yet matched (collectives.cc): served ones
+  // meet as a copy, as NCCL's do inside a group.
+  struct SelfMessage {
+    void* buffer;
+    size_t bytes;
+    cudaStream_t stream;
+  };
+  std::deque<SelfMessage> self_sends, self_recvs;
 };
 
 namespace commlib::nccl_shim {

@@ -1,7 +1,7 @@
 """The NCCL shim on GPUs (docs/nccl.md): ranks load python/commlib/lib/libnccl.so.2 with ctypes (as
 vLLM's PyNcclCommunicator does), form a communicator from the shim's own unique id, and call
 ncclAllReduce, ncclReduceScatter, ncclAllGather, ncclBroadcast / ncclBcast, ncclAlltoAll and
-ncclSend / ncclRecv (alone and in a group) on torch CUDA tensors; the route must be commlib's
+ncclSend / ncclRecv (alone, in a group, and to the rank itself) on torch CUDA tensors; the route must be commlib's
 (commlibNcclCommRoute). A forwarded call (an int32 all-reduce, max) goes to the real NCCL, which
 needs a GPU per rank (skipped when COMMLIB_TEST_SHARE_GPUS puts ranks on one GPU).
 
@@ -165,6 +165,20 @@ def _send_recv(ctx):
                 shim.call(name, ptr(buf), ctypes.c_size_t(count), t, peer)
             torch.cuda.synchronize()
             assert torch.equal(got.cpu(), rank_input(left, count, dtype, salt=4)), (dtype, count)
+    # All-to-all by send/recv as torch does it: every peer, this rank itself included, in one group.
+    t = NCCL_TYPES[torch.float32]
+    for count in [0, 5, 4099]:
+        blocks = [rank_input(r, n * count, torch.float32, salt=6) for r in range(n)]
+        src = blocks[ctx.rank].to(dev)
+        out = poisoned(n * count, torch.float32, dev)
+        shim.check(shim.lib.ncclGroupStart())
+        for peer in range(n):
+            shim.call("ncclSend", ptr(src[peer * count:(peer + 1) * count]), ctypes.c_size_t(count), t, peer)
+            shim.call("ncclRecv", ptr(out[peer * count:(peer + 1) * count]), ctypes.c_size_t(count), t, peer)
+        shim.check(shim.lib.ncclGroupEnd())
+        torch.cuda.synchronize()
+        expected = torch.cat([blocks[r][ctx.rank * count:(ctx.rank + 1) * count] for r in range(n)])
+        assert torch.equal(out.cpu(), expected), count
     shim.destroy()
 
 
