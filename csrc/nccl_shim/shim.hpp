@@ -14,7 +14,8 @@
 // A shim communicator keeps a real NCCL communicator inside, created on the first forwarded call
 // that needs one (that call is collective in NCCL, so every rank creates it at the same point); a
 // forwarder passes the real one on, and wraps a real communicator it receives (split, shrink,
-// grow) as a shim communicator that forwards everything.
+// grow) as a shim communicator that forwards everything. ncclCommSplit of a communicator of
+// commlib's makes a commlib communicator again (over the parent's rendezvous), routed anew.
 //
 // Note [nccl shim unique id]
 // ncclGetUniqueId starts this process's TcpStore server (tcp_store.hpp) and returns 128 bytes:
@@ -79,8 +80,10 @@ struct ncclComm {
   int rank = 0;
   int nranks = 0;
   int device = -1;
-  // Null for a communicator of the real NCCL alone (split, shrink, grow, init-all, a foreign id).
+  // Null for a communicator of the real NCCL alone (shrink, grow, init-all, a foreign id).
   std::unique_ptr<commlib::Communicator> commlib;
+  std::shared_ptr<commlib::Store> store;  // commlib's rendezvous, shared with the communicators split from it
+  uint64_t num_splits = 0;                // ncclCommSplit calls so far (names the children alike on every rank)
   bool served = false;  // Note [nccl shim routes]
   std::string route;    // why (or why not), for --check and errors
   // The real NCCL's communicator (created lazily; Note [nccl shim forwarding]) and what creates it.
