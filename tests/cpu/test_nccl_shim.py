@@ -301,7 +301,7 @@ print("RESULT " + json.dumps({"count": count.value, "rank": rank, "async": err.v
 
 
 @needs_shim
-def test_two_processes_form_and_split_a_communicator_without_a_gpu(shim, tmp_path):
+def test_two_processes_form_and_split_a_communicator_without_a_gpu(shim):
     uid = UniqueId()
     assert shim.ncclGetUniqueId(ctypes.byref(uid)) == NCCL_SUCCESS  # this process hosts the rendezvous
     hex_id = ctypes.string_at(ctypes.byref(uid), 128).hex()
