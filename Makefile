@@ -24,4 +24,4 @@ test-gpu: build
 	$(PY) -m pytest tests -q -rs -m gpu $(PYTEST_ARGS)
 
 clean:
-	rm -rf build .build python/commlib/_C*.so python/commlib/libcommlib_nvshmem.so
+	rm -rf build .build python/commlib/_C*.so python/commlib/libcommlib_nvshmem.so python/commlib/lib

@@ -183,7 +183,30 @@ ncclResult_t p2p(const char* what, P2pKind kind, void* buff, size_t count, ncclD
   if (ncclResult_t r = check_rank(what, "peer", peer, comm); r != ncclSuccess) return r;
   const bool sending = kind == P2pKind::kSend;
   if (ncclResult_t r = check_buffer(what, sending ? "sendbuff" : "recvbuff", buff, count); r != ncclSuccess) return r;
-  if (comm->served && peer != comm->rank) {
+  if (comm->served && peer == comm->rank) {
+    return guarded(what, [&] {
+      const size_t bytes = count * kTypeBytes[type];
+      (sending ? comm->self_sends : comm->self_recvs).push_back({buff, bytes, stream});
+      while (!comm->self_sends.empty() && !comm->self_recvs.empty()) {
+        const ncclComm::SelfMessage send = comm->self_sends.front(), recv = comm->self_recvs.front();
+        comm->self_sends.pop_front();
+        comm->self_recvs.pop_front();
+        COMMLIB_CHECK(send.bytes == recv.bytes, InvalidArgument, "a send of ", send.bytes,
+                      " bytes to this rank itself met a receive of ", recv.bytes, " bytes");
+        DeviceGuard guard(comm->device);
+        // The copy reads the send buffer after the sender's stream wrote it; the send is done
+        // when the copy is (at the group's end inside a group, as for a peer).
+        join_streams(recv.stream, send.stream, comm->device, JoinAt::kNow);
+        if (send.bytes > 0) {
+          cuda_check(cudaMemcpyAsync(recv.buffer, send.buffer, send.bytes, cudaMemcpyDeviceToDevice, recv.stream), what,
+                     "cudaMemcpyAsync");
+        }
+        join_streams(send.stream, recv.stream, comm->device, JoinAt::kGroupEnd);
+      }
+      return ncclSuccess;
+    });
+  }
+  if (comm->served) {
     return guarded(what, [&] {
       static const bool named = [] {
         CudaP2p::set_dtype_namer(type_name);

@@ -28,7 +28,7 @@ HANDWRITTEN = {
     "ncclCommInitRankScalable", "ncclCommDestroy", "ncclCommAbort", "ncclCommGetAsyncError", "ncclCommCount",
     "ncclCommUserRank", "ncclCommCuDevice", "ncclGetErrorString", "ncclGetLastError", "ncclGroupStart",
     "ncclGroupEnd", "ncclGroupSimulateEnd", "ncclAllReduce", "ncclReduceScatter", "ncclAllGather",
-    "ncclBroadcast", "ncclBcast", "ncclAlltoAll", "ncclSend", "ncclRecv",
+    "ncclBroadcast", "ncclBcast", "ncclAlltoAll", "ncclSend", "ncclRecv", "ncclCommSplit",
 }
 # Forwarded only when the real communicator already exists (nothing to do otherwise): these must
 # not create one, which would be collective.

@@ -6,6 +6,7 @@
 #include <net/if.h>
 #include <netdb.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <random>
@@ -111,6 +112,33 @@ void choose_route(ncclComm& c) {
   }
 }
 
+bool bad_config(const ncclConfig_t* config) {
+  return config != nullptr && (config->magic != NCCL_API_MAGIC || config->size < offsetof(ncclConfig_t, blocking));
+}
+
+// Keeps a copy of `config` (and of its strings) for the real communicator made later.
+void keep_config(ncclComm& c, const ncclConfig_t* config) {
+  if (config == nullptr) return;
+  c.has_config = true;
+  c.config = NCCL_CONFIG_INITIALIZER;
+  std::memcpy(&c.config, config, std::min(config->size, sizeof(ncclConfig_t)));
+  if (c.config.netName != nullptr) c.config.netName = (c.config_net_name = c.config.netName).c_str();
+  if (c.config.commName != nullptr) c.config.commName = (c.config_comm_name = c.config.commName).c_str();
+}
+
+// Forms c's commlib Communicator over `store` and routes it (collective over c's ranks).
+void form_commlib(ncclComm& c, std::shared_ptr<Store> store, const std::string& name, const std::string& no_device) {
+  CommunicatorOptions options;
+  options.timeout = setup_timeout();
+  c.store = store;
+  c.commlib = std::make_unique<Communicator>(std::move(store), c.rank, c.nranks, name, options);
+  if (no_device.empty()) {
+    choose_route(c);
+  } else {
+    c.route = no_device + ": every call goes to the real NCCL";
+  }
+}
+
 ncclResult_t init_rank(const char* what, ncclComm_t* out, int nranks, const ncclUniqueId& id, int rank,
                        const ncclConfig_t* config) {
   const std::string w = what;
@@ -120,7 +148,7 @@ ncclResult_t init_rank(const char* what, ncclComm_t* out, int nranks, const nccl
     return fail(ncclInvalidArgument, w + ": rank " + std::to_string(rank) + " invalid; valid: 0.." +
                                          std::to_string(nranks - 1) + " (nranks " + std::to_string(nranks) + ")");
   }
-  if (config != nullptr && (config->magic != NCCL_API_MAGIC || config->size < offsetof(ncclConfig_t, blocking))) {
+  if (bad_config(config)) {
     return fail(ncclInvalidArgument, w + ": config was not set from NCCL_CONFIG_INITIALIZER (magic " +
                                          std::to_string(config->magic) + ")");
   }
@@ -138,13 +166,7 @@ ncclResult_t init_rank(const char* what, ncclComm_t* out, int nranks, const nccl
     c->rank = rank;
     c->nranks = nranks;
     c->device = device;
-    if (config != nullptr) {
-      c->has_config = true;
-      c->config = NCCL_CONFIG_INITIALIZER;
-      std::memcpy(&c->config, config, std::min(config->size, sizeof(ncclConfig_t)));
-      if (c->config.netName != nullptr) c->config.netName = (c->config_net_name = c->config.netName).c_str();
-      if (c->config.commName != nullptr) c->config.commName = (c->config_comm_name = c->config.commName).c_str();
-    }
+    keep_config(*c, config);
     if (!is_shim_id(id)) {
       // A real NCCL's id (made without the shim): the real NCCL's communicator alone.
       c->has_real_id = true;
@@ -162,16 +184,58 @@ ncclResult_t init_rank(const char* what, ncclComm_t* out, int nranks, const nccl
       std::memcpy(c->real_id.internal, shim_id.real, kRealIdBytes);
     }
     const std::string space = "nccl-" + hex(shim_id.nonce);
-    auto store = std::make_shared<TcpStore>(shim_id.ipv4, ntohs(shim_id.port), space, setup_timeout());
-    CommunicatorOptions options;
-    options.timeout = setup_timeout();
-    c->commlib = std::make_unique<Communicator>(store, rank, nranks, space, options);
-    if (no_device.empty()) {
-      choose_route(*c);
-    } else {
-      c->route = no_device + ": every call goes to the real NCCL";
-    }
+    form_commlib(*c, std::make_shared<TcpStore>(shim_id.ipv4, ntohs(shim_id.port), space, setup_timeout()), space,
+                 no_device);
     *out = c.release();
+    return ncclSuccess;
+  });
+}
+
+// ncclCommSplit: a communicator of commlib's splits into commlib communicators over its rendezvous
+// (colors and keys exchanged over the parent; new ranks by key, then parent rank, as NCCL orders
+// them); one of the real NCCL's alone splits in the real NCCL.
+ncclResult_t split(const char* what, ncclComm_t parent, int color, int key, ncclComm_t* newcomm,
+                   ncclConfig_t* config) {
+  if (ncclResult_t r = check_comm(parent, what); r != ncclSuccess) return r;
+  const std::string w = what;
+  if (newcomm == nullptr) return fail(ncclInvalidArgument, w + ": newcomm is NULL");
+  if (color < 0 && color != NCCL_SPLIT_NOCOLOR) {
+    return fail(ncclInvalidArgument, w + ": color " + std::to_string(color) + " invalid; valid: >= 0 or NCCL_SPLIT_NOCOLOR");
+  }
+  if (bad_config(config)) return fail(ncclInvalidArgument, w + ": config was not set from NCCL_CONFIG_INITIALIZER");
+  if (parent->commlib == nullptr) {
+    ncclComm_t real_parent = nullptr;
+    if (ncclResult_t r = real_comm(parent, what, RealComm::kExisting, &real_parent); r != ncclSuccess) return r;
+    ncclComm_t real_child = nullptr;
+    const ncclResult_t r = real::ncclCommSplit(real_parent, color, key, &real_child, config);
+    *newcomm = wrap_real(real_child, parent);
+    return r;
+  }
+  return guarded(what, [&] {
+    struct Choice {
+      int32_t color;
+      int32_t key;
+    };
+    const Choice mine{color, key};
+    std::vector<Choice> all(parent->nranks);
+    parent->commlib->control_all_gather(all.data(), &mine, sizeof(Choice));
+    const uint64_t index = parent->num_splits++;
+    *newcomm = nullptr;
+    if (color == NCCL_SPLIT_NOCOLOR) return ncclSuccess;
+    std::vector<std::pair<int32_t, int>> members;  // (key, parent rank)
+    for (int r = 0; r < parent->nranks; ++r) {
+      if (all[r].color == color) members.emplace_back(all[r].key, r);
+    }
+    std::sort(members.begin(), members.end());
+    auto c = std::make_unique<ncclComm>();
+    c->nranks = static_cast<int>(members.size());
+    c->rank = static_cast<int>(std::find(members.begin(), members.end(), std::make_pair(key, parent->rank)) -
+                               members.begin());
+    c->device = parent->device;
+    keep_config(*c, config);
+    const std::string name = parent->commlib->name() + "-split" + std::to_string(index) + "-color" + std::to_string(color);
+    form_commlib(*c, parent->store, name, parent->device < 0 ? "no CUDA device" : "");
+    *newcomm = c.release();
     return ncclSuccess;
   });
 }
@@ -387,6 +451,15 @@ NCCL_SHIM_API ncclResult_t ncclCommInitRankScalable(ncclComm_t* newcomm, int nra
 NCCL_SHIM_API ncclResult_t pncclCommInitRankScalable(ncclComm_t* newcomm, int nranks, int myrank, int nId,
                                                      ncclUniqueId* commIds, ncclConfig_t* config) {
   return shim::init_scalable("pncclCommInitRankScalable", newcomm, nranks, myrank, nId, commIds, config);
+}
+
+NCCL_SHIM_API ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm,
+                                         ncclConfig_t* config) {
+  return shim::split("ncclCommSplit", comm, color, key, newcomm, config);
+}
+NCCL_SHIM_API ncclResult_t pncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm,
+                                          ncclConfig_t* config) {
+  return shim::split("pncclCommSplit", comm, color, key, newcomm, config);
 }
 
 NCCL_SHIM_API ncclResult_t ncclCommDestroy(ncclComm_t comm) { return shim::destroy("ncclCommDestroy", comm, false); }

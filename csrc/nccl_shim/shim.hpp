@@ -14,7 +14,8 @@
 // A shim communicator keeps a real NCCL communicator inside, created on the first forwarded call
 // that needs one (that call is collective in NCCL, so every rank creates it at the same point); a
 // forwarder passes the real one on, and wraps a real communicator it receives (split, shrink,
-// grow) as a shim communicator that forwards everything.
+// grow) as a shim communicator that forwards everything. ncclCommSplit of a communicator of
+// commlib's makes a commlib communicator again (over the parent's rendezvous), routed anew.
 //
 // Note [nccl shim unique id]
 // ncclGetUniqueId starts this process's TcpStore server (tcp_store.hpp) and returns 128 bytes:
@@ -30,7 +31,7 @@
 // A communicator whose ranks are all on one host and reach each other's GPU memory (commlib's
 // CudaComm p2p_ok) runs ncclAllReduce and ncclReduceScatter (sum / avg of float32, float16,
 // bfloat16), ncclAllGather, ncclBroadcast / ncclBcast, ncclAlltoAll (non-overlapping buffers) and
-// ncclSend / ncclRecv (to another rank) on commlib, whatever the size; anything else (other types
+// ncclSend / ncclRecv (a send to itself meets its receive as a copy) on commlib, whatever the size; anything else (other types
 // and ops, ncclReduce, gather / scatter, windows, splits) goes to the real NCCL. Every rank decides
 // alike: the route depends on the communicator (agreed at init) and the call's arguments.
 // COMMLIB_NCCL_SERVE=0 sends everything to the real NCCL. Never NVLink multicast.
@@ -40,6 +41,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -78,8 +80,10 @@ struct ncclComm {
   int rank = 0;
   int nranks = 0;
   int device = -1;
-  // Null for a communicator of the real NCCL alone (split, shrink, grow, init-all, a foreign id).
+  // Null for a communicator of the real NCCL alone (shrink, grow, init-all, a foreign id).
   std::unique_ptr<commlib::Communicator> commlib;
+  std::shared_ptr<commlib::Store> store;  // commlib's rendezvous, shared with the communicators split from it
+  uint64_t num_splits = 0;                // ncclCommSplit calls so far (names the children alike on every rank)
   bool served = false;  // Note [nccl shim routes]
   std::string route;    // why (or why not), for --check and errors
   // The real NCCL's communicator (created lazily; Note [nccl shim forwarding]) and what creates it.
@@ -90,6 +94,14 @@ struct ncclComm {
   bool has_config = false;
   ncclConfig_t config{};
   std::string config_net_name, config_comm_name;  // config's strings, copied
+  // Sends to and receives from this rank itself not yet matched (collectives.cc): served ones
+  // meet as a copy, as NCCL's do inside a group.
+  struct SelfMessage {
+    void* buffer;
+    size_t bytes;
+    cudaStream_t stream;
+  };
+  std::deque<SelfMessage> self_sends, self_recvs;
 };
 
 namespace commlib::nccl_shim {

@@ -84,8 +84,12 @@ def last_error(lib) -> str:
 @needs_shim
 def test_builds_with_the_nccl_soname():
     d = build_dir()
-    if d is not None and shutil.which("cmake"):
-        result = subprocess.run(["cmake", "--build", str(d), "--target", "commlib_nccl_shim", "-j",
+    ninja, make = (d / "build.ninja", d / "Makefile") if d else (None, None)
+    has_target = d is not None and any(f.exists() and "commlib_nccl_shim" in f.read_text() for f in (ninja, make))
+    # The CMake that configured the directory (another version would configure it again).
+    cmake = re.search(r"^CMAKE_COMMAND:INTERNAL=(.*)$", (d / "CMakeCache.txt").read_text(), re.M) if d else None
+    if has_target and cmake:  # the extension's build directory, when it builds the shim
+        result = subprocess.run([cmake.group(1), "--build", str(d), "--target", "commlib_nccl_shim", "-j",
                                  os.environ.get("MAX_JOBS", "1")], capture_output=True, text=True)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     if shutil.which("readelf") is None:
@@ -264,7 +268,7 @@ rc = lib.ncclCommInitRank(ctypes.byref(comm), nranks, uid, rank)
 assert rc == 0, (rc, lib.ncclGetLastError(None))
 count, me, err = ctypes.c_int(-1), ctypes.c_int(-1), ctypes.c_int(-1)
 assert lib.ncclCommCount(comm, ctypes.byref(count)) == 0
-assert lib.ncclCommUserRank(comm, ctypes.byref(me)) == 0
+assert lib.ncclCommUserRank(comm, ctypes.byref(me)) == 0 and me.value == rank
 assert lib.ncclCommGetAsyncError(comm, ctypes.byref(err)) == 0
 route = lib.commlibNcclCommRoute(comm).decode()
 # Bad arguments on a live communicator: refused on this rank, the communicator stays usable.
@@ -277,14 +281,27 @@ calls = [
 errors = []
 for call in calls:
     errors.append((call(), lib.ncclGetLastError(None).decode()))
+# Splits over the shim's rendezvous: keys reversed (new rank = nranks - 1 - rank), then rank 0 alone.
+splits = []
+for color, key in [(0, -rank), (0 if rank == 0 else -1, 0)]:  # -1: NCCL_SPLIT_NOCOLOR
+    child = ctypes.c_void_p()
+    assert lib.ncclCommSplit(comm, color, key, ctypes.byref(child), None) == 0, lib.ncclGetLastError(None)
+    if child.value is None:
+        splits.append(None)
+        continue
+    assert lib.ncclCommCount(child, ctypes.byref(count)) == 0 and lib.ncclCommUserRank(child, ctypes.byref(me)) == 0
+    splits.append([count.value, me.value, lib.commlibNcclCommRoute(child).decode()])
+    assert lib.ncclCommDestroy(child) == 0
+errors.append((lib.ncclCommSplit(comm, -5, 0, ctypes.byref(ctypes.c_void_p()), None), lib.ncclGetLastError(None).decode()))
+assert lib.ncclCommCount(comm, ctypes.byref(count)) == 0
 assert lib.ncclCommDestroy(comm) == 0
-print("RESULT " + json.dumps({"count": count.value, "rank": me.value, "async": err.value, "route": route,
-                               "errors": errors}))
+print("RESULT " + json.dumps({"count": count.value, "rank": rank, "async": err.value, "route": route,
+                               "errors": errors, "splits": splits}))
 """
 
 
 @needs_shim
-def test_two_processes_form_a_communicator_without_a_gpu(shim, tmp_path):
+def test_two_processes_form_and_split_a_communicator_without_a_gpu(shim):
     uid = UniqueId()
     assert shim.ncclGetUniqueId(ctypes.byref(uid)) == NCCL_SUCCESS  # this process hosts the rendezvous
     hex_id = ctypes.string_at(ctypes.byref(uid), 128).hex()
@@ -299,7 +316,10 @@ def test_two_processes_form_a_communicator_without_a_gpu(shim, tmp_path):
         assert (result["count"], result["rank"], result["async"]) == (2, rank, NCCL_SUCCESS)
         assert result["route"].startswith("nccl: no CUDA device"), result["route"]
         expected = ["ncclAllReduce: datatype 99 invalid", "ncclBroadcast: root 5 invalid", "ncclSend: peer -1 invalid",
-                    "ncclAllGather: sendbuff is NULL with count 4"]
+                    "ncclAllGather: sendbuff is NULL with count 4", "ncclCommSplit: color -5 invalid"]
+        assert len(result["errors"]) == len(expected)
+        assert result["splits"][0][:2] == [2, 1 - rank] and result["splits"][0][2].startswith("nccl: no CUDA device")
+        assert result["splits"][1] == ([1, 0, result["splits"][1][2]] if rank == 0 else None)
         for (code, text), words in zip(result["errors"], expected):
             assert code == NCCL_INVALID_ARGUMENT and words in text, (code, text)
 

@@ -1,7 +1,8 @@
 """The NCCL shim on GPUs (docs/nccl.md): ranks load python/commlib/lib/libnccl.so.2 with ctypes (as
 vLLM's PyNcclCommunicator does), form a communicator from the shim's own unique id, and call
 ncclAllReduce, ncclReduceScatter, ncclAllGather, ncclBroadcast / ncclBcast, ncclAlltoAll and
-ncclSend / ncclRecv (alone and in a group) on torch CUDA tensors; the route must be commlib's
+ncclSend / ncclRecv (alone, in a group, and to the rank itself) on torch CUDA tensors, then an
+all-reduce and an all-gather on a communicator split from it; the route must be commlib's
 (commlibNcclCommRoute). A forwarded call (an int32 all-reduce, max) goes to the real NCCL, which
 needs a GPU per rank (skipped when COMMLIB_TEST_SHARE_GPUS puts ranks on one GPU).
 
@@ -12,7 +13,6 @@ odd sizes and 0 elements included."""
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,6 @@ pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIM = ROOT / "python" / "commlib" / "lib" / "libnccl.so.2"
-SHARE_GPUS = os.environ.get("COMMLIB_TEST_SHARE_GPUS", "0") == "1"
 NCCL_TYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4, torch.float16: 6, torch.float32: 7,
               torch.float64: 8, torch.bfloat16: 9}
 NCCL_SUM, NCCL_MAX, NCCL_AVG = 0, 2, 4
@@ -165,6 +164,44 @@ def _send_recv(ctx):
                 shim.call(name, ptr(buf), ctypes.c_size_t(count), t, peer)
             torch.cuda.synchronize()
             assert torch.equal(got.cpu(), rank_input(left, count, dtype, salt=4)), (dtype, count)
+    # All-to-all by send/recv as torch does it: every peer, this rank itself included, in one group.
+    t = NCCL_TYPES[torch.float32]
+    for count in [0, 5, 4099]:
+        blocks = [rank_input(r, n * count, torch.float32, salt=6) for r in range(n)]
+        src = blocks[ctx.rank].to(dev)
+        out = poisoned(n * count, torch.float32, dev)
+        shim.check(shim.lib.ncclGroupStart())
+        for peer in range(n):
+            shim.call("ncclSend", ptr(src[peer * count:(peer + 1) * count]), ctypes.c_size_t(count), t, peer)
+            shim.call("ncclRecv", ptr(out[peer * count:(peer + 1) * count]), ctypes.c_size_t(count), t, peer)
+        shim.check(shim.lib.ncclGroupEnd())
+        torch.cuda.synchronize()
+        expected = torch.cat([blocks[r][ctx.rank * count:(ctx.rank + 1) * count] for r in range(n)])
+        assert torch.equal(out.cpu(), expected), count
+    shim.destroy()
+
+
+def _split(ctx):
+    dev = torch.device("cuda", ctx.device)
+    n = ctx.world_size
+    shim = Shim(ctx, "nccl-shim-id/split")
+    child = ctypes.c_void_p()
+    shim.check(shim.lib.ncclCommSplit(shim.comm, 0, -ctx.rank, ctypes.byref(child), None))  # keys reversed
+    assert shim.lib.commlibNcclCommRoute(child).decode().startswith("commlib:")
+    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    count, t = 1023, NCCL_TYPES[torch.float32]
+    inputs = [rank_input(r, count, torch.float32, salt=7) for r in range(n)]
+    out = poisoned(count, torch.float32, dev)
+    shim.check(shim.lib.ncclAllReduce(ptr(inputs[ctx.rank].to(dev)), ptr(out), ctypes.c_size_t(count), t, NCCL_SUM,
+                                      child, stream))
+    gathered = poisoned(n * count, torch.float32, dev)
+    shim.check(shim.lib.ncclAllGather(ptr(inputs[ctx.rank].to(dev)), ptr(gathered), ctypes.c_size_t(count), t, child,
+                                      stream))
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.cpu().double(), sum(x.double() for x in inputs), rtol=1e-5, atol=1e-5 * n * 2)
+    # Child rank q is parent rank n - 1 - q.
+    assert torch.equal(gathered.cpu(), torch.cat([inputs[n - 1 - q] for q in range(n)]))
+    shim.check(shim.lib.ncclCommDestroy(child))
     shim.destroy()
 
 
@@ -190,6 +227,11 @@ def test_collectives_run_on_commlib(ranks, world_size):
 @pytest.mark.parametrize("world_size", [2])
 def test_send_recv_run_on_commlib(ranks, world_size):
     ranks(world_size).run(_send_recv)
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_split_communicators_run_on_commlib(ranks, world_size):
+    ranks(world_size).run(_split)
 
 
 @pytest.mark.nccl
