@@ -101,20 +101,21 @@ std::string Plan::reason() const {
 
 // ---- all_reduce ----
 
-namespace {
-
-Plan plan_host(const CommConfig& config, const AllReduceShape& s) {
+Plan plan_host_all_reduce(const CommConfig* config, const AllReduceShape& s) {
   const char* op = "all_reduce";
   COMMLIB_CHECK(s.requested == Algorithm::kAuto || s.requested == Algorithm::kFlat || s.requested == Algorithm::kTree,
                 InvalidArgument, op, ": algo ", algorithm_name(s.requested),
                 " not supported for CPU tensors; supported: auto, flat, tree");
   if (s.requested == Algorithm::kFlat) return make(op, Variant::kHostFlat, s.bytes, s.dtype, "algo='flat' requested");
   if (s.requested == Algorithm::kTree) return make(op, Variant::kHostTree, s.bytes, s.dtype, "algo='tree' requested");
-  const size_t tree_min = config.host.tree_min_bytes;
+  COMMLIB_CHECK(config != nullptr, InvalidArgument, op, ": algo auto needs the communicator's configuration");
+  const size_t tree_min = config->host.tree_min_bytes;
   return s.bytes >= tree_min
              ? make(op, Variant::kHostTree, s.bytes, s.dtype, "{bytes} >= host_tree_min {limit}", tree_min)
              : make(op, Variant::kHostFlat, s.bytes, s.dtype, "{bytes} < host_tree_min {limit}", tree_min);
 }
+
+namespace {
 
 const char* forced_rule(Algorithm algo, Algorithm requested) {
   if (requested != Algorithm::kAuto) {
@@ -129,7 +130,7 @@ const char* forced_rule(Algorithm algo, Algorithm requested) {
 }  // namespace
 
 Plan plan_all_reduce(const CommConfig& config, const AllReduceShape& s) {
-  if (s.placement == Placement::kCpu) return plan_host(config, s);
+  if (s.placement == Placement::kCpu) return plan_host_all_reduce(&config, s);
   const char* op = "all_reduce";
   COMMLIB_CHECK(is_reducible(s.dtype), TypeMismatch, op, ": dtype ", dtype_name(s.dtype),
                 " not supported; supported: float32, float16, bfloat16");

@@ -123,6 +123,10 @@ struct AllReduceShape {
 // Throws InvalidArgument for an algo the placement cannot run (CPU: nccl; CUDA without an NCCL
 // engine: an explicit nccl), TypeMismatch for a dtype that is not reducible on CUDA.
 Plan plan_all_reduce(const CommConfig& config, const AllReduceShape& shape);
+// The CPU all-reduce's plan (plan_all_reduce's CPU branch). `config` is read only for algo auto and
+// may be null otherwise: an explicit algorithm needs no configuration, so a tune file that cannot
+// be read does not stop it.
+Plan plan_host_all_reduce(const CommConfig* config, const AllReduceShape& shape);
 
 // ---- reduce_scatter / all_gather / broadcast / all_to_all ----
 struct ExchangeShape {

@@ -232,7 +232,8 @@ void Communicator::all_reduce_host(const void* input, void* output, size_t count
   shape.dtype = dtype;
   shape.placement = Placement::kCpu;
   shape.requested = algo;
-  const Plan plan = plan_all_reduce(config(), shape);  // Note [plan]
+  // Note [plan]; an explicit algorithm does not read the configuration (nor a bad tune file).
+  const Plan plan = plan_host_all_reduce(algo == Algorithm::kAuto ? &config() : nullptr, shape);
   algo = plan.variant == Variant::kHostTree ? Algorithm::kTree : Algorithm::kFlat;
   HostShm& shm = host();
   plan_executed(plan, rank_);
