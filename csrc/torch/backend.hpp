@@ -154,6 +154,9 @@ class DdaBackend final : public c10d::Backend {
   // the ranks first check they all make the same call (host::agree), so a rank whose dtype differs
   // from its peers' raises "ranks disagree" instead of meeting them in another library.
   bool cpu_movable(const char* what, c10d::OpType kind, const std::vector<at::Tensor>& tensors);
+  // Before a CPU call goes to the inner backend: every rank confirms it makes the same call (one
+  // host::agree round), so a rank that differs raises "ranks disagree" instead of hanging in gloo.
+  void agree_before_inner(const char* what, c10d::OpType kind, const at::Tensor& t, uint32_t reduction);
   c10::intrusive_ptr<c10d::Work> fallback(c10::intrusive_ptr<c10d::Work> work);
   // `list` has world_size tensors of `one`'s dtype and element count (ValueError / TypeError).
   void check_gather_list(const char* what, const std::vector<at::Tensor>& list, const at::Tensor& one) const;

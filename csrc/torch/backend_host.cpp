@@ -44,13 +44,16 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::run_host(c10d::OpType op, const char*
   return completed(op, std::move(outputs));
 }
 
-bool DdaBackend::cpu_movable(const char* what, c10d::OpType kind, const std::vector<at::Tensor>& tensors) {
-  if (all_of(tensors, is_movable_type)) return true;
-  const at::Tensor& t = tensors[0];
+void DdaBackend::agree_before_inner(const char* what, c10d::OpType kind, const at::Tensor& t, uint32_t reduction) {
   run_fast(what, [&] {
     host::agree(*comm_, what, static_cast<uint32_t>(kind), static_cast<uint32_t>(t.scalar_type()),
-                static_cast<uint64_t>(t.numel()), 0);
+                static_cast<uint64_t>(t.numel()), reduction);
   });
+}
+
+bool DdaBackend::cpu_movable(const char* what, c10d::OpType kind, const std::vector<at::Tensor>& tensors) {
+  if (all_of(tensors, is_movable_type)) return true;
+  agree_before_inner(what, kind, tensors[0], 0);
   return false;
 }
 
@@ -61,7 +64,6 @@ bool DdaBackend::cpu_fast(const std::vector<at::Tensor>& tensors) const {
   }
   return true;
 }
-
 
 bool DdaBackend::cpu_reduction(const char* what, c10d::OpType kind, const std::vector<at::Tensor>& tensors,
                                const c10d::ReduceOp& reduce_op) {
@@ -75,12 +77,7 @@ bool DdaBackend::cpu_reduction(const char* what, c10d::OpType kind, const std::v
     }
   }
   if (handled) return true;
-  // The inner backend takes it; first every rank confirms it makes the same call.
-  const at::Tensor& t = tensors[0];
-  run_fast(what, [&] {
-    host::agree(*comm_, what, static_cast<uint32_t>(kind), static_cast<uint32_t>(t.scalar_type()),
-                static_cast<uint64_t>(t.numel()), static_cast<uint32_t>(reduce_op.op_));
-  });
+  agree_before_inner(what, kind, tensors[0], static_cast<uint32_t>(reduce_op.op_));
   return false;
 }
 
