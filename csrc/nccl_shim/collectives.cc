@@ -161,7 +161,10 @@ ncclResult_t all_to_all(const char* what, const void* sendbuff, void* recvbuff, 
   if (ncclResult_t r = check_buffer(what, "recvbuff", recvbuff, count); r != ncclSuccess) return r;
   const size_t block_bytes = count * kTypeBytes[type];
   const size_t total = block_bytes * static_cast<size_t>(comm->nranks);
-  if (comm->served && !ranges_overlap(sendbuff, total, recvbuff, total)) {
+  // In place (sendbuff == recvbuff) is safe: each block of the exchange kernels reads its packs
+  // of every input block before it writes the same packs of the output blocks (Note [push exchange]).
+  // Buffers that overlap otherwise go to the real NCCL.
+  if (comm->served && (sendbuff == recvbuff || !ranges_overlap(sendbuff, total, recvbuff, total))) {
     if (count == 0) return ncclSuccess;
     return guarded(what, [&] {
       all_to_all_gpu(*comm->commlib, comm->device, sendbuff, recvbuff, block_bytes, stream);

@@ -13,6 +13,9 @@ std::string last_error_text;
 bool last_error_is_real = false;  // the real NCCL's own ncclGetLastError has it
 thread_local std::string last_error_copy;
 
+// ncclTimeout (8) is in nccl.h from NCCL 2.29 on; older headers end the enum with ncclNumResults = 8.
+constexpr ncclResult_t kTimeout = static_cast<ncclResult_t>(8);
+
 const char* result_name(ncclResult_t result) {
   switch (result) {
     case ncclSuccess: return "no error";
@@ -23,7 +26,7 @@ const char* result_name(ncclResult_t result) {
     case ncclInvalidUsage: return "invalid usage (run with NCCL_DEBUG=WARN for details)";
     case ncclRemoteError: return "remote process exited or there was a network error";
     case ncclInProgress: return "NCCL operation in progress";
-    case ncclTimeout: return "timeout";
+    case kTimeout: return "timeout";
     default: return "unknown result code";
   }
 }

@@ -112,6 +112,11 @@ void choose_route(ncclComm& c) {
   }
 }
 
+// NCCL_API_MAGIC names the config magic from NCCL 2.29 on; older headers write the number.
+#ifndef NCCL_API_MAGIC
+#define NCCL_API_MAGIC 0xcafebeef
+#endif
+
 bool bad_config(const ncclConfig_t* config) {
   return config != nullptr && (config->magic != NCCL_API_MAGIC || config->size < offsetof(ncclConfig_t, blocking));
 }

@@ -95,8 +95,10 @@ struct DdaBackend::CudaState {
     }
   }
   void issued(fr::Group::Call call, const c10::cuda::CUDAStream& stream) {
-    poll_recorded();
+    // Not recorded (the recorder is off, or the stream is being captured): no event is queried,
+    // since a query while a stream is captured in global mode invalidates the capture.
     if (!call.recorded()) return;
+    poll_recorded();
     call.started();
     c10::Event done(c10::DeviceType::CUDA);
     done.record(stream);

@@ -75,9 +75,11 @@ class RecordingComm:
         variant = str(args[i_algo]) if i_algo is not None else ""
         cuda = bool(inputs) and inputs[0].is_cuda
         if cuda:
-            self._poll()
-            if torch.cuda.is_current_stream_capturing():  # a captured call runs at each replay, unseen
+            # A captured call runs at each replay, unseen; and no event may be queried while a
+            # stream is captured (that invalidates a global-mode capture).
+            if torch.cuda.is_current_stream_capturing():
                 return method(*args)
+            self._poll()
         call = self._group.record(self._name(cuda, op, variant or "host"), False, inputs, outputs)
         call.started()
         try:

@@ -18,6 +18,11 @@ from pathlib import Path
 LIBRARY = Path(__file__).resolve().parent / "lib" / "libnccl.so.2"
 
 
+class UniqueId(ctypes.Structure):
+    """ncclUniqueId (128 bytes, passed by value to ncclCommInitRank), for callers using ctypes."""
+    _fields_ = [("internal", ctypes.c_char * 128)]
+
+
 def library_path() -> Path:
     """The shim's file (it may not exist: a build without CUDA or without the nvidia-nccl wheel)."""
     return LIBRARY

@@ -133,6 +133,10 @@ def _collectives(ctx):
             torch.cuda.synchronize()
             expected = torch.cat([blocks[r][ctx.rank * count:(ctx.rank + 1) * count] for r in range(n)])
             assert torch.equal(out.cpu(), expected), (dtype, count)
+            inplace = blocks[ctx.rank].to(dev)  # sendbuff == recvbuff, as nccl-tests' in-place pass
+            shim.call("ncclAlltoAll", ptr(inplace), ptr(inplace), ctypes.c_size_t(count), t)
+            torch.cuda.synchronize()
+            assert torch.equal(inplace.cpu(), expected), ("in place", dtype, count)
     err = ctypes.c_int(-1)
     shim.check(shim.lib.ncclCommGetAsyncError(shim.comm, ctypes.byref(err)))
     assert err.value == 0

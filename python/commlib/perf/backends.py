@@ -12,6 +12,10 @@
   the second half of the ranks, through the test override COMMLIB_TEST_HOST_ID): the two-level
   collectives of a multi-node group (docs/multinode.md), run on one machine. It times the legs
   (intra-host commlib, inter-host gloo / NCCL over local links), not a network. Even world sizes.
+* ``nccl-shim``: NCCL's C API called through commlib's ``libnccl.so.2`` (docs/nccl.md) with ctypes,
+  as vLLM's ``PyNcclCommunicator`` does, on a communicator formed from the shim's own unique id (CUDA
+  only). Beside ``ddacomm`` it shows what the shim adds per call; ``COMMLIB_NCCL_SERVE=0`` sends
+  every call to the real NCCL behind it.
 * ``symm``: torch symmetric memory (CUDA, all_reduce sum only): the input is copied into a
   symmetric buffer, then one-shot (``--algo flat``) or two-shot (``tree``; ``auto`` picks by size).
   Never the multimem (NVLink multicast) variants.
@@ -29,7 +33,7 @@ import torch.distributed as dist
 
 from .registry import Unsupported
 
-BACKENDS = ("ddacomm", "nccl", "gloo", "symm", "dist-ddacomm", "dist-ddacomm-hier")
+BACKENDS = ("ddacomm", "nccl", "gloo", "symm", "dist-ddacomm", "dist-ddacomm-hier", "nccl-shim")
 
 _DIST_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "max": dist.ReduceOp.MAX,
              "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.AVG}
@@ -181,6 +185,81 @@ class TorchDist(Backend):
         dist.broadcast(t, src=dist.get_global_rank(self.group, root), group=self.group)
 
 
+class NcclShim(Backend):
+    name = "nccl-shim"
+    capturable = True
+    _TYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4, torch.float16: 6,
+              torch.float32: 7, torch.float64: 8, torch.bfloat16: 9}
+    _OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
+
+    def __init__(self, store, rank: int, world_size: int, device: torch.device):
+        import ctypes
+
+        from .. import nccl
+        super().__init__()
+        if not nccl.LIBRARY.exists():
+            raise Unsupported(f"nccl-shim: {nccl.LIBRARY} not built")
+        self._ct = ctypes
+        self.lib = ctypes.CDLL(str(nccl.LIBRARY))
+        self.lib.ncclGetLastError.restype = ctypes.c_char_p
+        self.world_size = world_size
+        uid = nccl.UniqueId()
+        key = "commlib-perf/nccl-shim-id"
+        if rank == 0:
+            self._check(self.lib.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
+            store.set(key, ctypes.string_at(ctypes.byref(uid), 128))
+        else:
+            ctypes.memmove(ctypes.byref(uid), store.get(key), 128)
+        self.comm = ctypes.c_void_p()
+        self._check(self.lib.ncclCommInitRank(ctypes.byref(self.comm), world_size, uid, rank), "ncclCommInitRank")
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"nccl-shim: {what} returned {rc}: {self.lib.ncclGetLastError(None).decode()}")
+
+    def _call(self, name: str, t: torch.Tensor, *args) -> None:
+        c = self._ct
+        stream = c.c_void_p(torch.cuda.current_stream(t.device).cuda_stream)
+        self._check(getattr(self.lib, name)(*args, self.comm, stream), name)
+
+    def _type(self, t):
+        if t.dtype not in self._TYPES:
+            raise Unsupported(f"nccl-shim: dtype {t.dtype} has no NCCL type")
+        return self._TYPES[t.dtype]
+
+    def _ptr(self, t):
+        return self._ct.c_void_p(t.data_ptr())
+
+    def all_reduce(self, t, redop):
+        self._call("ncclAllReduce", t, self._ptr(t), self._ptr(t), self._ct.c_size_t(t.numel()), self._type(t),
+                   self._OPS[redop])
+
+    def all_reduce_out(self, out, inp, redop):
+        self._call("ncclAllReduce", inp, self._ptr(inp), self._ptr(out), self._ct.c_size_t(inp.numel()),
+                   self._type(inp), self._OPS[redop])
+
+    def reduce_scatter(self, out, inp, redop):
+        self._call("ncclReduceScatter", inp, self._ptr(inp), self._ptr(out), self._ct.c_size_t(out.numel()),
+                   self._type(inp), self._OPS[redop])
+
+    def all_gather(self, out, inp):
+        self._call("ncclAllGather", inp, self._ptr(inp), self._ptr(out), self._ct.c_size_t(inp.numel()),
+                   self._type(inp))
+
+    def all_to_all(self, out, inp):
+        self._call("ncclAlltoAll", inp, self._ptr(inp), self._ptr(out),
+                   self._ct.c_size_t(inp.numel() // self.world_size), self._type(inp))
+
+    def broadcast(self, t, root):
+        self._call("ncclBroadcast", t, self._ptr(t), self._ptr(t), self._ct.c_size_t(t.numel()), self._type(t), root)
+
+    def close(self) -> None:
+        self.resources.clear()
+        if self.comm:
+            self._check(self.lib.ncclCommDestroy(self.comm), "ncclCommDestroy")
+            self.comm = self._ct.c_void_p()
+
+
 def _two_host_group():
     """A "ddacomm" group of every rank, its first and second halves acting as two hosts."""
     import os
@@ -270,6 +349,11 @@ def make(spec: str, *, store, rank: int, world_size: int, algo: str, device: tor
             raise ValueError("commlib-perf: backend nccl needs CUDA tensors; use --device cuda on a GPU machine "
                              "(valid backends on CPU: ddacomm, gloo)")
         return TorchDist("nccl")
+    if name == "nccl-shim":
+        if device.type != "cuda":
+            raise ValueError("commlib-perf: backend nccl-shim needs CUDA tensors; use --device cuda on a GPU machine "
+                             "(valid backends on CPU: ddacomm, gloo)")
+        return NcclShim(store, rank, world_size, device)
     if name == "symm":
         if device.type != "cuda":
             raise ValueError("commlib-perf: backend symm (torch symmetric memory) needs CUDA tensors "
