@@ -347,9 +347,7 @@ void DdaBackend::dump_once() {
   const int global_rank = getRank() < static_cast<int>(config_.global_ranks_in_group.size())
                               ? static_cast<int>(config_.global_ranks_in_group[getRank()])
                               : getRank();
-#if defined(COMMLIB_TORCH_CUDA)
-  cuda_state_->poll_recorded();  // GPU calls that finished meanwhile are completed in the dump
-#endif
+  fr_->poll();  // GPU calls that finished meanwhile are completed in the dump
   fr::dump_to_file(global_rank);
 }
 

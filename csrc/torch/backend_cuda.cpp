@@ -52,7 +52,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::route_cuda_all_reduce(std::vector<at:
                                              : fr::Group::Call();
     if (!opts.asyncOp) {
       run_recorded(call, "allreduce", [&] { torch_layer::all_reduce_cuda(*comm_, t, *op, plan); });
-      cuda_state_->issued(std::move(call), current);
+      fr_->issued(std::move(call), current);
       ++num_fast_calls_;
       return c10::make_intrusive<CudaWork>(getRank(), c10d::OpType::ALLREDUCE, tensors, current);
     }
@@ -66,7 +66,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::route_cuda_all_reduce(std::vector<at:
       c10::cuda::CUDAStreamGuard stream_guard(internal);
       run_recorded(call, "allreduce", [&] { torch_layer::all_reduce_cuda(*comm_, t, *op, plan); });
     }
-    cuda_state_->issued(std::move(call), internal);
+    fr_->issued(std::move(call), internal);
     t.record_stream(internal);
     ++num_fast_calls_;
     return c10::make_intrusive<CudaWork>(getRank(), c10d::OpType::ALLREDUCE, tensors, internal);
@@ -113,7 +113,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::run_cuda(const char* what, c10d::OpTy
       fr_records_cuda() ? fr_record(op, outputs[0].device(), "push", inputs, outputs) : fr::Group::Call();
   if (!async_op) {
     run_recorded(call, what, body);
-    cuda_state_->issued(std::move(call), current);
+    fr_->issued(std::move(call), current);
     ++num_fast_calls_;
     return c10::make_intrusive<CudaWork>(getRank(), op, std::move(outputs), current);
   }
@@ -127,7 +127,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::run_cuda(const char* what, c10d::OpTy
     c10::cuda::CUDAStreamGuard stream_guard(internal);
     run_recorded(call, what, body);
   }
-  cuda_state_->issued(std::move(call), internal);
+  fr_->issued(std::move(call), internal);
   for (const auto& t : outputs) t.record_stream(internal);
   for (const auto& t : inputs) t.record_stream(internal);
   ++num_fast_calls_;
@@ -146,7 +146,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::cuda_p2p(c10d::OpType op, P2pRequest:
   c10::intrusive_ptr<c10d::Work> work;
   run_recorded(call, op == c10d::OpType::SEND ? "send" : "recv",
                [&] { work = post_cuda_p2p(comm_, op, {{kind, tensors[0], peer, tag}}); });
-  cuda_state_->issued(std::move(call), c10::cuda::getCurrentCUDAStream(tensors[0].device().index()));
+  fr_->issued(std::move(call), c10::cuda::getCurrentCUDAStream(tensors[0].device().index()));
   ++num_fast_calls_;
   if (coalescing_) coalesced_cpu_works_.push_back(work);  // batch_isend_irecv: one work for the region
   return work;

@@ -85,25 +85,6 @@ struct DdaBackend::CudaState {
     }
     return it->second;
   }
-  // Flight-recorder entries of GPU calls, each completed once the GPU has passed the event recorded
-  // after it (polled at the next GPU call and before a dump; Note [flight recorder]).
-  std::deque<std::pair<c10::Event, fr::Group::Call>> recorded;
-  void poll_recorded() {
-    while (!recorded.empty() && recorded.front().first.query()) {
-      recorded.front().second.completed();
-      recorded.pop_front();
-    }
-  }
-  void issued(fr::Group::Call call, const c10::cuda::CUDAStream& stream) {
-    // Not recorded (the recorder is off, or the stream is being captured): no event is queried,
-    // since a query while a stream is captured in global mode invalidates the capture.
-    if (!call.recorded()) return;
-    poll_recorded();
-    call.started();
-    c10::Event done(c10::DeviceType::CUDA);
-    done.record(stream);
-    recorded.emplace_back(std::move(done), std::move(call));
-  }
 };
 
 // Whether the flight recorder takes a GPU call now: it is on and the stream is not being captured

@@ -15,7 +15,10 @@
 // dump and the analyzer show it; a send / recv cannot (the analyzer parses its second word).
 // States: an entry is recorded "scheduled" when the call is accepted, marked started when it is
 // issued (enqueued on its stream) and completed when commlib knows it finished (CPU calls: on
-// return; GPU calls: when the Work completes or a later call of the group found it done).
+// return; GPU calls: when a later call of the group, or a dump, finds the event recorded after
+// the call passed). Those events come from a pool per group, recorded without timing: creating and
+// destroying one per call cost more than the call itself on a VM's driver, and the recorder is on
+// by default (torch's TORCH_FR_BUFFER_SIZE is 2000 unless set).
 #include "torch/flight_recorder.hpp"
 
 #include <dlfcn.h>
@@ -25,6 +28,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/FlightRecorder.hpp>
 #include <torch/csrc/distributed/c10d/logger.hpp>
@@ -36,6 +40,7 @@
 #include <cstring>
 #include <functional>
 #include <unordered_map>
+#include <utility>
 
 namespace commlib::torch_layer::fr {
 namespace {
@@ -200,6 +205,32 @@ Group::Call Group::record(std::string name, bool p2p, const std::vector<at::Tens
   return call;
 }
 
+void Group::issued(Call call, const c10::Stream& stream) {
+  if (!call.recorded()) return;
+  std::lock_guard<std::mutex> guard(gpu_mutex_);
+  poll_locked();
+  auto it = std::find_if(free_events_.rbegin(), free_events_.rend(), [&](const c10::Event& e) {
+    return e.device_index() == stream.device_index();
+  });
+  c10::Event done = it == free_events_.rend() ? c10::Event(stream.device_type()) : std::move(*it);
+  if (it != free_events_.rend()) free_events_.erase(std::next(it).base());
+  done.record(stream);
+  pending_.emplace_back(std::move(done), std::move(call));
+}
+
+void Group::poll() {
+  std::lock_guard<std::mutex> guard(gpu_mutex_);
+  poll_locked();
+}
+
+void Group::poll_locked() {
+  while (!pending_.empty() && pending_.front().first.query()) {
+    pending_.front().second.completed();
+    free_events_.push_back(std::move(pending_.front().first));
+    pending_.pop_front();
+  }
+}
+
 void Group::Call::started() {
   if (!id_) return;
   with_entry(*id_, epoch_, [](Recorder::Entry& e) {
@@ -285,8 +316,26 @@ BindingRegistrar reg("flight_recorder", [](py::module_& m) {
       .def(
           "record",
           [](Group& g, const std::string& name, bool p2p, const std::vector<at::Tensor>& in,
-             const std::vector<at::Tensor>& out) { return g.record(name, p2p, in, out); },
-          py::arg("name"), py::arg("p2p"), py::arg("inputs"), py::arg("outputs"));
+             const std::vector<at::Tensor>& out, bool started) {
+            Group::Call call = g.record(name, p2p, in, out);
+            if (started) call.started();
+            return call;
+          },
+          py::arg("name"), py::arg("p2p"), py::arg("inputs"), py::arg("outputs"), py::arg("started") = false)
+      .def(
+          "issued",
+          [](Group& g, Group::Call& call, int device) {
+            if (device < 0) {  // a CPU call: done on return
+              call.completed();
+              return;
+            }
+            const c10::Device dev(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device));
+            g.issued(std::exchange(call, Group::Call()), c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStream(dev));
+          },
+          py::arg("call"), py::arg("device"),
+          "The call returned: a CPU call (device -1) completes now, a GPU call when the GPU passes "
+          "this point of the device's current stream.")
+      .def("poll", &Group::poll, "Completes the entries of the GPU calls that have finished.");
   m.def("fr_profiling_name", &profiling_name, py::arg("cuda"), py::arg("op"), py::arg("variant"), py::arg("rank"),
         py::arg("peer") = -1, "The entry name torch's analyzer reads (Note [flight recorder]).");
   m.def("fr_dump_requested", &dump_requested, "Whether failures write dumps (TORCH_FR_DUMP_TEMP_FILE is set).");

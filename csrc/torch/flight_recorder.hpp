@@ -9,9 +9,14 @@
 
 #include <ATen/ATen.h>
 
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -56,7 +61,16 @@ class Group {
   // `name` is the entry's profiling name (profiling_name below).
   Call record(std::string name, bool p2p, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs);
 
+  // A call was enqueued on `stream` (a GPU stream): its entry completes once the GPU has passed
+  // this point, found by a later issued() or poll() of this group. The events come from a pool of
+  // the group's (creating and destroying one per call costs more than the call), recorded without
+  // timing. A call that is not recorded costs nothing here.
+  void issued(Call call, const c10::Stream& stream);
+  // Completes the entries of the GPU calls that have finished (in issue order).
+  void poll();
+
  private:
+  void poll_locked();
   std::tuple<std::string, std::string> name_;
   size_t pg_id_;
   int rank_;
@@ -65,6 +79,9 @@ class Group {
   size_t p2p_seq_ = 0;
   size_t op_id_ = 0;
   std::shared_ptr<c10d::ProcessGroupStatus> status_;
+  std::mutex gpu_mutex_;  // guards pending_ and free_events_
+  std::deque<std::pair<c10::Event, Call>> pending_;
+  std::vector<c10::Event> free_events_;
 };
 
 // The profiling name torch's analyzer reads: "<library>:<op> <detail>", where <library> is the one

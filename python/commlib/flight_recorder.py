@@ -9,7 +9,6 @@ itself, so the call path is unchanged.
 """
 from __future__ import annotations
 
-import collections
 from datetime import timedelta
 
 import torch
@@ -43,7 +42,6 @@ class RecordingComm:
         self._rank = rank
         self._group = _C.FrGroup(name, "commlib", list(range(world_size)), rank,
                                  int(timeout.total_seconds() * 1000))
-        self._pending: collections.deque = collections.deque()  # (CUDA event, call) in issue order
         self._names: dict = {}
 
     def __getattr__(self, attr):
@@ -64,24 +62,17 @@ class RecordingComm:
             name = self._names[key] = _C.fr_profiling_name(cuda, op, variant, self._rank)
         return name
 
-    def _poll(self) -> None:
-        while self._pending and self._pending[0][0].query():
-            self._pending.popleft()[1].completed()
-
     def _call(self, method, spec, args):
         op, i_in, i_out, i_algo = spec
         inputs = [args[i_in]] if i_in is not None else []
         outputs = [args[i_out]] if i_out is not None else []
         variant = str(args[i_algo]) if i_algo is not None else ""
         cuda = bool(inputs) and inputs[0].is_cuda
-        if cuda:
-            # A captured call runs at each replay, unseen; and no event may be queried while a
-            # stream is captured (that invalidates a global-mode capture).
-            if torch.cuda.is_current_stream_capturing():
-                return method(*args)
-            self._poll()
-        call = self._group.record(self._name(cuda, op, variant or "host"), False, inputs, outputs)
-        call.started()
+        # A captured call runs at each replay, unseen; and no event may be queried while a stream
+        # is captured (that invalidates a global-mode capture).
+        if cuda and torch.cuda.is_current_stream_capturing():
+            return method(*args)
+        call = self._group.record(self._name(cuda, op, variant or "host"), False, inputs, outputs, True)
         try:
             result = method(*args)
         except CommError as e:
@@ -89,15 +80,11 @@ class RecordingComm:
             if _C.fr_dump_requested():
                 self.dump()
             raise
-        if cuda:
-            done = torch.cuda.Event()
-            done.record()
-            self._pending.append((done, call))
-        else:
-            call.completed()
+        # CPU: completed now; GPU: once the stream passes this point (a pooled event, Note [flight recorder]).
+        self._group.issued(call, inputs[0].device.index if cuda else -1)
         return result
 
     def dump(self) -> str:
         """Writes this rank's flight-recorder dump (TORCH_FR_DUMP_TEMP_FILE + rank); returns the file."""
-        self._poll()
+        self._group.poll()
         return _C.fr_dump_to_file(self._rank)
