@@ -90,7 +90,8 @@ class CMakeBuild(build_ext):
     def _copy_nvshmem_library(out_dir: Path) -> None:
         """The NVSHMEM kernels' library and the NCCL shim (built beside _C when found) are no
         extensions setuptools knows: an in-place or editable build copies them into the package."""
-        for name in ("libcommlib_nvshmem.so", "lib/libnccl.so.2"):  # the second: the NCCL shim
+        # the NCCL shim and its LD_AUDIT library after the NVSHMEM kernels
+        for name in ("libcommlib_nvshmem.so", "lib/libnccl.so.2", "lib/libcommlib_nccl_audit.so"):
             lib = out_dir / name
             dest = ROOT / "python" / "commlib" / name
             if lib.exists() and lib.resolve() != dest.resolve():

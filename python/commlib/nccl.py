@@ -1,7 +1,8 @@
 """The NCCL shim (docs/nccl.md): ``lib/libnccl.so.2`` beside this package exports NCCL's whole C API
 and runs commlib underneath, so a program written for NCCL gets commlib without code changes::
 
-    LD_PRELOAD=$(python -m commlib.nccl --path) torchrun ... # or VLLM_NCCL_SO_PATH=...
+    LD_AUDIT=$(python -m commlib.nccl --audit) torchrun ...   # only libnccl.so.2 is redirected
+    LD_PRELOAD=$(python -m commlib.nccl --path) torchrun ...  # or VLLM_NCCL_SO_PATH=...
     python -m commlib.nccl --path     # the shim's file
     python -m commlib.nccl --check    # the real NCCL it forwards to, and what commlib serves
 
@@ -16,6 +17,8 @@ import sys
 from pathlib import Path
 
 LIBRARY = Path(__file__).resolve().parent / "lib" / "libnccl.so.2"
+# The LD_AUDIT library that sends the loader's search for libnccl.so.2 to LIBRARY (Note [nccl shim audit]).
+AUDIT_LIBRARY = LIBRARY.parent / "libcommlib_nccl_audit.so"
 
 
 class UniqueId(ctypes.Structure):
@@ -53,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m commlib.nccl", description=__doc__.split("\n\n")[0])
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--path", action="store_true", help="print the shim's path (libnccl.so.2)")
+    what.add_argument("--audit", action="store_true",
+                      help="print the LD_AUDIT library's path (redirects only libnccl.so.2 to the shim)")
     what.add_argument("--check", action="store_true",
                       help="print the real NCCL the shim forwards to (path, version) and what commlib serves")
     args = parser.parse_args(argv)
@@ -61,6 +66,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.path:
         print(LIBRARY)
+        return 0
+    if args.audit:
+        if not AUDIT_LIBRARY.exists():
+            print(f"commlib.nccl: {AUDIT_LIBRARY} not built (rebuild commlib)", file=sys.stderr)
+            return 1
+        print(AUDIT_LIBRARY)
         return 0
     facts = info()
     real_version = int(facts.get("real_version", "0"))

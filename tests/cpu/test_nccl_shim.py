@@ -139,6 +139,36 @@ def test_torch_imports_under_ld_preload_and_reports_the_real_version(real):
     assert eval(result.stdout.rsplit(")", 1)[0] + ")") == expected, result.stdout
 
 
+AUDIT = SHIM.parent / "libcommlib_nccl_audit.so"
+
+
+@needs_shim
+def test_ld_audit_redirects_only_the_search_for_nccl():
+    """Under LD_AUDIT torch gets the shim where it loads NCCL (by path, from the wheel), the shim
+    still reaches the real NCCL, and a process that never asks for NCCL maps nothing of commlib's."""
+    assert AUDIT.exists(), "the LD_AUDIT library is built with the shim"
+    script = ("import ctypes, json, torch, torch.cuda.nccl\n"
+              "torch.cuda.nccl.version()\n"
+              "def mapped(): return sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libnccl' in l})\n"
+              "before = mapped()\n"
+              "info = ctypes.CDLL(%r).commlibNcclShimInfo\n"
+              "info.restype = ctypes.c_char_p\n"
+              "real = dict(l.split('=', 1) for l in info().decode().splitlines())['real_path']\n"
+              "print(json.dumps({'before': before, 'after': mapped(), 'real': real}))\n" % str(SHIM))
+    env = dict(os.environ, LD_AUDIT=str(AUDIT), TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    env.pop("COMMLIB_NCCL_REAL", None)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    resolved = {key: [str(Path(p).resolve()) for p in seen[key]] for key in ("before", "after")}
+    # torch's NCCL is the shim; the real one is opened only by the shim, by path, and not redirected.
+    assert resolved["before"] == [str(SHIM.resolve())], seen
+    assert Path(seen["real"]).resolve() == REAL.resolve(), seen
+    assert sorted(resolved["after"]) == sorted([str(SHIM.resolve()), str(REAL.resolve())]), seen
+    shell = subprocess.run(["sh", "-c", "cat /proc/self/maps"], env=env, capture_output=True, text=True, timeout=60)
+    assert shell.returncode == 0 and "libnccl" not in shell.stdout and "commlib_nccl_audit" in shell.stdout
+
+
 # ---- CPU-only calls, through ctypes ----
 
 @needs_shim
