@@ -39,7 +39,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
 namespace commlib::torch_layer::fr {
@@ -167,6 +169,37 @@ std::pair<size_t, size_t> push(size_t pg_id, const std::tuple<std::string, std::
 
 std::atomic<size_t> next_pg_id{1u << 20};  // apart from the ids torch's own groups take
 
+// The recorder keeps each group's configuration (ranks, status) for as long as the process lives;
+// commlib drops its own groups' once they are destroyed and no entry of the ring refers to them
+// (a group destroyed while its entries are still in the ring waits in `retired` for the next sweep),
+// and a name only when no live group shares it. Under the recorder's mutex.
+struct GroupKeys {
+  size_t pg_id;
+  std::tuple<std::string, std::string> name;
+};
+std::vector<GroupKeys>& retired_groups() {
+  static std::vector<GroupKeys> retired;
+  return retired;
+}
+std::map<std::tuple<std::string, std::string>, int>& live_group_names() {
+  static std::map<std::tuple<std::string, std::string>, int> live;
+  return live;
+}
+
+void sweep_retired_groups(Recorder& r) {
+  auto& retired = retired_groups();
+  if (retired.empty()) return;
+  std::unordered_set<size_t> in_ring;
+  for (const auto& e : r.entries_) in_ring.insert(e.pg_id_);
+  auto& live = live_group_names();
+  std::erase_if(retired, [&](const GroupKeys& g) {
+    if (in_ring.count(g.pg_id) != 0) return false;
+    r.all_pg_status_.erase(g.pg_id);
+    if (live.count(g.name) == 0) r.pg_name_to_ranks_.erase(g.name);
+    return true;
+  });
+}
+
 }  // namespace
 
 bool enabled() {
@@ -187,6 +220,18 @@ Group::Group(std::string name, std::string description, std::vector<uint64_t> gl
   Recorder& r = recorder();
   std::lock_guard<std::mutex> guard(r.mutex_);
   r.pg_name_to_ranks_[name_] = std::move(global_ranks);
+  ++live_group_names()[name_];
+  sweep_retired_groups(r);
+}
+
+Group::~Group() {
+  if (!enabled()) return;
+  Recorder& r = recorder();
+  std::lock_guard<std::mutex> guard(r.mutex_);
+  auto& live = live_group_names();
+  if (--live[name_] == 0) live.erase(name_);
+  retired_groups().push_back({pg_id_, name_});
+  sweep_retired_groups(r);
 }
 
 Group::Call Group::record(std::string name, bool p2p, const std::vector<at::Tensor>& inputs,

@@ -39,6 +39,11 @@ class Group {
  public:
   Group(std::string name, std::string description, std::vector<uint64_t> global_ranks, int rank,
         std::chrono::milliseconds timeout);
+  // Drops the group's configuration from the recorder once no entry of the ring refers to it, so a
+  // process that makes communicators again and again does not grow (bench/results/soak.md).
+  ~Group();
+  Group(const Group&) = delete;
+  Group& operator=(const Group&) = delete;
   void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
   int rank() const { return rank_; }
 

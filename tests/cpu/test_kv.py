@@ -376,3 +376,30 @@ def test_no_shared_memory_names_left():
     agent.register([kv.host_empty([2, 4, 16, 2, 8])], "flash_attn")
     assert set(os.listdir("/dev/shm")) == before
     agent.close()
+
+
+def _nixl_importable() -> bool:
+    import importlib.util
+    return any(importlib.util.find_spec(m) is not None for m in ("nixl_cu13", "nixl"))
+
+
+@pytest.mark.skipif(not _nixl_importable(), reason="NIXL not installed (pip install nixl-cu13)")
+def test_benchmark_moves_the_same_requests_through_nixl():
+    """commlib-perf kv_transfer's NIXL column: the same requests as commlib's, posted through NIXL
+    (UCX, DRAM) with one descriptor per contiguous run, land bit-exact (the benchmark checks a
+    request on fresh data on the decode ranks and exits 1 on any wrong byte)."""
+    import subprocess
+    import sys
+    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    result = subprocess.run([sys.executable, "-m", "commlib.perf", "kv_transfer", "--device", "cpu", "--kv-blocks", "16",
+                             "--kv-block-bytes", "4K", "--kv-cases", "nhd,nhd>hnd,tp1:2,tp2:1", "-n", "2", "-w", "1"],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()
+            if line.split() and line.split()[0] in ("nhd", "nhd>hnd", "tp1:2", "tp2:1")}
+    assert set(rows) == {"nhd", "nhd>hnd", "tp1:2", "tp2:1"}, result.stdout
+    for case, cells in rows.items():
+        assert cells[-2] == "0" and cells[12] == "0", (case, cells)  # NIXL's wrong bytes and commlib's
+        descs = int(cells[-3])
+        # whole blocks when the layouts match (16 blocks x K, V, some neighbours merged); head rows otherwise
+        assert (1 <= descs <= 32) if case == "nhd" else descs > 32 * 16, (case, descs)

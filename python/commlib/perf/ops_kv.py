@@ -17,13 +17,21 @@ Columns, on prefill rank 0, medians over ``-n`` requests after ``-w`` warm-up on
   device-to-device on this GPU, and the ratio (the issue's target: >= 70 % at 16 KiB blocks, >= 50 %
   at 4 KiB, transforms included);
 * wrong: bytes of one more request on fresh data that differ from the reference (indexing), read
-  on the decode ranks; NIXL: the same request through NIXL (not in this build: n/a).
+  on the decode ranks;
+* NIXL (when ``nixl_cu13`` or ``nixl`` imports: ``pip install nixl-cu13``): the same request through NIXL in the
+  same run, as an engine without commlib moves it: one NIXL agent per rank (UCX backend) with the
+  caches registered, the request's descriptors (one per run of bytes contiguous on both sides:
+  a whole block when the layouts match, a head_dim row when they do not) posted as one WRITE per
+  decode rank; post = host time to build the descriptor lists and post them, complete = until
+  NIXL reports the transfer done, then the count of descriptors and the wrong bytes of a checked
+  request on fresh data.
 ``llama70b`` is the anchor shape of the issue: 80 layers x 118 blocks x K, V = 18,880 block
 descriptors of 4 KiB (Llama-3-70B at TP 8: one KV head of 128 dims, 16 tokens, bf16).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -154,6 +162,14 @@ def _row_worker(rank: int, world_size: int, store, opts, rows, run_id: str) -> L
             else:
                 result = _receive(agent, store, tag, src_ids, dst_ids, canon, rank - P, P, D, bs, dst_bs, heads,
                                   head_dim, layers, src_layout, blocks, device, opts)
+            if _nixl_api() is not None:  # the same request through NIXL, in the same run
+                if role == "prefill":
+                    result.update(_nixl_sender(caches, canon, src_ids, dst_ids, store, tag, rank, P, D, bs, dst_bs,
+                                               blocks, heads, head_dim, opts, device))
+                else:
+                    _nixl_receiver(caches, canon, store, tag, rank - P, P, lambda: _wrong_bytes(
+                        canon, src_ids, dst_ids, rank - P, P, D, bs, dst_bs, heads, head_dim, layers, src_layout,
+                        blocks, device, seed=9))
             store.add(f"{tag}/finished", 1)
             while int(store.add(f"{tag}/finished", 0)) < P + D:
                 time.sleep(0.001)
@@ -225,6 +241,16 @@ def _receive(agent, store, tag, src_ids, dst_ids, canon, d_rank, P, D, bs, dst_b
     for i in range(opts.warmup + opts.iters):
         agent.wait(f"r{i}")
     agent.wait("check")
+    wrong = _wrong_bytes(canon, src_ids, dst_ids, d_rank, P, D, bs, dst_bs, heads, head_dim, layers, src_layout,
+                         blocks, device, seed=7)
+    store.set(f"{tag}/wrong/{d_rank}", str(wrong).encode())
+    return None
+
+
+def _wrong_bytes(canon, src_ids, dst_ids, d_rank, P, D, bs, dst_bs, heads, head_dim, layers, src_layout, blocks,
+                 device, seed: int) -> int:
+    """Bytes of this decode rank's cache that differ from the prefill ranks' data (filled with
+    `seed` + prefill rank), regenerated here and indexed into place."""
     wrong = 0
     tok = torch.arange(blocks * bs, device=device)
     sb, st = src_ids.to(device).long()[tok // bs], tok % bs
@@ -233,7 +259,7 @@ def _receive(agent, store, tag, src_ids, dst_ids, canon, d_rank, P, D, bs, dst_b
     for p in range(P):  # the prefill ranks' fresh data, regenerated (the same generator and seeds)
         src_caches, src_canon = _cache(src_layout, layers, blocks, bs, hp, head_dim, device,
                                        lambda s: torch.empty(s, dtype=torch.bfloat16, device=device))
-        _fill_cache(src_caches, 7 + p)
+        _fill_cache(src_caches, seed + p)
         for layer in range(layers):
             for plane in range(2):
                 for h in range(hd):
@@ -243,8 +269,123 @@ def _receive(agent, store, tag, src_ids, dst_ids, canon, d_rank, P, D, bs, dst_b
                     got = canon[layer][plane][db, dt, h].view(torch.int16)
                     want = src_canon[layer][plane][sb, st, g % hp].view(torch.int16)
                     wrong += int((got != want).sum()) * 2
-    store.set(f"{tag}/wrong/{d_rank}", str(wrong).encode())
+    return wrong
+
+
+# ---- the same request through NIXL (when it imports) ----
+
+def _nixl_api():
+    """NIXL's agent classes: the CUDA 13 wheel's (nixl-cu13), else the meta package's; None without NIXL."""
+    import importlib
+    for module in ("nixl_cu13._api", "nixl._api"):
+        try:
+            api = importlib.import_module(module)
+        except Exception:  # not installed, or a build that cannot load here
+            continue
+        return api.nixl_agent, api.nixl_agent_config
     return None
+
+
+def _nixl_agent(name: str, caches):
+    nixl_agent, nixl_agent_config = _nixl_api()
+    agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    agent.register_memory([t for c in caches for t in (c if isinstance(c, tuple) else (c,))])
+    return agent
+
+
+def _plane_geometry(canon) -> list:
+    """[layer][plane] -> (address, block, token, head strides in bytes) of the canonical BTHD views."""
+    return [[(p.data_ptr(), *(st * p.element_size() for st in p.stride()[:3])) for p in layer] for layer in canon]
+
+
+def _nixl_runs(src_geo, dst_geo, src_ids, dst_ids, bs, dst_bs, blocks, heads_src, src_first, dst_first, num_heads,
+               head_dim):
+    """(source addresses, destination addresses, lengths) of the runs a request moves: one head_dim row
+    per (layer, plane, token, head), merged where consecutive rows are contiguous on both sides."""
+    import numpy as np
+    tok = torch.arange(blocks * bs)
+    sb, st = src_ids.long()[tok // bs], tok % bs
+    db, dt = dst_ids.long()[tok // dst_bs], tok % dst_bs
+    row = head_dim * 2
+    srcs, dsts = [], []
+    for layer in range(len(src_geo)):
+        for plane in range(2):
+            s0, sB, sT, sH = src_geo[layer][plane]
+            d0, dB, dT, dH = dst_geo[layer][plane]
+            for h in range(num_heads):
+                srcs.append(s0 + sb * sB + st * sT + (src_first + h) * sH)
+                dsts.append(d0 + db * dB + dt * dT + (dst_first + h) * dH)
+    src, dst = torch.cat(srcs), torch.cat(dsts)
+    order = torch.argsort(src)
+    src, dst = src[order], dst[order]
+    starts = torch.ones_like(src, dtype=torch.bool)
+    starts[1:] = (src[1:] != src[:-1] + row) | (dst[1:] != dst[:-1] + row)
+    run = torch.cumsum(starts.long(), 0) - 1
+    lengths = torch.zeros(int(run[-1]) + 1, dtype=torch.long).index_add_(0, run, torch.full_like(run, row))
+    return src[starts].numpy().astype(np.uint64), dst[starts].numpy().astype(np.uint64), lengths.numpy()
+
+
+def _nixl_sender(caches, canon, src_ids, dst_ids, store, tag, p, P, D, bs, dst_bs, blocks, heads, head_dim, opts,
+                 device) -> dict:
+    import numpy as np
+    agent = _nixl_agent(f"{tag}-nixl-p{p}", caches)
+    mem = "DRAM" if device.type == "cpu" else "VRAM"
+    dev = 0 if device.type == "cpu" else device.index
+    hp, hd = heads // P, heads // D
+    posts = []  # per decode rank this prefill rank feeds: (remote name, local array, remote array)
+    for d in range(D):
+        first, last = max(p * hp, d * hd), min((p + 1) * hp, (d + 1) * hd)
+        if first >= last:
+            continue
+        name = agent.add_remote_agent(store.get(f"{tag}/nixl/meta/{d}"))
+        dst_geo = json.loads(store.get(f"{tag}/nixl/geo/{d}"))
+        src, dst, lengths = _nixl_runs(_plane_geometry(canon), dst_geo, src_ids, dst_ids, bs, dst_bs, blocks, hp,
+                                       first - p * hp, first - d * hd, last - first, head_dim)
+        devs = np.full_like(lengths, dev, dtype=np.uint64)
+        posts.append((name, np.stack([src, lengths.astype(np.uint64), devs], 1),
+                      np.stack([dst, lengths.astype(np.uint64), devs], 1)))
+
+    def request(note: bytes):
+        handles = []
+        t0 = time.perf_counter()
+        for name, local, remote in posts:
+            h = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, mem),
+                                      name, note)
+            if agent.transfer(h) == "ERR":
+                raise RuntimeError(f"{NAME}: NIXL transfer to {name} failed")
+            handles.append(h)
+        t1 = time.perf_counter()
+        for h in handles:
+            while (state := agent.check_xfer_state(h)) not in ("DONE", "ERR"):
+                pass
+            if state == "ERR":
+                raise RuntimeError(f"{NAME}: NIXL transfer failed")
+            agent.release_xfer_handle(h)
+        return (t1 - t0) * 1e6, (time.perf_counter() - t0) * 1e6
+
+    times = [request(f"n{i}".encode()) for i in range(opts.warmup + opts.iters)][opts.warmup:]
+    _fill_cache(caches, 9 + p)  # fresh data for the checked request
+    request(b"check")
+    store.set(f"{tag}/nixl/sent/{p}", b"1")
+    out = {"nixl_post_us": statistics.median(t[0] for t in times),
+           "nixl_complete_us": statistics.median(t[1] for t in times),
+           "nixl_descs": sum(len(local) for _, local, _ in posts)}
+    if p == 0:
+        out["nixl_wrong"] = sum(int(store.get(f"{tag}/nixl/wrong/{d}")) for d in range(D))
+    store.set(f"{tag}/nixl/done/{p}", b"1")
+    store.wait([f"{tag}/nixl/closed/{d}" for d in range(D)])
+    return out
+
+
+def _nixl_receiver(caches, canon, store, tag, d_rank, P, check) -> None:
+    agent = _nixl_agent(f"{tag}-nixl-d{d_rank}", caches)
+    store.set(f"{tag}/nixl/geo/{d_rank}", json.dumps(_plane_geometry(canon)).encode())
+    store.set(f"{tag}/nixl/meta/{d_rank}", agent.get_agent_metadata())
+    store.wait([f"{tag}/nixl/sent/{p}" for p in range(P)])
+    store.set(f"{tag}/nixl/wrong/{d_rank}", str(check()).encode())
+    store.wait([f"{tag}/nixl/done/{p}" for p in range(P)])
+    del agent  # deregisters before the caches go
+    store.set(f"{tag}/nixl/closed/{d_rank}", b"1")
 
 
 def main_kv(opts) -> int:
@@ -263,7 +404,7 @@ def main_kv(opts) -> int:
     lines = _table(results, cpu)
     for line in lines:
         print(line, flush=True)
-    wrong = sum(r["wrong"] for r in results)
+    wrong = sum(r["wrong"] + r.get("nixl_wrong", 0) for r in results)
     if opts.out:
         meta = [f"# {NAME}: commlib.kv, {opts.device.upper()}, prefill and decode instances on one machine", "",
                 f"- machine: {machine_description(opts.device)}; {software_description(opts.device)}",
@@ -280,7 +421,8 @@ def main_kv(opts) -> int:
 
 def _table(results, cpu: bool) -> List[str]:
     head = (f"{'case':>9} {'block':>6} {'blocks':>6} {'layers':>6} {'CTAs':>5} {'MB/req':>8} {'post us':>8} {'complete us':>11} "
-            f"{'GPU us':>8} {'GB/s':>7} {'D2D GB/s':>8} {'% D2D':>6} {'wrong':>5}  NIXL")
+            f"{'GPU us':>8} {'GB/s':>7} {'D2D GB/s':>8} {'% D2D':>6} {'wrong':>5}  "
+            f"{'NIXL post us':>12} {'complete us':>11} {'descs':>6} {'wrong':>5} {'vs NIXL':>7}")
     lines = [head]
     for r in results:
         t = r["gpu_us"] if r["gpu_us"] == r["gpu_us"] else r["complete_us"]  # CPU: no GPU time
@@ -290,8 +432,15 @@ def _table(results, cpu: bool) -> List[str]:
         ctas = str(r["ctas"]) if r["ctas"] else os.environ.get("COMMLIB_KV_CTAS", "dflt")
         lines.append(f"{r['case']:>9} {r['block_bytes'] // 1024:>5}K {r['blocks']:>6} {r['layers']:>6} {ctas:>5} "
                      f"{r['bytes'] / 1e6:>8.2f} {r['post_us']:>8.1f} {r['complete_us']:>11.1f} {r['gpu_us']:>8.1f} "
-                     f"{gbps:>7.1f} {d2d:>8.1f} {pct:>6.1f} {r['wrong']:>5}  n/a (not in this build)")
+                     f"{gbps:>7.1f} {d2d:>8.1f} {pct:>6.1f} {r['wrong']:>5}  " + _nixl_cells(r))
     return lines
+
+
+def _nixl_cells(r: dict) -> str:
+    if "nixl_post_us" not in r:
+        return f"{'n/a (NIXL not installed)':>45}"
+    return (f"{r['nixl_post_us']:>12.1f} {r['nixl_complete_us']:>11.1f} {r['nixl_descs']:>6} {r['nixl_wrong']:>5} "
+            f"{r['nixl_complete_us'] / r['complete_us']:>6.1f}x")
 
 
 registry.register(registry.Collective(
