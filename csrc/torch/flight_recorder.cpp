@@ -177,13 +177,14 @@ struct GroupKeys {
   size_t pg_id;
   std::tuple<std::string, std::string> name;
 };
+// Never destroyed (as torch's recorder is not): a group may outlive the static destructors.
 std::vector<GroupKeys>& retired_groups() {
-  static std::vector<GroupKeys> retired;
-  return retired;
+  static auto* retired = new std::vector<GroupKeys>();
+  return *retired;
 }
 std::map<std::tuple<std::string, std::string>, int>& live_group_names() {
-  static std::map<std::tuple<std::string, std::string>, int> live;
-  return live;
+  static auto* live = new std::map<std::tuple<std::string, std::string>, int>();
+  return *live;
 }
 
 void sweep_retired_groups(Recorder& r) {
@@ -252,6 +253,7 @@ Group::Call Group::record(std::string name, bool p2p, const std::vector<at::Tens
 
 void Group::issued(Call call, const c10::Stream& stream) {
   if (!call.recorded()) return;
+  call.started();  // enqueued on its stream
   std::lock_guard<std::mutex> guard(gpu_mutex_);
   poll_locked();
   auto it = std::find_if(free_events_.rbegin(), free_events_.rend(), [&](const c10::Event& e) {

@@ -66,10 +66,10 @@ class Group {
   // `name` is the entry's profiling name (profiling_name below).
   Call record(std::string name, bool p2p, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs);
 
-  // A call was enqueued on `stream` (a GPU stream): its entry completes once the GPU has passed
-  // this point, found by a later issued() or poll() of this group. The events come from a pool of
-  // the group's (creating and destroying one per call costs more than the call), recorded without
-  // timing. A call that is not recorded costs nothing here.
+  // A call was enqueued on `stream` (a GPU stream): its entry is started now and completes once
+  // the GPU has passed this point, found by a later issued() or poll() of this group. The events
+  // come from a pool of the group's (creating and destroying one per call costs more than the
+  // call), recorded without timing. A call that is not recorded costs nothing here.
   void issued(Call call, const c10::Stream& stream);
   // Completes the entries of the GPU calls that have finished (in issue order).
   void poll();

@@ -72,7 +72,8 @@ class RecordingComm:
         # is captured (that invalidates a global-mode capture).
         if cuda and torch.cuda.is_current_stream_capturing():
             return method(*args)
-        call = self._group.record(self._name(cuda, op, variant or "host"), False, inputs, outputs, True)
+        # started now on the CPU; a GPU call is started by issued(), once it is enqueued
+        call = self._group.record(self._name(cuda, op, variant or "host"), False, inputs, outputs, not cuda)
         try:
             result = method(*args)
         except CommError as e:
