@@ -242,3 +242,107 @@ def test_split_communicators_run_on_commlib(ranks, world_size):
 @pytest.mark.parametrize("world_size", [2])
 def test_other_calls_go_to_the_real_nccl(ranks, world_size):
     ranks(world_size).run(_forwarded)
+
+
+# ---- torch's ProcessGroupNCCL on the shim (LD_AUDIT), ranks sharing the GPUs there are ----
+
+PG_SCRIPT = r'''
+import os, sys, torch, torch.distributed as dist
+rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+dev = torch.device("cuda", rank % torch.cuda.device_count())
+torch.cuda.set_device(dev)
+dist.init_process_group("nccl", device_id=dev)
+maps = open("/proc/self/maps").read()
+assert os.environ["SHIM"] in maps, "torch's NCCL is not the shim"
+
+def inp(r, count, dtype, salt):
+    g = torch.Generator().manual_seed(1000003 * r + 7919 * count + 104729 * salt + 17)
+    return torch.rand(count, generator=g, dtype=torch.float64) * 4 - 2
+
+for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+    for count in (1, 1023, 65537):
+        xs = [inp(r, count, dtype, 1) for r in range(n)]
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            t = xs[rank].to(dtype).to(dev)
+            dist.all_reduce(t, op=op)
+            ref = sum(x.to(dtype).double() for x in xs) / (n if op == dist.ReduceOp.AVG else 1)
+            torch.testing.assert_close(t.double().cpu(), ref, rtol=tol, atol=tol * 2 * n)
+        big = [inp(r, n * count, dtype, 2).to(dtype) for r in range(n)]
+        out = torch.full((count,), float("nan"), dtype=dtype, device=dev)
+        dist.reduce_scatter_tensor(out, big[rank].to(dev))
+        ref = sum(b.double() for b in big)[rank * count:(rank + 1) * count]
+        torch.testing.assert_close(out.double().cpu(), ref, rtol=tol, atol=tol * 2 * n)
+        parts = [inp(r, count, dtype, 3).to(dtype) for r in range(n)]
+        gathered = torch.full((n * count,), float("nan"), dtype=dtype, device=dev)
+        dist.all_gather_into_tensor(gathered, parts[rank].to(dev))
+        assert torch.equal(gathered.cpu(), torch.cat(parts))
+        b = parts[rank].to(dev) if rank == n - 1 else torch.full((count,), float("nan"), dtype=dtype, device=dev)
+        dist.broadcast(b, src=n - 1)
+        assert torch.equal(b.cpu(), parts[n - 1])
+        blocks = [inp(r, n * count, dtype, 4).to(dtype) for r in range(n)]
+        a2a = torch.full((n * count,), float("nan"), dtype=dtype, device=dev)
+        dist.all_to_all_single(a2a, blocks[rank].to(dev))
+        assert torch.equal(a2a.cpu(), torch.cat([blocks[r][rank * count:(rank + 1) * count] for r in range(n)]))
+        right, left = (rank + 1) % n, (rank - 1) % n
+        got = torch.full((count,), float("nan"), dtype=dtype, device=dev)
+        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, parts[rank].to(dev), right),
+                                       dist.P2POp(dist.irecv, got, left)])
+        for q in reqs:
+            q.wait()
+        assert torch.equal(got.cpu(), parts[left])
+
+# a captured all-reduce, replayed with new inputs
+src = torch.empty(4097, device=dev)
+work = torch.empty_like(src)
+dist.all_reduce(work.fill_(1))
+torch.cuda.synchronize()
+graph = torch.cuda.CUDAGraph()
+stream = torch.cuda.Stream()
+stream.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+    work.copy_(src)
+    dist.all_reduce(work)
+for i in range(20):
+    xs = [inp(r, 4097, torch.float32, 10 + i) for r in range(n)]
+    src.copy_(xs[rank].float())
+    graph.replay()
+    torch.testing.assert_close(work.double().cpu(), sum(x.float().double() for x in xs), rtol=1e-5, atol=1e-4)
+dist.destroy_process_group()
+print("OK", rank)
+'''
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_process_group_nccl_on_the_shim(world_size, tmp_path):
+    """init_process_group("nccl") under LD_AUDIT: torch's ProcessGroupNCCL loads the shim, and every
+    collective, a send / receive ring and a captured graph match fp64 references, with the ranks on
+    distinct GPUs or, with COMMLIB_TEST_SHARE_GPUS=1, on one (where the real NCCL would refuse)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    audit = SHIM.parent / "libcommlib_nccl_audit.so"
+    assert audit.exists(), "the LD_AUDIT library is built with the shim"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "pg.py"
+    script.write_text(PG_SCRIPT)
+    procs = []
+    for rank in range(world_size):
+        env = dict(os.environ, LD_AUDIT=str(audit), SHIM=str(SHIM.resolve()), RANK=str(rank),
+                   WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   COMMLIB_NCCL_HOST="127.0.0.1", TORCH_DEVICE_BACKEND_AUTOLOAD="0", NCCL_NVLS_ENABLE="0")
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outs.append((p.returncode, out, err))
+    for rank, (rc, out, err) in enumerate(outs):
+        assert rc == 0 and f"OK {rank}" in out, f"rank {rank} rc {rc}\n{out[-2000:]}\n{err[-4000:]}"
