@@ -146,6 +146,11 @@ Plan plan_all_reduce(const CommConfig& config, const AllReduceShape& s) {
     const Variant v = algo == Algorithm::kFlat ? Variant::kFlat : algo == Algorithm::kTree ? Variant::kTree
                                                                                             : Variant::kNccl;
     p = make(op, v, s.bytes, s.dtype, forced_rule(algo, s.requested));
+  } else if (config.world_size == 1) {
+    // One rank: the sum (and the average, / 1) is the input; out of place a copy-engine copy, in
+    // place nothing, as NCCL does at world 1. An explicit algo still runs its kernel (the bench's
+    // world-1 kernel cost).
+    p = make(op, Variant::kLocalCopy, s.bytes, s.dtype, "world_size 1");
   } else {
     const AllReduceLimits& limits = cfg.selector.limits(s.dtype);
     if (s.bytes <= limits.flat_max_bytes) {

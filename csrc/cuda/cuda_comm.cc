@@ -220,6 +220,15 @@ Residence CudaComm::residence(const void* input, const void* output, size_t byte
   return find_symmetric(output, bytes, &offset) != nullptr ? Residence::kSymmetricInPlace : Residence::kPlain;
 }
 
+namespace {
+
+// One rank's collective: the copy engine, or nothing in place.
+void copy_local(void* dst, const void* src, size_t bytes, cudaStream_t stream, const char* what) {
+  if (dst != src) cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream), what, "cudaMemcpyAsync");
+}
+
+}  // namespace
+
 void CudaComm::all_reduce(const void* input, void* output, size_t count, DataType dtype, ReduceOp op,
                           Algorithm algo, cudaStream_t stream) {
   const size_t bytes = count * dtype_size(dtype);
@@ -241,9 +250,10 @@ void CudaComm::all_reduce(const void* input, void* output, size_t count, DataTyp
   COMMLIB_CHECK(is_reducible(dtype), TypeMismatch, what, ": dtype ", dtype_name(dtype),
                 " not supported; supported: float32, float16, bfloat16");
   const Variant v = plan.variant;
-  COMMLIB_CHECK(v == Variant::kFlatLL || v == Variant::kFlat || v == Variant::kTree || v == Variant::kTreeZeroCopy,
+  COMMLIB_CHECK(v == Variant::kFlatLL || v == Variant::kFlat || v == Variant::kTree || v == Variant::kTreeZeroCopy ||
+                    v == Variant::kLocalCopy,
                 InvalidArgument, what, ": plan '", variant_name(v),
-                "' is not a CUDA all-reduce kernel; supported: flat_ll, flat, tree, tree_zero_copy");
+                "' is not a CUDA all-reduce; supported: flat_ll, flat, tree, tree_zero_copy, local_copy");
   if (count == 0) {
     check_error(what);
     return;
@@ -253,8 +263,13 @@ void CudaComm::all_reduce(const void* input, void* output, size_t count, DataTyp
   begin_op(stream, what);
   Status status;
   const Geometry& geo = plan.geometry;
-  const BarrierDevice barrier = barrier_handle();
   plan_executed(plan, rank_);
+  if (v == Variant::kLocalCopy) {  // one rank (world_size 1): the input is the result
+    copy_local(output, input, bytes, stream, what);
+    end_op(stream, what);
+    return;
+  }
+  const BarrierDevice barrier = barrier_handle();
   if (v == Variant::kFlatLL) {
     auto p = all_reduce_params<kernels::AllReduceFlatLLParams>(input, output, count, dtype, op, barrier, geo.grid);
     p.lines = ll_lines_->device_handle();
@@ -286,10 +301,6 @@ void CudaComm::all_reduce(const void* input, void* output, size_t count, DataTyp
 }
 
 namespace {
-
-void copy_local(void* dst, const void* src, size_t bytes, cudaStream_t stream, const char* what) {
-  if (dst != src) cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream), what, "cudaMemcpyAsync");
-}
 
 Plan exchange_plan(const CommConfig& config, CollectiveOp op, size_t message_bytes, DataType dtype) {
   ExchangeShape shape;

@@ -249,6 +249,16 @@ def _gpu_plans_without_gpu(ctx):
             assert forced.geometry["chunk_bytes"] == 512 * KiB and forced.geometry["pdl"] is False
             with pytest.raises(ValueError, match=r"all_reduce: algo 'nccl' needs an NCCL engine"):
                 plan("all_reduce", 16, algo="nccl")
+            # One rank: the input is the sum (a copy, or nothing in place); an explicit algo keeps its kernel.
+            alone_store = torch.distributed.PrefixStore(f"world-one/{ctx.rank}", ctx.store)
+            with commlib.Communicator(alone_store, 0, 1, f"world-one-{ctx.rank}") as one:
+                meta = torch.empty(4096, dtype=torch.bfloat16, device="meta")
+                alone = one.plan("all_reduce", meta, device="cuda")
+                assert alone.variant == "local_copy" and alone.reason == "local_copy: world_size 1", alone.reason
+                assert alone.geometry["grid"] == 0
+                assert one.plan("all_reduce", meta, device="cuda", algo="flat").variant == "flat_ll"
+                assert one.plan("all_reduce", meta, device="cuda", algo="tree").variant == "tree"
+                assert one.plan("all_reduce", meta, device="cpu").variant == "host_flat"
             with pytest.raises(TypeError, match=r"all_reduce: dtype int32 not supported"):
                 plan("all_reduce", 16, dtype=torch.int32)
             # The exchange ops (built-in at world 2: commlib's kernel to 16 MiB of message).
