@@ -327,6 +327,7 @@ def _nixl_runs(src_geo, dst_geo, src_ids, dst_ids, bs, dst_bs, blocks, heads_src
 
 def _nixl_sender(caches, canon, src_ids, dst_ids, store, tag, p, P, D, bs, dst_bs, blocks, heads, head_dim, opts,
                  device) -> dict:
+    """Prefill rank p: the timed requests through NIXL, then a checked one on fresh data."""
     import numpy as np
     agent = _nixl_agent(f"{tag}-nixl-p{p}", caches)
     mem = "DRAM" if device.type == "cpu" else "VRAM"
@@ -355,11 +356,13 @@ def _nixl_sender(caches, canon, src_ids, dst_ids, store, tag, p, P, D, bs, dst_b
                 raise RuntimeError(f"{NAME}: NIXL transfer to {name} failed")
             handles.append(h)
         t1 = time.perf_counter()
+        deadline = t1 + 60.0
         for h in handles:
             while (state := agent.check_xfer_state(h)) not in ("DONE", "ERR"):
-                pass
+                if time.perf_counter() > deadline:
+                    raise TimeoutError(f"{NAME}: a NIXL transfer of request {note.decode()} not done after 60 s")
             if state == "ERR":
-                raise RuntimeError(f"{NAME}: NIXL transfer failed")
+                raise RuntimeError(f"{NAME}: NIXL transfer of request {note.decode()} failed")
             agent.release_xfer_handle(h)
         return (t1 - t0) * 1e6, (time.perf_counter() - t0) * 1e6
 
