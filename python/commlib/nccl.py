@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     facts = info()
     real_version = int(facts.get("real_version", "0"))
     print(f"shim: {LIBRARY} (built against nccl.h {_version_text(int(facts.get('header_version', '0')))})")
+    if AUDIT_LIBRARY.exists():
+        print(f"LD_AUDIT library (redirects only libnccl.so.2 to the shim): {AUDIT_LIBRARY}")
     if facts.get("real_path"):
         print(f"real NCCL: {facts['real_path']} (version {_version_text(real_version)}, code {real_version})")
     else:

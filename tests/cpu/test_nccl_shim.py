@@ -366,3 +366,7 @@ def test_python_module_reports_the_shim():
     assert check.returncode == 0, check.stderr[-3000:]
     assert f"real NCCL: {REAL}" in check.stdout or str(REAL.resolve()) in check.stdout or "nvidia/nccl/lib" in check.stdout
     assert "ncclAllReduce" in check.stdout and "ncclSend" in check.stdout
+    assert f"LD_AUDIT library (redirects only libnccl.so.2 to the shim): {AUDIT}" in check.stdout
+    audit = subprocess.run([sys.executable, "-m", "commlib.nccl", "--audit"], env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert audit.returncode == 0 and Path(audit.stdout.strip()).resolve() == AUDIT.resolve(), audit.stderr[-3000:]
