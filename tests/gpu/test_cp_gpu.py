@@ -344,3 +344,33 @@ def test_copy_engine_ring_watchdog(ranks, world_size):
     assert raised0 is not None and "rank 0" in raised0 and "from rank 1" in raised0 and "did not complete" in raised0, \
         raised0
     assert raised1 is not None and "rank 0's copy-engine ring timed out" in raised1, raised1
+
+
+def _comm_transport_at_8k(ctx):
+    """pass_q over CommTransport at 8K tokens, 16 / 4 heads of 128 (a step of 33.8 MB: more than the
+    communicator's workspace half, which the all_to_all_v step was once limited to), against a
+    causal SDPA of the whole sequence in fp32 on this GPU."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    tokens, h, hkv, d = 8192, 16, 4, 128
+    g = torch.Generator(device=device).manual_seed(8192)
+    q = torch.randn(tokens, h, d, generator=g, device=device).to(torch.bfloat16)
+    k = torch.randn(tokens, hkv, d, generator=g, device=device).to(torch.bfloat16)
+    v = torch.randn(tokens, hkv, d, generator=g, device=device).to(torch.bfloat16)
+    cu = [0, tokens]
+    sh = cp.shard(cu, ctx.world_size, ctx.rank)
+    index = sh.index.to(device)
+    out = cp.ring_attention(ctx.comm, q[index], k[index], v[index], cu_seqlens_q=cu, causal=True, mode="pass_q",
+                            transport=cp.CommTransport(ctx.comm))
+    torch.cuda.synchronize()
+    rep = h // hkv
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None], k.float().repeat_interleave(rep, 1).transpose(0, 1)[None],
+        v.float().repeat_interleave(rep, 1).transpose(0, 1)[None], is_causal=True)[0].transpose(0, 1)
+    err = (out.float() - ref[index]).abs().max().item()
+    assert err <= tol(torch.bfloat16), f"pass_q CommTransport at 8K tokens: error {err:.3g}"
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_comm_transport_pass_q_at_8k_tokens(ranks, world_size):
+    assert all(ranks(world_size).run(_comm_transport_at_8k, timeout=900))

@@ -5,6 +5,8 @@ messages through a collective library: ``DistTransport`` (torch.distributed poin
 from __future__ import annotations
 
 import inspect
+import math
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -107,13 +109,30 @@ def _a2a_params(cls) -> frozenset:
 class CommTransport(_LocalSlots):
     """The ring over a ``commlib.Communicator``: each step is one ``all_to_all_v`` of bytes whose
     only non-zero splits are the step's peers (a correct ring step on CPU and CUDA; it completes
-    inside ``start``). When the direct API gains send / recv, ``start`` becomes those calls."""
+    inside ``start``). When the direct API gains send / recv, ``start`` becomes those calls.
+
+    On CUDA a step receives into a symmetric-memory buffer large enough for every slot at once,
+    allocated in ``allocate`` (collective: the specs are the same on every rank), so the
+    all_to_all_v writes straight into it at any size; through the communicator's workspace a step
+    was limited to half of it (32 MiB by default: a pass-Q step at 8K tokens is more)."""
 
     def __init__(self, comm):
         super().__init__()
         self.comm = comm
         self.rank = comm.rank
         self.world_size = comm.world_size
+        self._staging: Optional[torch.Tensor] = None  # CUDA: what each step receives into
+
+    def allocate(self, specs: dict, device) -> None:
+        super().allocate(specs, device)
+        device = torch.device(device)
+        if device.type != "cuda":
+            return
+        need = sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs.values())
+        if self._staging is None or self._staging.numel() < need or self._staging.device != device:
+            if self._staging is not None:
+                torch.cuda.synchronize(self._staging.device)  # no step of an earlier call still uses it
+            self._staging = self.comm.symmetric_empty((max(need, 1),), torch.uint8, device)
 
     def start(self, sends, recvs):
         n = self.world_size
@@ -132,7 +151,9 @@ class CommTransport(_LocalSlots):
         device = self.slot(recvs[0][1]).device if recvs else sends[0][2].device
         parts = [t for peer in range(n) for t in by_peer_send[peer]]
         inp = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
-        out = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
+        total = sum(out_splits)
+        staged = self._staging is not None and device.type == "cuda" and total <= self._staging.numel()
+        out = self._staging[:total] if staged else torch.empty(total, dtype=torch.uint8, device=device)
         # A zero-row input or output still takes part in the collective. When the direct API has
         # send / recv, this step becomes one send per entry of `sends` and one recv per `recvs`.
         _all_to_all_v(self.comm, out, inp, out_splits, in_splits)
