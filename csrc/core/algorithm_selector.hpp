@@ -164,14 +164,14 @@ struct CommConfig {
 // table is not measured across hosts (no multi-node machine has run it): two-level sends each
 // element over the network once per host instead of once per rank for the reductions, and keeps the
 // intra-host legs on shared memory / NVLink; commlib-tune --hierarchical measures a real group.
-// Same inputs on every rank give the same choice on every rank (the route must agree).
+// Same inputs on every rank give the same choice on every rank (the route must agree). The choice
+// is a plan (plan_hierarchical in plan.hpp): two_level, or inner (the group's own gloo / NCCL).
 enum class HierOp : int { kAllReduce = 0, kReduceScatter, kAllGather, kBroadcast, kBarrier, kCount };
 const char* hier_op_name(HierOp op);
 
 class HierarchicalSelector {
  public:
   HierarchicalSelector(int num_hosts, int local_size);  // reads the environment and the tune file
-  bool use_two_level(HierOp op, size_t bytes) const { return bytes >= min_bytes_[static_cast<int>(op)]; }
   size_t min_bytes(HierOp op) const { return min_bytes_[static_cast<int>(op)]; }
 
  private:

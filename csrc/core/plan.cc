@@ -39,6 +39,8 @@ const char* variant_name(Variant variant) {
     case Variant::kEpNormal: return "ep_normal";
     case Variant::kEpNvshmem: return "ep_nvshmem";
     case Variant::kEpHost: return "ep_host";
+    case Variant::kTwoLevel: return "two_level";
+    case Variant::kInner: return "inner";
     case Variant::kCount: break;
   }
   return "unknown";
@@ -196,6 +198,16 @@ Plan plan_all_reduce(const CommConfig& config, const AllReduceShape& s) {
     default: p.geometry.grid = 0; break;
   }
   return p;
+}
+
+// ---- groups spanning several hosts ----
+
+Plan plan_hierarchical(const HierarchicalSelector& selector, const HierShape& s) {
+  const char* op = hier_op_name(s.op);
+  const size_t min_bytes = selector.min_bytes(s.op);
+  return s.bytes >= min_bytes
+             ? make(op, Variant::kTwoLevel, s.bytes, DataType::kUInt8, "{bytes} >= two_level_min {limit}", min_bytes)
+             : make(op, Variant::kInner, s.bytes, DataType::kUInt8, "{bytes} < two_level_min {limit}", min_bytes);
 }
 
 // ---- reduce_scatter / all_gather / broadcast / all_to_all ----

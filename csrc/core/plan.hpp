@@ -3,7 +3,8 @@
 // Note [plan]
 // Every operation asks one function of its family what runs: plan_all_reduce (GPU and CPU),
 // plan_exchange (reduce_scatter, all_gather, broadcast, all_to_all), plan_fused (all-reduce +
-// RMSNorm) and plan_ep (EP dispatch / combine, once per buffer). Each is a pure function of the
+// RMSNorm), plan_ep (EP dispatch / combine, once per buffer) and plan_hierarchical (a group spanning
+// several hosts: two-level or the group's own gloo / NCCL). Each is a pure function of the
 // communicator's resolved configuration (CommConfig, Note [communicator configuration]) and the
 // call's shape (bytes, dtype, world, where the tensors live, whether an NCCL engine is attached),
 // and returns a Plan: the variant that runs, its launch geometry and the rule that chose it. The
@@ -72,6 +73,9 @@ enum class Variant : uint8_t {
   kEpNormal,
   kEpNvshmem,
   kEpHost,
+  // a group spanning several hosts (the torch backend; Note [hierarchical crossover])
+  kTwoLevel,  // commlib inside each host, gloo / NCCL between the hosts
+  kInner,     // the group's own gloo / NCCL over every rank
   kCount
 };
 constexpr int kNumVariants = static_cast<int>(Variant::kCount);
@@ -137,6 +141,16 @@ struct ExchangeShape {
   NcclEngine nccl = NcclEngine::kNone;
 };
 Plan plan_exchange(const CommConfig& config, const ExchangeShape& shape);
+
+// ---- groups spanning several hosts ----
+struct HierShape {
+  HierOp op = HierOp::kAllReduce;
+  size_t bytes = 0;  // the op's message (all_reduce / broadcast: the tensor; all_gather: the input;
+                     // reduce_scatter: the output; barrier: 0)
+};
+// two_level from the op's crossover on (the selector: COMMLIB_HIER_ALGO, the tune file's
+// hierarchical entries, the built-in 0), inner below it.
+Plan plan_hierarchical(const HierarchicalSelector& selector, const HierShape& shape);
 
 // ---- fused all-reduce + RMSNorm ----
 struct FusedShape {

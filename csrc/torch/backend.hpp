@@ -184,10 +184,14 @@ class DdaBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> route_cuda_all_reduce(std::vector<at::Tensor>& tensors,
                                                        const c10d::AllreduceOptions& opts);
 
-  // True when a call of `op` on `tensors` (`bytes` per rank) takes the two-level path.
-  bool two_level(HierOp op, const std::vector<at::Tensor>& tensors, size_t bytes) const;
-  // Runs a two-level call and returns its Work (completed on CPU; on the current stream on CUDA).
-  c10::intrusive_ptr<c10d::Work> run_two_level(c10d::OpType op, const at::Device& device,
+  // A group spanning several hosts: whether this call runs two-level (its plan in *plan, counted
+  // by run_two_level once the call's checks pass). A call the plan gives the group's own gloo /
+  // NCCL (inner) is counted here, as it goes there next. False without a hierarchy or for tensors
+  // the two-level path does not take.
+  bool two_level(HierOp op, const std::vector<at::Tensor>& tensors, size_t bytes, Plan* plan) const;
+  // Counts `plan`, runs a two-level call and returns its Work (completed on CPU; on the current
+  // stream on CUDA).
+  c10::intrusive_ptr<c10d::Work> run_two_level(const Plan& plan, c10d::OpType op, const at::Device& device,
                                                std::vector<at::Tensor> outputs, const std::function<void()>& body);
 
   std::shared_ptr<Communicator> comm_;

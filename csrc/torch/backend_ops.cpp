@@ -24,10 +24,11 @@ using namespace backend_detail;
 
 c10::intrusive_ptr<c10d::Work> DdaBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                      const c10d::AllreduceOptions& opts) {
+  Plan plan;  // two_level or inner (Note [plan])
   if (tensors.size() == 1 && Hierarchy::splits(opts.reduceOp, tensors[0].scalar_type()) &&
-      two_level(HierOp::kAllReduce, tensors, tensors[0].numel() * tensors[0].element_size())) {
+      two_level(HierOp::kAllReduce, tensors, tensors[0].numel() * tensors[0].element_size(), &plan)) {
     if (auto op = to_reduce_op(opts.reduceOp)) check_reduction("allreduce", tensors[0].scalar_type(), *op);
-    return run_two_level(c10d::OpType::ALLREDUCE, tensors[0].device(), tensors,
+    return run_two_level(plan, c10d::OpType::ALLREDUCE, tensors[0].device(), tensors,
                          [&] { hier_->all_reduce(tensors[0], opts.reduceOp); });
   }
   if (tensors.size() == 1 && cpu_fast(tensors) &&
@@ -83,8 +84,9 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::reduce(std::vector<at::Tensor>& tenso
 
 c10::intrusive_ptr<c10d::Work> DdaBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                      const c10d::BroadcastOptions& opts) {
-  if (tensors.size() == 1 && two_level(HierOp::kBroadcast, tensors, tensors[0].numel() * tensors[0].element_size())) {
-    return run_two_level(c10d::OpType::BROADCAST, tensors[0].device(), tensors,
+  Plan plan;  // two_level or inner (Note [plan])
+  if (tensors.size() == 1 && two_level(HierOp::kBroadcast, tensors, tensors[0].numel() * tensors[0].element_size(), &plan)) {
+    return run_two_level(plan, c10d::OpType::BROADCAST, tensors[0].device(), tensors,
                          [&] { hier_->broadcast(tensors[0], static_cast<int>(opts.rootRank)); });
   }
   if (tensors.size() == 1 && cpu_fast(tensors) && cpu_movable("broadcast", c10d::OpType::BROADCAST, tensors)) {
@@ -108,11 +110,12 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::broadcast(std::vector<at::Tensor>& te
 c10::intrusive_ptr<c10d::Work> DdaBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                      std::vector<at::Tensor>& inputs,
                                                      const c10d::AllgatherOptions& opts) {
+  Plan plan;  // two_level or inner (Note [plan])
   if (inputs.size() == 1 && outputs.size() == 1 &&
-      two_level(HierOp::kAllGather, inputs, inputs[0].numel() * inputs[0].element_size())) {
+      two_level(HierOp::kAllGather, inputs, inputs[0].numel() * inputs[0].element_size(), &plan)) {
     std::vector<at::Tensor>& outs = outputs[0];
     check_gather_list("allgather", outs, inputs[0]);
-    return run_two_level(c10d::OpType::ALLGATHER, inputs[0].device(), outs, [&] {
+    return run_two_level(plan, c10d::OpType::ALLGATHER, inputs[0].device(), outs, [&] {
       at::Tensor flat = at::empty({getSize(), inputs[0].numel()}, inputs[0].options());
       hier_->all_gather(flat, inputs[0]);
       copy_rows(flat, outs);
@@ -159,8 +162,9 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::allgather(std::vector<std::vector<at:
 c10::intrusive_ptr<c10d::Work> DdaBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                            const c10d::AllgatherOptions& opts) {
   std::vector<at::Tensor> both{output, input};
-  if (two_level(HierOp::kAllGather, both, input.numel() * input.element_size())) {
-    return run_two_level(c10d::OpType::_ALLGATHER_BASE, input.device(), {output},
+  Plan plan;  // two_level or inner (Note [plan])
+  if (two_level(HierOp::kAllGather, both, input.numel() * input.element_size(), &plan)) {
+    return run_two_level(plan, c10d::OpType::_ALLGATHER_BASE, input.device(), {output},
                          [&] { hier_->all_gather(output, input); });
   }
   if (cpu_fast(both) && cpu_movable("all_gather_into_tensor", c10d::OpType::_ALLGATHER_BASE, both)) {
@@ -290,12 +294,13 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::scatter(std::vector<at::Tensor>& outp
 c10::intrusive_ptr<c10d::Work> DdaBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                           std::vector<std::vector<at::Tensor>>& inputs,
                                                           const c10d::ReduceScatterOptions& opts) {
+  Plan plan;  // two_level or inner (Note [plan])
   if (outputs.size() == 1 && inputs.size() == 1 && Hierarchy::splits(opts.reduceOp, outputs[0].scalar_type()) &&
-      two_level(HierOp::kReduceScatter, outputs, outputs[0].numel() * outputs[0].element_size())) {
+      two_level(HierOp::kReduceScatter, outputs, outputs[0].numel() * outputs[0].element_size(), &plan)) {
     at::Tensor& out = outputs[0];
     check_gather_list("reduce_scatter", inputs[0], out);
     if (auto op = to_reduce_op(opts.reduceOp)) check_reduction("reduce_scatter", out.scalar_type(), *op);
-    return run_two_level(c10d::OpType::REDUCE_SCATTER, out.device(), outputs, [&] {
+    return run_two_level(plan, c10d::OpType::REDUCE_SCATTER, out.device(), outputs, [&] {
       hier_->reduce_scatter(out, cat_flat(inputs[0]), opts.reduceOp);
     });
   }
@@ -338,10 +343,11 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::reduce_scatter(std::vector<at::Tensor
 c10::intrusive_ptr<c10d::Work> DdaBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                 const c10d::ReduceScatterOptions& opts) {
   std::vector<at::Tensor> both{output, input};
+  Plan plan;  // two_level or inner (Note [plan])
   if (Hierarchy::splits(opts.reduceOp, output.scalar_type()) &&
-      two_level(HierOp::kReduceScatter, both, output.numel() * output.element_size())) {
+      two_level(HierOp::kReduceScatter, both, output.numel() * output.element_size(), &plan)) {
     if (auto op = to_reduce_op(opts.reduceOp)) check_reduction("reduce_scatter_tensor", output.scalar_type(), *op);
-    return run_two_level(c10d::OpType::_REDUCE_SCATTER_BASE, input.device(), {output},
+    return run_two_level(plan, c10d::OpType::_REDUCE_SCATTER_BASE, input.device(), {output},
                          [&] { hier_->reduce_scatter(output, input, opts.reduceOp); });
   }
   if (cpu_fast(both) &&
@@ -465,12 +471,16 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::recvAnysource(std::vector<at::Tensor>
 
 c10::intrusive_ptr<c10d::Work> DdaBackend::barrier(const c10d::BarrierOptions& opts) {
   TORCH_CHECK(!shut_down_, "barrier: the ddacomm process group was shut down");
-  if (hier_ && hier_->two_level(HierOp::kBarrier, 0)) {
+  if (hier_) {
+    const Plan plan = hier_->plan(HierOp::kBarrier, 0);
+    plan_executed(plan, getRank());
+    if (plan.variant == Variant::kTwoLevel) {
 #if defined(COMMLIB_TORCH_CUDA)
-    if (cuda_used_) c10::cuda::device_synchronize();  // as below: queued GPU work is done after it
+      if (cuda_used_) c10::cuda::device_synchronize();  // as below: queued GPU work is done after it
 #endif
-    hier_->barrier();
-    return c10::make_intrusive<CompletedWork>(getRank(), c10d::OpType::BARRIER, std::vector<at::Tensor>{});
+      hier_->barrier();
+      return c10::make_intrusive<CompletedWork>(getRank(), c10d::OpType::BARRIER, std::vector<at::Tensor>{});
+    }
   }
   if (!comm_) return fallback(gloo_->barrier(opts));
 #if defined(COMMLIB_TORCH_CUDA)

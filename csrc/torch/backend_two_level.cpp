@@ -23,7 +23,7 @@ void DdaBackend::attach_hierarchy(std::unique_ptr<Hierarchy> hierarchy) {
   hier_ = std::move(hierarchy);
 }
 
-bool DdaBackend::two_level(HierOp op, const std::vector<at::Tensor>& tensors, size_t bytes) const {
+bool DdaBackend::two_level(HierOp op, const std::vector<at::Tensor>& tensors, size_t bytes, Plan* plan) const {
   if (!hier_ || shut_down_ || tensors.empty()) return false;
   for (const auto& t : tensors) {
     if (!t.defined() || t.layout() != at::kStrided || t.device().type() != tensors[0].device().type() ||
@@ -31,12 +31,16 @@ bool DdaBackend::two_level(HierOp op, const std::vector<at::Tensor>& tensors, si
       return false;
     }
   }
-  return hier_->two_level(op, bytes);
+  *plan = hier_->plan(op, bytes);
+  if (plan->variant == Variant::kTwoLevel) return true;
+  plan_executed(*plan, getRank());  // inner: the call goes to the group's own gloo / NCCL next
+  return false;
 }
 
-c10::intrusive_ptr<c10d::Work> DdaBackend::run_two_level(c10d::OpType op, const at::Device& device,
+c10::intrusive_ptr<c10d::Work> DdaBackend::run_two_level(const Plan& plan, c10d::OpType op, const at::Device& device,
                                                          std::vector<at::Tensor> outputs,
                                                          const std::function<void()>& body) {
+  plan_executed(plan, getRank());
   if (device.is_cuda()) {
     cuda_used_ = true;
 #if defined(COMMLIB_TORCH_CUDA)

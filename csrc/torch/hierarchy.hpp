@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "core/algorithm_selector.hpp"
+#include "core/plan.hpp"
 
 namespace commlib::torch_layer {
 
@@ -81,7 +82,8 @@ class Hierarchy {
 
   const HostLayout& layout() const { return layout_; }
   // Whether a call of `op` over `bytes` goes two-level (Note [hierarchical crossover]).
-  bool two_level(HierOp op, size_t bytes) const { return selector_.use_two_level(op, bytes); }
+  // What a call of `op` over `bytes` runs: two_level or inner (Note [plan], plan_hierarchical).
+  Plan plan(HierOp op, size_t bytes) const { return plan_hierarchical(selector_, HierShape{op, bytes}); }
   // Whether a reduction with `op` on `dtype` can be split into legs (Note [hierarchical collectives]).
   static bool splits(const c10d::ReduceOp& op, at::ScalarType dtype);
 

@@ -57,6 +57,8 @@ def _collectives(ctx, hosts):
         num_hosts, local_size, host_index, local_rank = backend.host_layout
         assert (num_hosts, local_size) == (len(sizes), sizes[0])
         calls0, fallback0 = backend.num_hierarchical_calls, backend.num_fallback_calls
+        import commlib
+        planned0 = commlib.plan_counters()
         assert backend.num_fast_calls == 0
         calls = 0
         dtypes = [d for d in ALL_DTYPES if d != torch.int16]  # gloo has no int16
@@ -137,6 +139,8 @@ def _collectives(ctx, hosts):
             calls += 1
         assert backend.num_hierarchical_calls == calls0 + calls, "a call left the two-level path"
         assert backend.num_fallback_calls == fallback0 and backend.num_fast_calls == 0
+        planned = commlib.plan_counters()  # every two-level call ran its plan (Note [plan])
+        assert planned["two_level"] - planned0["two_level"] == calls and planned["inner"] == planned0["inner"]
         # Left to the group's gloo: PREMUL-free ops without a two-level shape.
         x = any_values(me, 10, torch.float32, salt=6)
         outs = [poison(x) for _ in range(n)]
@@ -202,6 +206,8 @@ def _forced_flat(ctx):
         with as_host(me // 2), ddacomm_world(ctx) as (world, gloo):
             backend = backend_of(world)
             assert backend.hierarchical
+            import commlib
+            planned0 = commlib.plan_counters()
             x = any_values(me, 100, torch.float32)
             ours, ref = x.clone(), x.clone()
             dist.all_reduce(ours)
@@ -209,6 +215,8 @@ def _forced_flat(ctx):
             dist.barrier()
             assert torch.equal(ours, ref)
             assert backend.num_hierarchical_calls == 0
+            planned = commlib.plan_counters()  # the plan said inner: the group's own gloo, counted
+            assert planned["inner"] - planned0["inner"] == 2 and planned["two_level"] == planned0["two_level"]
     finally:
         os.environ.pop("COMMLIB_HIER_ALGO", None)
     return True

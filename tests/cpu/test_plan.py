@@ -300,7 +300,7 @@ def test_counters_list_every_variant_and_reset():
     for name in ("flat_ll", "flat", "tree", "tree_zero_copy", "nccl", "reduce_scatter_ll", "reduce_scatter",
                  "exchange_ll", "exchange", "local_copy", "host_flat", "host_tree", "host_exchange", "fused_oneshot",
                  "fused_ll", "fused_p2p", "fused_multimem", "fused_host", "ep_ll", "ep_normal", "ep_nvshmem",
-                 "ep_host"):
+                 "ep_host", "two_level", "inner"):
         assert name in counters and counters[name] >= 0
     commlib.reset_plan_counters()
     assert set(commlib.plan_counters().values()) == {0}
