@@ -72,9 +72,6 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::route_cuda_all_reduce(std::vector<at:
     return c10::make_intrusive<CudaWork>(getRank(), c10d::OpType::ALLREDUCE, tensors, internal);
   }
   // What NCCL takes is counted as its plan: the planned nccl, or a call commlib's kernels do not take.
-  // A group spanning several hosts counted its inner plan already, or has no commlib plan for the
-  // call (an op the two-level path has no form for, as gloo's CPU calls).
-  if (hier_) return fallback(nccl("allreduce").allreduce(tensors, opts));
   if (plan.variant != Variant::kNccl) {
     plan = Plan{};
     plan.variant = Variant::kNccl;

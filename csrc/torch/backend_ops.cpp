@@ -31,6 +31,9 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::allreduce(std::vector<at::Tensor>& te
     return run_two_level(plan, c10d::OpType::ALLREDUCE, tensors[0].device(), tensors,
                          [&] { hier_->all_reduce(tensors[0], opts.reduceOp); });
   }
+  if (plan.variant == Variant::kInner) {  // counted by two_level: the group's own gloo / NCCL
+    return fallback(inner(device_of(tensors, "allreduce"), "allreduce").allreduce(tensors, opts));
+  }
   if (tensors.size() == 1 && cpu_fast(tensors) &&
       cpu_reduction("allreduce", c10d::OpType::ALLREDUCE, tensors, opts.reduceOp)) {
     at::Tensor& t = tensors[0];

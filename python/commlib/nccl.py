@@ -26,6 +26,12 @@ class UniqueId(ctypes.Structure):
     _fields_ = [("internal", ctypes.c_char * 128)]
 
 
+# nccl.h's ncclDataType_t and ncclRedOp_t codes, for callers using ctypes.
+DATA_TYPES = {"int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5, "float16": 6, "float32": 7,
+              "float64": 8, "bfloat16": 9}
+RED_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
+
+
 def library_path() -> Path:
     """The shim's file (it may not exist: a build without CUDA or without the nvidia-nccl wheel)."""
     return LIBRARY

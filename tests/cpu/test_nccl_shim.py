@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SHIM = ROOT / "python" / "commlib" / "lib" / "libnccl.so.2"
 sys.path.insert(0, str(ROOT / "tests" / "cpp"))
 from cpp_example_build import build_dir  # noqa: E402
+from commlib.nccl import UniqueId  # noqa: E402
 
 NCCL_SUCCESS, NCCL_INVALID_ARGUMENT, NCCL_INVALID_USAGE = 0, 4, 5
 
@@ -59,10 +60,6 @@ def load(path: Path) -> ctypes.CDLL:
     for fn in ("ncclGetErrorString", "pncclGetErrorString", "ncclGetLastError", "pncclGetLastError"):
         getattr(lib, fn).restype = ctypes.c_char_p
     return lib
-
-
-class UniqueId(ctypes.Structure):
-    _fields_ = [("internal", ctypes.c_char * 128)]
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from commlib.nccl import UniqueId  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -31,10 +32,6 @@ SIZES = [0, 1, 7, 1023, 65537]
 
 if not SHIM.exists():
     pytest.skip("NCCL shim not built (needs CUDA and the nvidia-nccl wheel)", allow_module_level=True)
-
-
-class UniqueId(ctypes.Structure):
-    _fields_ = [("internal", ctypes.c_char * 128)]
 
 
 def rank_input(rank, count, dtype, salt=0):

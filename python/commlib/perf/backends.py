@@ -188,9 +188,6 @@ class TorchDist(Backend):
 class NcclShim(Backend):
     name = "nccl-shim"
     capturable = True
-    _TYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4, torch.float16: 6,
-              torch.float32: 7, torch.float64: 8, torch.bfloat16: 9}
-    _OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
 
     def __init__(self, store, rank: int, world_size: int, device: torch.device):
         import ctypes
@@ -200,6 +197,7 @@ class NcclShim(Backend):
         if not nccl.LIBRARY.exists():
             raise Unsupported(f"nccl-shim: {nccl.LIBRARY} not built")
         self._ct = ctypes
+        self._types, self._ops = nccl.DATA_TYPES, nccl.RED_OPS
         self.lib = ctypes.CDLL(str(nccl.LIBRARY))
         self.lib.ncclGetLastError.restype = ctypes.c_char_p
         self.world_size = world_size
@@ -223,24 +221,25 @@ class NcclShim(Backend):
         self._check(getattr(self.lib, name)(*args, self.comm, stream), name)
 
     def _type(self, t):
-        if t.dtype not in self._TYPES:
+        name = str(t.dtype).removeprefix("torch.")
+        if name not in self._types:
             raise Unsupported(f"nccl-shim: dtype {t.dtype} has no NCCL type")
-        return self._TYPES[t.dtype]
+        return self._types[name]
 
     def _ptr(self, t):
         return self._ct.c_void_p(t.data_ptr())
 
     def all_reduce(self, t, redop):
         self._call("ncclAllReduce", t, self._ptr(t), self._ptr(t), self._ct.c_size_t(t.numel()), self._type(t),
-                   self._OPS[redop])
+                   self._ops[redop])
 
     def all_reduce_out(self, out, inp, redop):
         self._call("ncclAllReduce", inp, self._ptr(inp), self._ptr(out), self._ct.c_size_t(inp.numel()),
-                   self._type(inp), self._OPS[redop])
+                   self._type(inp), self._ops[redop])
 
     def reduce_scatter(self, out, inp, redop):
         self._call("ncclReduceScatter", inp, self._ptr(inp), self._ptr(out), self._ct.c_size_t(out.numel()),
-                   self._type(inp), self._OPS[redop])
+                   self._type(inp), self._ops[redop])
 
     def all_gather(self, out, inp):
         self._call("ncclAllGather", inp, self._ptr(inp), self._ptr(out), self._ct.c_size_t(inp.numel()),
