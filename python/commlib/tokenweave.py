@@ -33,6 +33,7 @@ from . import tuned
 # Built-in defaults, used where commlib-tune has not measured this machine.
 DEFAULT_WAVE_STEP = 128          # tokens: one M-tile of the 128-row tiles Hopper GEMMs commonly run
 DEFAULT_SPLIT_MIN_TOKENS = 1024  # below this, run unsplit (the fused op only): Note [split crossover]
+NO_SPLIT = 1 << 62  # the built-in crossover at world size 1: never split (Note [split crossover])
 DEFAULT_NUM_SMS = 16             # CTAs of the fused op while it overlaps compute (2..16 is its range)
 WAVE_STEP_GRANULE = 16           # token granularity of the wave-step measurement
 
@@ -145,18 +146,23 @@ def _split(num_tokens: int, shapes: Tuple[GemmShape, ...], steps: Tuple[int, ...
 # H200), and a 256-row GEMM beside the fused op on 16 CTAs ran 20% slower than alone, against 8% at
 # 512 rows (bench/results/tp_layer.md, the overlap lines), while the all-reduces of a TP-2 layer are
 # about 8% of its time. Hence the built-in crossover of 1024 tokens; commlib-tune --tokenweave
-# measures it per GPU and world size (fused against split at 256..4096 tokens).
+# measures it per GPU and world size (fused against split at 256..4096 tokens). At world size 1
+# there is no communication to hide, so nothing can pay for a split: the built-in crossover there is
+# NO_SPLIT (at 1K tokens the split cost 3.6% over the no-communication floor against 2.4% for the
+# unsplit fused op, bench/results/tp_layer.md); an explicit split_min_tokens is obeyed at any size.
 
 
 def should_split(num_tokens: int, gemm_shapes: Optional[Sequence[GemmShape]] = None, *,
                  split_min_tokens: Optional[int] = None,
-                 wave_steps: Union[None, int, Sequence[int], Mapping[str, int]] = None) -> bool:
-    """The adaptive policy: split (and overlap) when ``num_tokens >= split_min_tokens`` (default:
-    the tuned crossover for this GPU and world size, else ``DEFAULT_SPLIT_MIN_TOKENS``) and the
+                 wave_steps: Union[None, int, Sequence[int], Mapping[str, int]] = None,
+                 world_size: Optional[int] = None) -> bool:
+    """The adaptive policy (Note [split crossover]): split (and overlap) when ``num_tokens >=
+    split_min_tokens`` (default: ``tuned_params(world_size)``'s crossover: the tuned one for this
+    GPU and world size, else ``DEFAULT_SPLIT_MIN_TOKENS``, and never at world size 1) and the
     wave-aware split exists (``wave_aware_split(...) > 0``); else run unsplit with the fused op."""
     num_tokens = _check_tokens("should_split", num_tokens)
     if split_min_tokens is None:
-        split_min_tokens = tuned_params().split_min_tokens
+        split_min_tokens = tuned_params(world_size).split_min_tokens
     if num_tokens < split_min_tokens:
         return False
     return wave_aware_split(num_tokens, gemm_shapes, wave_steps) > 0
@@ -202,7 +208,8 @@ def tuned_params(world_size: Optional[int] = None) -> TokenWeaveParams:
     process; CPU-only processes get the defaults."""
     key = (str(tuned.cache_path()), int(world_size or 0))
     if key not in _tuned:
-        params = TokenWeaveParams(num_sms=default_num_sms(world_size))
+        params = TokenWeaveParams(num_sms=default_num_sms(world_size),
+                                  split_min_tokens=NO_SPLIT if world_size == 1 else DEFAULT_SPLIT_MIN_TOKENS)
         if torch.cuda.is_available():
             found = tuned.tokenweave_tuned(world_size)
             if found:
@@ -338,6 +345,6 @@ def group_ranges(num_tokens: int, split: int) -> Tuple[Tuple[int, int], Tuple[in
     return (0, split), (split, num_tokens)
 
 
-__all__ = ["DEFAULT_WAVE_STEP", "DEFAULT_SPLIT_MIN_TOKENS", "DEFAULT_NUM_SMS", "GemmShape", "layer_gemm_shapes",
+__all__ = ["DEFAULT_WAVE_STEP", "DEFAULT_SPLIT_MIN_TOKENS", "NO_SPLIT", "DEFAULT_NUM_SMS", "GemmShape", "layer_gemm_shapes",
            "waves", "wave_aware_split", "should_split", "TokenWeaveParams", "default_num_sms", "tuned_params",
            "find_wave_step", "Step", "OverlapSchedule", "group_ranges"]

@@ -65,6 +65,11 @@ def test_should_split_policy():
     assert tw.tuned_params(2).split_min_tokens == tw.DEFAULT_SPLIT_MIN_TOKENS
     assert not tw.should_split(tw.DEFAULT_SPLIT_MIN_TOKENS - 1, wave_steps=128)
     assert tw.should_split(tw.DEFAULT_SPLIT_MIN_TOKENS, wave_steps=128)
+    assert tw.should_split(8192, wave_steps=128, world_size=2)
+    # World size 1: nothing to hide, so the built-in crossover never splits; an explicit one is obeyed.
+    assert tw.tuned_params(1).split_min_tokens == tw.NO_SPLIT
+    assert not tw.should_split(1 << 20, wave_steps=128, world_size=1)
+    assert tw.should_split(8192, split_min_tokens=512, wave_steps=128, world_size=1)
     # The overlap's SM budget: the fused op's own at world 1 (no peers), else DEFAULT_NUM_SMS.
     assert tw.default_num_sms(1) is None and tw.default_num_sms(2) == tw.DEFAULT_NUM_SMS == 16
 

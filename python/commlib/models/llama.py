@@ -303,7 +303,7 @@ class TPDecoderLayer:
     def split_for(self, num_tokens: int) -> int:
         """The prefix size tokenweave mode uses for ``num_tokens`` (0: unsplit, the fused op only)."""
         if not tokenweave.should_split(num_tokens, self.gemm_shapes, split_min_tokens=self.split_min_tokens,
-                                       wave_steps=self.wave_steps):
+                                       wave_steps=self.wave_steps, world_size=self.world_size):
             return 0
         return tokenweave.wave_aware_split(num_tokens, self.gemm_shapes, self.wave_steps)
 

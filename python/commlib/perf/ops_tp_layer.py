@@ -303,7 +303,7 @@ def sweep(tokens: List[int], model: str = "llama-70b", iters: int = 5, replays: 
     engine = "NCCL (torch.distributed)" if group is not None else "commlib all_reduce_ (world 1: local)"
     p(f"# sequential all_reduce: {engine}")
     p(f"# tokenweave params ({params.source}): wave steps {layer.wave_steps}, "
-      f"split_min_tokens {layer.split_min_tokens}, fused op SM budget beside compute: {budget}; "
+      f"split_min_tokens {'never' if layer.split_min_tokens >= tokenweave.NO_SPLIT else layer.split_min_tokens}, fused op SM budget beside compute: {budget}; "
       f"CUDA graph of {iters} layers x {replays} replays, median, slowest rank")
     p(f"# {'tokens':>6} {'seq us':>10} {'fused us':>10} {'tw us':>10} {'split us':>10} {'floor us':>10} "
       f"{'fused x':>8} {'tw x':>8} {'tw/floor':>8} {'spl/flr':>8} {'split':>6} {'best':>6} {'best us':>10}")
