@@ -12,10 +12,19 @@
 // LSE in any state makes the row's O and LSE NaN (a poisoned input is never merged away).
 //
 // Work split: a row (token, head) of head_dim elements is handled by `lanes` threads of one warp
-// (a power of two <= 32), each holding kPack consecutive elements per step. Rows of a warp are
-// consecutive tokens of one head, so the LSE loads of a warp are contiguous. In kAccumulate the
-// accumulator's LSE is read by every lane of the row and rewritten by lane 0 after a __syncwarp;
-// the loop over rows is warp-uniform so the __syncwarp is reached by every lane.
+// (a power of two <= 32), each holding kPack consecutive elements per step. Rows are taken in
+// memory order of O (token-major: the heads of one token, then the next token), so a block streams
+// contiguous O bytes; the LSE loads ([heads, tokens]) are then strided, but they are 1/64 of the
+// bytes at head_dim 128 (bf16) and their sectors are shared through L2 by the blocks of the
+// neighbouring tokens. Every load of a row step (each state's LSE and O pack, the accumulator's) is
+// issued before any arithmetic that uses one, so a step waits for memory once, not once per state
+// (an empty partial's O is loaded but never used: it is multiplied by nothing). On one H200 the
+// earlier order (consecutive tokens of one head per warp, one state's O loaded after the other)
+// reached 0.53 of torch.add's bandwidth over the same bytes (bench/results/cp.md). kCap bounds the
+// states held in registers: 2 when a launch has at most two (a ring step's accumulate, a merge of
+// two), kMaxMergeStates otherwise. In kAccumulate the accumulator's LSE is read by every lane of
+// the row and rewritten by lane 0 after a __syncwarp; the loop over rows is warp-uniform so the
+// __syncwarp is reached by every lane.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -67,7 +76,7 @@ __device__ __forceinline__ void store_pack(T* dst, const float (&x)[kPack]) {
   }
 }
 
-template <typename TIn, typename TOut, int kPack, MergeTarget kTarget>
+template <typename TIn, typename TOut, int kPack, MergeTarget kTarget, int kCap>
 __global__ void __launch_bounds__(kThreads) merge_attn_states_kernel(MergeAttnStatesParams p, int lanes) {
   const int64_t num_rows = p.num_tokens * p.num_heads;
   const int rows_per_warp = 32 / lanes;
@@ -77,80 +86,90 @@ __global__ void __launch_bounds__(kThreads) merge_attn_states_kernel(MergeAttnSt
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int64_t num_warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
   const int num_states = p.num_states;
+  const int64_t step = static_cast<int64_t>(lanes) * kPack;
+  constexpr bool kAcc = kTarget == MergeTarget::kAccumulate;
 
   for (int64_t base = warp * rows_per_warp; base < num_rows; base += num_warps * rows_per_warp) {
     const int64_t row = base + row_in_warp;
     const bool active = row < num_rows;
-    // h-major rows: a warp's rows are consecutive tokens of one head (contiguous LSE).
-    const int64_t head = active ? row / p.num_tokens : 0;
-    const int64_t token = active ? row % p.num_tokens : 0;
-    const int64_t out_row = (kTarget == MergeTarget::kAccumulate && p.rows != nullptr && active) ? p.rows[token] : token;
+    // Token-major rows: O's memory order.
+    const int64_t token = active ? row / p.num_heads : 0;
+    const int64_t head = active ? row % p.num_heads : 0;
+    const int64_t out_row = (kAcc && p.rows != nullptr && active) ? p.rows[token] : token;
+    TOut* out_ptr = static_cast<TOut*>(p.out) + out_row * p.out_stride_token + head * p.out_stride_head;
+    const int64_t d0 = static_cast<int64_t>(lane_in_row) * kPack;
+    const bool has = active && d0 < p.head_dim;
 
-    float lse[kMaxMergeStates] = {};
-    float m = -INFINITY;
+    // Every load of the row's first step, before any arithmetic.
+    float lse[kCap];
+    float x[kCap][kPack];
+    float acc[kPack];
     float acc_lse = -INFINITY;
-    bool poisoned = false;  // a NaN LSE (e.g. a ring slot the watchdog filled) makes the row NaN
-    if (active) {
 #pragma unroll
-      for (int s = 0; s < kMaxMergeStates; ++s) {
-        lse[s] = s < num_states ? p.states[s].lse[head * p.states[s].lse_stride_head + token] : -INFINITY;
-        m = fmaxf(m, lse[s]);
-        poisoned = poisoned || isnan(lse[s]);
-      }
-      if constexpr (kTarget == MergeTarget::kAccumulate) {
-        acc_lse = p.out_lse[head * p.out_lse_stride_head + out_row];
-        m = fmaxf(m, acc_lse);
-        poisoned = poisoned || isnan(acc_lse);
+    for (int s = 0; s < kCap; ++s) {
+      lse[s] = (active && s < num_states) ? p.states[s].lse[head * p.states[s].lse_stride_head + token] : -INFINITY;
+      if (has && s < num_states) {
+        load_pack<TIn, kPack>(static_cast<const TIn*>(p.states[s].out) + token * p.states[s].out_stride_token +
+                                  head * p.states[s].out_stride_head + d0, x[s]);
       }
     }
-    if (poisoned) m = NAN;
+    if constexpr (kAcc) {
+      if (active) acc_lse = p.out_lse[head * p.out_lse_stride_head + out_row];
+      if (has) load_pack<TOut, kPack>(out_ptr + d0, acc);
+    }
+
     // Weights (Note [merge of attention states]); m == -inf: every partial is empty.
+    float m = acc_lse;
+    bool poisoned = isnan(acc_lse);  // a NaN LSE (e.g. a ring slot the watchdog filled) makes the row NaN
+#pragma unroll
+    for (int s = 0; s < kCap; ++s) {
+      m = fmaxf(m, lse[s]);
+      poisoned = poisoned || isnan(lse[s]);
+    }
+    if (poisoned) m = NAN;
     const bool empty = m == -INFINITY;
     float sum = 0.f;
-    float w[kMaxMergeStates];
-    float w_acc = 0.f;
+    float w[kCap];
 #pragma unroll
-    for (int s = 0; s < kMaxMergeStates; ++s) {
+    for (int s = 0; s < kCap; ++s) {
       w[s] = (s < num_states && !empty) ? expf(lse[s] - m) : 0.f;
       sum += w[s];
     }
-    if constexpr (kTarget == MergeTarget::kAccumulate) {
+    float w_acc = 0.f;
+    if constexpr (kAcc) {
       w_acc = empty ? 0.f : expf(acc_lse - m);
       sum += w_acc;
     }
     const float inv = empty ? 0.f : __frcp_rn(sum);
 #pragma unroll
-    for (int s = 0; s < kMaxMergeStates; ++s) w[s] *= inv;
+    for (int s = 0; s < kCap; ++s) w[s] *= inv;
     w_acc *= inv;
 
-    TOut* out_ptr = static_cast<TOut*>(p.out) + out_row * p.out_stride_token + head * p.out_stride_head;
-    if (active) {
-      for (int64_t d = static_cast<int64_t>(lane_in_row) * kPack; d < p.head_dim; d += static_cast<int64_t>(lanes) * kPack) {
-        float acc[kPack];
-        if (kTarget == MergeTarget::kAccumulate && w_acc != 0.f) {
-          load_pack<TOut, kPack>(out_ptr + d, acc);
+    for (int64_t d = d0; has && d < p.head_dim; d += step) {
+      if (d != d0) {  // head_dim > lanes * kPack: the later steps load here
 #pragma unroll
-          for (int i = 0; i < kPack; ++i) acc[i] *= w_acc;
-        } else {
-#pragma unroll
-          for (int i = 0; i < kPack; ++i) acc[i] = 0.f;
-        }
-#pragma unroll
-        for (int s = 0; s < kMaxMergeStates; ++s) {
-          if (s < num_states && w[s] != 0.f) {  // an empty partial's O is never read
-            const TIn* src = static_cast<const TIn*>(p.states[s].out) + token * p.states[s].out_stride_token +
-                             head * p.states[s].out_stride_head + d;
-            float x[kPack];
-            load_pack<TIn, kPack>(src, x);
-#pragma unroll
-            for (int i = 0; i < kPack; ++i) acc[i] = fmaf(w[s], x[i], acc[i]);
+        for (int s = 0; s < kCap; ++s) {
+          if (s < num_states) {
+            load_pack<TIn, kPack>(static_cast<const TIn*>(p.states[s].out) + token * p.states[s].out_stride_token +
+                                      head * p.states[s].out_stride_head + d, x[s]);
           }
         }
-        store_pack<TOut, kPack>(out_ptr + d, acc);
+        if constexpr (kAcc) load_pack<TOut, kPack>(out_ptr + d, acc);
       }
+      float r[kPack];
+#pragma unroll
+      for (int i = 0; i < kPack; ++i) r[i] = (kAcc && w_acc != 0.f) ? acc[i] * w_acc : 0.f;
+#pragma unroll
+      for (int s = 0; s < kCap; ++s) {
+        if (s < num_states && w[s] != 0.f) {  // an empty partial's O is never used
+#pragma unroll
+          for (int i = 0; i < kPack; ++i) r[i] = fmaf(w[s], x[s][i], r[i]);
+        }
+      }
+      store_pack<TOut, kPack>(out_ptr + d, r);
     }
     // Every lane of the row has read the accumulator's LSE before lane 0 rewrites it.
-    if constexpr (kTarget == MergeTarget::kAccumulate) __syncwarp();
+    if constexpr (kAcc) __syncwarp();
     if (active && lane_in_row == 0) {
       p.out_lse[head * p.out_lse_stride_head + out_row] = empty ? -INFINITY : m + logf(sum);
     }
@@ -185,8 +204,14 @@ Status launch_typed(const MergeAttnStatesParams& p, Stream stream) {
   LaunchShape shape;
   shape.grid = dim3(static_cast<unsigned>(std::min<int64_t>((num_rows + rows_per_block - 1) / rows_per_block, kMaxBlocks)));
   shape.block = dim3(kThreads);
-  auto kernel = p.target == MergeTarget::kAccumulate ? merge_attn_states_kernel<TIn, TOut, kPack, MergeTarget::kAccumulate>
-                                                     : merge_attn_states_kernel<TIn, TOut, kPack, MergeTarget::kOverwrite>;
+  const bool accumulate = p.target == MergeTarget::kAccumulate;
+  if (p.num_states <= 2) {
+    auto kernel = accumulate ? merge_attn_states_kernel<TIn, TOut, kPack, MergeTarget::kAccumulate, 2>
+                             : merge_attn_states_kernel<TIn, TOut, kPack, MergeTarget::kOverwrite, 2>;
+    return launch_kernel("merge_attention_states", kernel, shape, stream, LaunchOrder::kStream, p, lanes);
+  }
+  auto kernel = accumulate ? merge_attn_states_kernel<TIn, TOut, kPack, MergeTarget::kAccumulate, kMaxMergeStates>
+                           : merge_attn_states_kernel<TIn, TOut, kPack, MergeTarget::kOverwrite, kMaxMergeStates>;
   return launch_kernel("merge_attention_states", kernel, shape, stream, LaunchOrder::kStream, p, lanes);
 }
 

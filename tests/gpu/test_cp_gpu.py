@@ -4,6 +4,7 @@ against the fp64 reference of tests/cpu/test_cp.py; CUDA-graph capture of decode
 slow consumer; the ring's automatic watchdog against a stuck peer."""
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -172,19 +173,30 @@ def _gpu_cases(ctx):
     for ci, case in enumerate(GPU_CASES):
         q, k, v, cu, kv_cache, ref, causal, layout, dtype = _inputs(ci, case, ctx.rank, ctx.world_size, device)
         for mode, ret in MODES:
-            out = cp.ring_attention(comm, q, k, v, cu_seqlens_q=cu, causal=causal, kv_cache=kv_cache, mode=mode,
-                                    layout=layout, pass_q_return=ret)
-            torch.cuda.synchronize()
+            with _naming(f"{case[0]} {mode}/{ret}"):
+                out = cp.ring_attention(comm, q, k, v, cu_seqlens_q=cu, causal=causal, kv_cache=kv_cache, mode=mode,
+                                        layout=layout, pass_q_return=ret)
+                torch.cuda.synchronize()
             err = (out.double().cpu() - ref).abs().max().item() if out.numel() else 0.0
             results.append((f"{case[0]} {mode}/{ret}", err, tol(dtype)))
         if ci == 0 and ctx.world_size > 1:  # the all_to_all_v ring step on CUDA (the fallback transport)
             for mode in ("pass_kv", "pass_q"):
-                out = cp.ring_attention(comm, q, k, v, cu_seqlens_q=cu, causal=causal, mode=mode,
-                                        transport=cp.CommTransport(comm))
-                torch.cuda.synchronize()
+                with _naming(f"{case[0]} {mode} CommTransport"):
+                    out = cp.ring_attention(comm, q, k, v, cu_seqlens_q=cu, causal=causal, mode=mode,
+                                            transport=cp.CommTransport(comm))
+                    torch.cuda.synchronize()
                 results.append((f"{case[0]} {mode} CommTransport", (out.double().cpu() - ref).abs().max().item(),
                                 tol(dtype)))
     return results
+
+
+@contextlib.contextmanager
+def _naming(label: str):
+    """A failure inside (a device fault surfaces at the synchronize) names the case it came from."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - re-raised with the case's name
+        raise RuntimeError(f"{label}: {type(e).__name__}: {e}") from e
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

@@ -88,30 +88,68 @@ def merge_attention_states(outs: Sequence[torch.Tensor], lses: Sequence[torch.Te
 
 
 class _State:
-    """A running (O, LSE) accumulator over this rank's query rows (fp32)."""
+    """A running (O, LSE) accumulator over this rank's query rows.
+
+    Empty until the first partial arrives; a first partial over every row is adopted as it is (no
+    copy, no fill: a world-1 ring returns the attention call's own output), and the first merge
+    into an adopted partial writes a new fp32 accumulator in one pass (Note [merge of attention
+    states]). ``result(dtype)`` converts once at the end."""
 
     def __init__(self, rows: int, heads: int, head_dim: int, device):
-        self.out = torch.zeros(rows, heads, head_dim, dtype=torch.float32, device=device)
-        self.lse = torch.full((heads, rows), float("-inf"), dtype=torch.float32, device=device)
+        self.rows, self.heads, self.head_dim, self.device = rows, heads, head_dim, device
+        self.out: Optional[torch.Tensor] = None
+        self.lse: Optional[torch.Tensor] = None
+        self._adopted = False  # out / lse are a partial's own tensors (never written in place)
+
+    def _accumulator(self) -> None:
+        """Makes out / lse an fp32 accumulator this state owns."""
+        if self.out is None:
+            self.out = torch.zeros(self.rows, self.heads, self.head_dim, dtype=torch.float32, device=self.device)
+            self.lse = torch.full((self.heads, self.rows), float("-inf"), dtype=torch.float32, device=self.device)
+        elif self._adopted:
+            self.out = self.out.to(torch.float32, copy=True)
+            self.lse = self.lse.clone()
+        self._adopted = False
 
     def merge(self, rows: Optional[torch.Tensor], o: torch.Tensor, lse: torch.Tensor) -> None:
+        lse = lse.float()
+        if self.out is None and rows is None and o.shape[0] == self.rows:
+            self.out, self.lse, self._adopted = o, lse, True
+            return
+        if self._adopted and rows is None and o.dtype == self.out.dtype and _merge_kernel(o):
+            # The adopted partial and this one, merged out of place into the new accumulator.
+            self.out, self.lse = merge_attention_states([self.out, o], [self.lse, lse], out_dtype=torch.float32)
+            self._adopted = False
+            return
+        self._accumulator()
         if _merge_kernel(o):
             # One fused in-place pass (Note [merge of attention states]); rows index the accumulator.
-            lse = lse.float()
             torch.ops.commlib.merge_attention_states_(self.out, self.lse, [o if o.stride(-1) == 1 else o.contiguous()],
                                                       [lse if lse.stride(-1) == 1 else lse.contiguous()], rows)
             return
         if rows is None:
-            self.out, self.lse = _merge2(self.out, self.lse, o.float(), lse.float())
+            self.out, self.lse = _merge2(self.out, self.lse, o.float(), lse)
             return
-        o_new, lse_new = _merge2(self.out[rows], self.lse[:, rows], o.float(), lse.float())
+        o_new, lse_new = _merge2(self.out[rows], self.lse[:, rows], o.float(), lse)
         self.out[rows] = o_new
         self.lse[:, rows] = lse_new
 
     def merge_all(self, outs: List[torch.Tensor], lses: List[torch.Tensor]) -> None:
         """Merges partials over all rows at once (on CUDA one fused pass over all of them)."""
         if outs and _merge_kernel(outs[0]):
+            self._accumulator()
             torch.ops.commlib.merge_attention_states_(self.out, self.lse, outs, [x.float() for x in lses], None)
             return
         for o, lse in zip(outs, lses):
             self.merge(None, o, lse)
+
+    def partial(self):
+        """(out, lse) as they are (fp32 accumulator or an adopted partial); zeros / -inf when empty."""
+        if self.out is None:
+            self._accumulator()
+        return self.out, self.lse
+
+    def result(self, dtype: torch.dtype):
+        """(out in ``dtype``, lse fp32): the ring's answer."""
+        out, lse = self.partial()
+        return out.to(dtype), lse

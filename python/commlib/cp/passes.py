@@ -58,12 +58,13 @@ def _pass_kv(plan, transport, rank, q, kv_local, attn_fn, scale, state):
 
 def _pack_partial(state: _State, rows: int) -> torch.Tensor:
     """A partial (O, LSE) as one fp32 message: O [rows, H, D] then LSE [H, rows] (padded)."""
-    t, h, d = state.out.shape
-    msg = torch.empty(rows * h * d + h * rows, dtype=torch.float32, device=state.out.device)
+    out, state_lse = state.partial()
+    t, h, d = out.shape
+    msg = torch.empty(rows * h * d + h * rows, dtype=torch.float32, device=out.device)
     o = msg[:rows * h * d].view(rows, h, d)
     lse = msg[rows * h * d:].view(h, rows)
-    o[:t] = state.out
-    lse[:, :t] = state.lse
+    o[:t] = out
+    lse[:, :t] = state_lse
     if rows > t:
         o[t:] = 0
         lse[:, t:] = float("-inf")
@@ -120,7 +121,7 @@ def _pass_q(plan, transport, rank, q_local, k_res, v_res, attn_fn, scale, state,
         token = transport.start([(owner, f"p{s}", msg) for owner, msg, s in held],
                                 [((rank + s) % n, f"p{s}") for s in range(1, n)])
         transport.wait(token)
-        parts = [_unpack_partial(transport.slot(f"p{s}"), q_rows, state.out.shape[0], heads, head_dim)
+        parts = [_unpack_partial(transport.slot(f"p{s}"), q_rows, state.rows, heads, head_dim)
                  for s in range(1, n)]
         state.merge_all([o for o, _ in parts], [lse for _, lse in parts])
         transport.release([f"p{s}" for s in range(1, n)])
@@ -129,6 +130,6 @@ def _pass_q(plan, transport, rank, q_local, k_res, v_res, attn_fn, scale, state,
 def _merge_pending(transport, pending, state, q_rows, heads, head_dim):
     token, slot = pending
     transport.wait(token)
-    o, lse = _unpack_partial(transport.slot(slot), q_rows, state.out.shape[0], heads, head_dim)
+    o, lse = _unpack_partial(transport.slot(slot), q_rows, state.rows, heads, head_dim)
     state.merge(None, o, lse)
     transport.release([slot])

@@ -15,7 +15,7 @@ from .attention import AttnFn, default_attention
 from .layout import _DTYPE_NAMES, _DTYPES, LAYOUTS, _check_layout, _seqlens, _shard
 from .merge import _State
 from .passes import _pack_kv, _pass_kv, _pass_q
-from .plan import _plan
+from .plan import _block_attention, _plan
 from .select import select_mode
 from .symmetric import SymmetricTransport
 from .transport import CommTransport, DistTransport, RingTransport
@@ -293,7 +293,10 @@ def ring_attention(comm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     if watched:
         transport.begin_call()  # Note [cp ring watchdog]
     try:
-        if mode == "pass_kv":
+        if world_size == 1 and kv_cache is None:
+            # One block pair, this rank's own: no K/V block to pack, no ring (either mode).
+            _block_attention(plan, rank, rank, q, k, v, attn, scale, state)
+        elif mode == "pass_kv":
             kv_local = _pack_kv(plan, rank, k, v, kv_cache, max(plan.kv_rows))
             _pass_kv(plan, transport, rank, q, kv_local, attn, scale, state)
         else:
@@ -303,8 +306,8 @@ def ring_attention(comm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     finally:
         if watched:
             transport.end_call()
-    out = state.out.to(q.dtype)
-    return (out, state.lse) if return_lse else out
+    out, lse = state.result(q.dtype)
+    return (out, lse) if return_lse else out
 
 
 def _describe(name: str, value: int) -> str:

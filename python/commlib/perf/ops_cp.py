@@ -17,11 +17,13 @@ Check: against the default attention call on the whole sequence computed on this
 
 ``python -m commlib.perf.ops_cp [--seqlens 8192,32768] [--modes pass_kv,pass_q,pass_q_a2a]
 [--iters N] [--emulate 2,4,8]`` (under torchrun, or alone for world 1) prints rows: sequence length,
-mode, time, the 1-GPU baseline (the same attention on the whole sequence on one device) and the
+mode, time, the 1-GPU baseline (the fastest attention PyTorch offers here on the whole sequence
+on one device, ``best_attention``: cuDNN, FlashAttention or efficient attention on CUDA) and the
 scaling efficiency baseline / (N x time); at world 1 the difference between time and baseline is
 the ring's own per-call cost (packing, merges, the plan). ``--emulate`` adds, at world 1, each step
-of a pass-KV ring on N ranks: the slowest rank's block-pair attention, timed here, beside the K/V
-block's size and its transfer time at select_mode's BW. ``--torch-cp`` adds, per sequence length,
+of a pass-KV ring on N ranks: the slowest rank's block-pair attention and merge, timed here, beside
+the K/V block's size and its transfer time at select_mode's BW, and per N the steps' sum against
+the ideal (the baseline / N). ``--torch-cp`` adds, per sequence length,
 PyTorch's ``torch.distributed.tensor.experimental.context_parallel`` (ring SDPA on DTensor) on the
 same inputs as a baseline row (skipped with the reason where it does not run). ``--grid`` measures
 partial prefill at 1-10 % new tokens (P cached, T new) and decode (B one-token sequences, each with
@@ -142,34 +144,56 @@ def _time(fn, device, iters: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def best_attention(q, k, v, length: int, device, iters: int):
+    """(ms, backend) of the fastest single-sequence causal attention PyTorch offers here: every
+    backend of ``cp.default_attention`` that runs this call (on CUDA cuDNN, FlashAttention and
+    efficient attention; on CPU the one path)."""
+    d = q.shape[-1]
+    cu = torch.tensor([0, length], dtype=torch.int32, device=device)
+    backends = ("cudnn", "flash", "efficient") if device.type == "cuda" else ("auto",)
+    best = None
+    for name in backends:
+        if name == "cudnn" and not cp.attention._cudnn_fits(q, k, cu, length, length, True):
+            continue
+        try:
+            t = _time(lambda: cp.default_attention(q, k, v, cu, cu, length, length, True, d ** -0.5, backend=name),
+                      device, iters)
+        except RuntimeError:  # a backend this build or GPU lacks is not a baseline
+            continue
+        if best is None or t < best[0]:
+            best = (t, name)
+    return best[0] * 1e3, best[1]
+
+
 def scaling_rows(comm, seqlens: List[int], modes: List[str], device: torch.device, dtype: torch.dtype,
                  iters: int, shape=None) -> List[dict]:
-    """One row per (sequence length, mode): median time of ring_attention, the 1-GPU baseline and
-    the scaling efficiency. ``comm``: a commlib.Communicator (rank and world from it)."""
+    """One row per (sequence length, mode): median time of ring_attention, the 1-GPU baseline (the
+    fastest attention PyTorch offers here, ``best_attention``) and the scaling efficiency.
+    ``comm``: a commlib.Communicator (rank and world from it)."""
     h, hkv, d = shape or (GPU_SHAPE if device.type == "cuda" else CPU_SHAPE)
     n, rank = comm.world_size, comm.rank
     rows = []
     for length in seqlens:
         q, k, v = (t.to(device) for t in _sequence(length, h, hkv, d, dtype, 0))
-        cu = torch.tensor([0, length], dtype=torch.int32, device=device)
-        base = _time(lambda: cp.default_attention(q, k, v, cu, cu, length, length, True, d ** -0.5), device, iters)
+        base_ms, base_name = best_attention(q, k, v, length, device, iters)
         sh = cp.shard([0, length], n, rank)
         qs, ks, vs = (t[sh.index.to(device)] for t in (q, k, v))
         for name in modes:
             mode, ret = CP_MODES[name]
             t = _time(lambda: cp.ring_attention(comm, qs, ks, vs, cu_seqlens_q=[0, length], mode=mode,
                                                 pass_q_return=ret), device, iters)
-            rows.append({"seqlen": length, "mode": name, "time_ms": t * 1e3, "baseline_ms": base * 1e3,
-                         "efficiency": base / (n * t)})
+            rows.append({"seqlen": length, "mode": name, "time_ms": t * 1e3, "baseline_ms": base_ms,
+                         "baseline": base_name, "efficiency": base_ms / (n * t * 1e3)})
     return rows
 
 
 def emulated_step_rows(seqlens: List[int], world_sizes: List[int], device: torch.device, dtype: torch.dtype,
                        iters: int, shape=None) -> List[dict]:
-    """World-1 estimate of a pass-KV ring's step on N ranks: every rank's block-pair attention of
-    each step timed on this one device (the step costs the slowest rank's), beside the K/V block's
-    bytes and its transfer time at select_mode's BW (tuned or default). ``hidden``: the transfer
-    fits under the step's attention."""
+    """World-1 estimate of a pass-KV ring's step on N ranks: every rank's work of each step (its
+    block-pair attention and the merge into its running state, as the ring does it: step 0's
+    partial adopted, step 1 merged into a new fp32 accumulator, later steps in place) timed on this
+    one device (the step costs the slowest rank's), beside the K/V block's bytes and its transfer
+    time at select_mode's BW (tuned or default). ``hidden``: the transfer fits under the step."""
     h, hkv, d = shape or (GPU_SHAPE if device.type == "cuda" else CPU_SHAPE)
     bw, _ = cp.machine_constants(device.type, 2)
     rows = []
@@ -185,9 +209,20 @@ def emulated_step_rows(seqlens: List[int], world_sizes: List[int], device: torch
                 for r in range(n):
                     src = (r - step) % n
                     qr, kb, vb = blocks[r][0], blocks[src][1], blocks[src][2]
+                    rows_r = qr.shape[0]
+                    earlier = cp.merge._State(rows_r, h, d, device)  # the state steps < step left
+                    if step > 0:
+                        earlier.merge(None, torch.randn(rows_r, h, d, device=device).to(dtype),
+                                      torch.randn(h, rows_r, device=device))
+                    if step > 1:
+                        earlier._accumulator()
 
                     def one():
-                        state = cp.merge._State(qr.shape[0], h, d, device)
+                        state = earlier
+                        if step <= 1:  # steps 0 and 1 start from a fresh (empty / adopted) state
+                            state = cp.merge._State(rows_r, h, d, device)
+                            if step == 1:
+                                state.merge(None, earlier.out, earlier.lse)
                         cp.plan._block_attention(plan, r, src, qr, kb, vb, cp.default_attention, d ** -0.5, state)
                     worst = max(worst, _time(one, device, iters))
                 rows.append({"seqlen": length, "world": n, "step": step, "attn_ms": worst * 1e3,
@@ -254,8 +289,13 @@ def merge_rows(tokens: List[int], device: torch.device, dtype: torch.dtype, iter
             return o.to(dtype), lse
 
         nbytes = (num_states + 1) * t * h * d * esize + (num_states + 1) * h * t * 4
+        sum_out = torch.empty_like(outs[0])
         row = {"tokens": t, "states": num_states, "mib": nbytes / 2**20,
-               "torch_ms": _time(torch_ops, device, iters) * 1e3, "fused_ms": None}
+               "torch_ms": _time(torch_ops, device, iters) * 1e3, "fused_ms": None,
+               # the memory roofline of the same bytes: torch.add over the outputs (LSE bytes not counted)
+               "add_ms": _time(lambda: torch.add(outs[0], outs[1], out=sum_out), device, iters) * 1e3
+               if num_states == 2 else None,
+               "add_mib": 3 * t * h * d * esize / 2**20}
         if cp.merge._merge_kernel(outs[0]):
             row["fused_ms"] = _time(lambda: cp.merge_attention_states(outs, lses), device, iters) * 1e3
             ref, _ = torch_ops()
@@ -389,28 +429,44 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"# emulated pass-KV steps on one device ({dtype}); transfer at BW "
               f"{cp.machine_constants(device_type, 2)[0] / 1e9:.0f} GB/s")
         print(f"# {'seqlen':>8} {'N':>3} {'step':>4} {'attn ms':>10} {'block MiB':>10} {'xfer ms':>10} hidden")
-        for r in emulated_step_rows(seqlens, opts.emulate, device, dtype, opts.iters):
+        steps = emulated_step_rows(seqlens, opts.emulate, device, dtype, opts.iters)
+        for r in steps:
             print(f"  {r['seqlen']:>8d} {r['world']:>3d} {r['step']:>4d} {r['attn_ms']:>10.3f} {r['block_mib']:>10.2f} "
                   f"{r['transfer_ms']:>10.3f} {'yes' if r['hidden'] else 'no'}")
+        h_, hkv_, d_ = GPU_SHAPE if device_type == "cuda" else CPU_SHAPE
+        print("# per seqlen and N: the steps' sum against the ideal (the best 1-GPU attention / N)")
+        print(f"# {'seqlen':>8} {'N':>3} {'steps ms':>10} {'ideal ms':>10} {'ratio':>6} 1-GPU")
+        for length in seqlens:
+            q1, k1, v1 = (t.to(device) for t in _sequence(length, h_, hkv_, d_, dtype, 0))
+            base_ms, base_name = best_attention(q1, k1, v1, length, device, opts.iters)
+            for n in opts.emulate:
+                total = sum(r["attn_ms"] for r in steps if r["seqlen"] == length and r["world"] == n)
+                print(f"  {length:>8d} {n:>3d} {total:>10.3f} {base_ms / n:>10.3f} {total * n / base_ms:>6.3f} "
+                      f"{base_name} {base_ms:.3f} ms")
     merges = merge_rows(opts.merge, device, dtype, opts.iters) if opts.merge and rank == 0 else []
     if rank == 0:
         name = torch.cuda.get_device_name(device) if device_type == "cuda" else "cpu"
         if merges:
             print(f"# merge_attention_states, 2 partials -> {dtype}, heads "
                   f"{GPU_SHAPE if device_type == 'cuda' else CPU_SHAPE} (q, kv, head_dim), {name}")
-            print(f"# {'tokens':>8} {'MiB':>8} {'fused ms':>10} {'GB/s':>8} {'torch ms':>10} {'GB/s':>8} max|diff|")
+            print(f"# {'tokens':>8} {'MiB':>8} {'fused ms':>10} {'GB/s':>8} {'torch ms':>10} {'GB/s':>8} "
+                  f"{'add ms':>8} {'add GB/s':>8} {'of add':>6} max|diff|")
             for r in merges:
                 fused = r["fused_ms"]
                 f_txt = (f"{fused:>10.4f} {r['mib'] * 2**20 / (fused * 1e6):>8.1f}" if fused else f"{'-':>10} {'-':>8}")
+                add_bw = r["add_mib"] * 2**20 / (r["add_ms"] * 1e6) if r["add_ms"] else None
+                a_txt = f"{r['add_ms']:>8.4f} {add_bw:>8.1f}" if add_bw else f"{'-':>8} {'-':>8}"
+                of_add = f"{r['mib'] * 2**20 / (fused * 1e6) / add_bw:>6.2f}" if fused and add_bw else f"{'-':>6}"
                 print(f"  {r['tokens']:>8d} {r['mib']:>8.1f} {f_txt} {r['torch_ms']:>10.4f} "
-                      f"{r['mib'] * 2**20 / (r['torch_ms'] * 1e6):>8.1f} {r.get('max_diff', float('nan')):.2e}")
+                      f"{r['mib'] * 2**20 / (r['torch_ms'] * 1e6):>8.1f} {a_txt} {of_add} "
+                      f"{r.get('max_diff', float('nan')):.2e}")
         print(f"# ring_attention causal prefill, {dtype}, heads "
               f"{GPU_SHAPE if device_type == 'cuda' else CPU_SHAPE} (q, kv, head_dim), world {world}, {name}")
-        print(f"# {'seqlen':>8} {'mode':>10} {'time ms':>10} {'1-GPU ms':>10} {'efficiency':>10}")
+        print(f"# {'seqlen':>8} {'mode':>10} {'time ms':>10} {'1-GPU ms':>10} {'efficiency':>10} 1-GPU backend")
         base = {r["seqlen"]: r["baseline_ms"] for r in rows}
         for r in rows:
             print(f"  {r['seqlen']:>8d} {r['mode']:>10} {r['time_ms']:>10.3f} {r['baseline_ms']:>10.3f} "
-                  f"{r['efficiency']:>10.3f}")
+                  f"{r['efficiency']:>10.3f} {r['baseline']}")
         for r in torch_rows:
             if r.get("error"):
                 print(f"# {r['seqlen']:>8d} {r['mode']:>10} not run: {r['error']}")

@@ -277,3 +277,29 @@ def _sizes(cli_sizes, esize: int, world_size: int, options: dict):
 registry.register(Collective(
     name=NAME, count=lambda nbytes, esize, n: nbytes // esize, bus_factor=lambda n: 2.0 * (n - 1) / n,
     setup=_setup, run=_run, check=_check, sizes=_sizes))
+
+
+# ---- launch_floor: what two kernel launches cost, the floor of a dispatch + combine ----
+# Note [ep launch floor]
+# A dispatch + combine is two kernels; at 1 token their work is a few hundred bytes, so its time
+# is bounded below by two back-to-back launches on the stream. ``commlib-perf launch_floor`` times
+# exactly that (two empty kernels: torch.cuda._sleep(0)) with the same harness and flags (-G: in
+# one CUDA graph), so bench/results/ep.md can put the world-1 dispatch + combine beside it.
+
+def _floor_setup(case: Case) -> Buffers:
+    one = torch.zeros(1, dtype=case.dtype, device=case.device)
+    return Buffers(inp=one, out=one.clone())
+
+
+def _floor_run(backend, b: Buffers, case: Case) -> None:
+    if case.device.type != "cuda":
+        raise Unsupported("launch_floor: times CUDA kernel launches; needs --device cuda")
+    if case.in_place:
+        raise Unsupported("launch_floor: has no in-place form")
+    torch.cuda._sleep(0)
+    torch.cuda._sleep(0)
+
+
+registry.register(Collective(
+    name="launch_floor", count=lambda nbytes, esize, n: 0, bus_factor=lambda n: 1.0,
+    setup=_floor_setup, run=_floor_run, check=lambda b, case: 0, sizes=lambda cli, esize, n, opts: [cli[0]]))
