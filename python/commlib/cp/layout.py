@@ -18,6 +18,7 @@ Note [balanced layout]
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
@@ -81,17 +82,24 @@ class Shard:
 
 
 def _shard(lens: Sequence[int], world_size: int, rank: int, layout: str) -> Shard:
-    index, cu, first, second, start = [], [0], [], [], 0
+    """The Shard of ``rank`` (cached: a ring call at a repeated layout builds nothing; callers never
+    write into its tensors)."""
+    return _shard_cached(tuple(int(x) for x in lens), world_size, rank, layout)
+
+
+@functools.lru_cache(maxsize=256)
+def _shard_cached(lens: Tuple[int, ...], world_size: int, rank: int, layout: str) -> Shard:
+    pieces, cu, first, second, start = [], [0], [], [], 0
     for b, length in enumerate(lens):
         (a0, e0), (a1, e1) = _segments(length, b, world_size, rank, layout)
-        index.extend(range(start + a0, start + e0))
-        index.extend(range(start + a1, start + e1))
+        pieces += [(start + a0, start + e0), (start + a1, start + e1)]
         first.append(e0 - a0)
         second.append(e1 - a1)
         cu.append(cu[-1] + (e0 - a0) + (e1 - a1))
         start += length
-    return Shard(torch.tensor(index, dtype=torch.int64), torch.tensor(cu, dtype=torch.int32), tuple(first),
-                 tuple(second))
+    parts = [torch.arange(a, e, dtype=torch.int64) for a, e in pieces if e > a]
+    index = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+    return Shard(index, torch.tensor(cu, dtype=torch.int32), tuple(first), tuple(second))
 
 
 def shard(cu_seqlens, world_size: int, rank: int, *, layout: str = "balanced") -> Shard:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -106,6 +107,9 @@ def _a2a_params(cls) -> frozenset:
     return _a2a_param_cache[cls]
 
 
+_staging: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Communicator -> its CUDA staging
+
+
 class CommTransport(_LocalSlots):
     """The ring over a ``commlib.Communicator``: each step is one ``all_to_all_v`` of bytes whose
     only non-zero splits are the step's peers (a correct ring step on CPU and CUDA; it completes
@@ -129,10 +133,16 @@ class CommTransport(_LocalSlots):
         if device.type != "cuda":
             return
         need = sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs.values())
-        if self._staging is None or self._staging.numel() < need or self._staging.device != device:
-            if self._staging is not None:
-                torch.cuda.synchronize(self._staging.device)  # no step of an earlier call still uses it
-            self._staging = self.comm.symmetric_empty((max(need, 1),), torch.uint8, device)
+        # The buffer belongs to the communicator, not to this transport: a transport made for one
+        # call is dropped while that call's last step may still be writing into the peers' buffers
+        # (freeing one unmaps the peers' memory under the running kernel). It only grows, on every
+        # rank alike (the specs are the same everywhere), after this device finished with the old.
+        cur = _staging.get(self.comm)
+        if cur is None or cur.numel() < need or cur.device != device:
+            if cur is not None:
+                torch.cuda.synchronize(cur.device)
+            cur = _staging[self.comm] = self.comm.symmetric_empty((max(need, 1),), torch.uint8, device)
+        self._staging = cur
 
     def start(self, sends, recvs):
         n = self.world_size
