@@ -19,9 +19,8 @@
 // neighbouring tokens. Every load of a row step (each state's LSE and O pack, the accumulator's) is
 // issued before any arithmetic that uses one, so a step waits for memory once, not once per state
 // (an empty partial's O is loaded but never used: it is multiplied by nothing). On one H200 the
-// earlier order (consecutive tokens of one head per warp, one state's O loaded after the other, a
-// grid capped at 4096 blocks) reached 0.53 of torch.add's bandwidth over the same bytes
-// (bench/results/cp.md); each warp now also has two rows' loads in flight. kCap bounds the
+// earlier order (consecutive tokens of one head per warp, one state's O loaded after the other)
+// reached 0.53 of torch.add's bandwidth over the same bytes (bench/results/cp.md). kCap bounds the
 // states held in registers: 2 when a launch has at most two (a ring step's accumulate, a merge of
 // two), kMaxMergeStates otherwise. In kAccumulate the accumulator's LSE is read by every lane of
 // the row and rewritten by lane 0 after a __syncwarp; the loop over rows is warp-uniform so the
@@ -42,7 +41,7 @@ namespace commlib::kernels {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kRowsPerStep = 2;  // rows a warp loads together per loop step (and per lane group)
+constexpr int kMaxBlocks = 4096;
 constexpr int kVectorPack = 8;  // elements per thread and step on the 16-byte path
 
 template <typename T, int kPack>
@@ -77,109 +76,8 @@ __device__ __forceinline__ void store_pack(T* dst, const float (&x)[kPack]) {
   }
 }
 
-// One row's loads of its first step (Note [merge of attention states], work split).
-template <typename TIn, typename TOut, int kPack, int kCap>
-struct RowLoads {
-  int64_t token, head, out_row;
-  bool active, has;
-  float lse[kCap];
-  float x[kCap][kPack];
-  float acc[kPack];
-  float acc_lse;
-};
-
-template <typename TIn, typename TOut, int kPack, bool kAcc, int kCap>
-__device__ __forceinline__ void issue_row(const MergeAttnStatesParams& p, int64_t row, int64_t d0,
-                                          RowLoads<TIn, TOut, kPack, kCap>& r) {
-  r.active = row < p.num_tokens * p.num_heads;
-  // Token-major rows: O's memory order.
-  r.token = r.active ? row / p.num_heads : 0;
-  r.head = r.active ? row % p.num_heads : 0;
-  r.out_row = (kAcc && p.rows != nullptr && r.active) ? p.rows[r.token] : r.token;
-  r.has = r.active && d0 < p.head_dim;
-  r.acc_lse = -INFINITY;
-#pragma unroll
-  for (int s = 0; s < kCap; ++s) {
-    r.lse[s] = (r.active && s < p.num_states) ? p.states[s].lse[r.head * p.states[s].lse_stride_head + r.token]
-                                              : -INFINITY;
-    if (r.has && s < p.num_states) {
-      load_pack<TIn, kPack>(static_cast<const TIn*>(p.states[s].out) + r.token * p.states[s].out_stride_token +
-                                r.head * p.states[s].out_stride_head + d0, r.x[s]);
-    }
-  }
-  if constexpr (kAcc) {
-    if (r.active) r.acc_lse = p.out_lse[r.head * p.out_lse_stride_head + r.out_row];
-    if (r.has) {
-      load_pack<TOut, kPack>(static_cast<const TOut*>(p.out) + r.out_row * p.out_stride_token +
-                                 r.head * p.out_stride_head + d0, r.acc);
-    }
-  }
-}
-
-template <typename TIn, typename TOut, int kPack, bool kAcc, int kCap>
-__device__ __forceinline__ void finish_row(const MergeAttnStatesParams& p, int64_t d0, int64_t step, int lane_in_row,
-                                           RowLoads<TIn, TOut, kPack, kCap>& r) {
-  // Weights (Note [merge of attention states]); m == -inf: every partial is empty.
-  float m = r.acc_lse;
-  bool poisoned = isnan(r.acc_lse);  // a NaN LSE (e.g. a ring slot the watchdog filled) makes the row NaN
-#pragma unroll
-  for (int s = 0; s < kCap; ++s) {
-    m = fmaxf(m, r.lse[s]);
-    poisoned = poisoned || isnan(r.lse[s]);
-  }
-  if (poisoned) m = NAN;
-  const bool empty = m == -INFINITY;
-  float sum = 0.f;
-  float w[kCap];
-#pragma unroll
-  for (int s = 0; s < kCap; ++s) {
-    w[s] = (s < p.num_states && !empty) ? expf(r.lse[s] - m) : 0.f;
-    sum += w[s];
-  }
-  float w_acc = 0.f;
-  if constexpr (kAcc) {
-    w_acc = empty ? 0.f : expf(r.acc_lse - m);
-    sum += w_acc;
-  }
-  const float inv = empty ? 0.f : __frcp_rn(sum);
-#pragma unroll
-  for (int s = 0; s < kCap; ++s) w[s] *= inv;
-  w_acc *= inv;
-
-  TOut* out_ptr = static_cast<TOut*>(p.out) + r.out_row * p.out_stride_token + r.head * p.out_stride_head;
-  for (int64_t d = d0; r.has && d < p.head_dim; d += step) {
-    if (d != d0) {  // head_dim > lanes * kPack: the later steps load here
-#pragma unroll
-      for (int s = 0; s < kCap; ++s) {
-        if (s < p.num_states) {
-          load_pack<TIn, kPack>(static_cast<const TIn*>(p.states[s].out) + r.token * p.states[s].out_stride_token +
-                                    r.head * p.states[s].out_stride_head + d, r.x[s]);
-        }
-      }
-      if constexpr (kAcc) load_pack<TOut, kPack>(out_ptr + d, r.acc);
-    }
-    float o[kPack];
-#pragma unroll
-    for (int i = 0; i < kPack; ++i) o[i] = (kAcc && w_acc != 0.f) ? r.acc[i] * w_acc : 0.f;
-#pragma unroll
-    for (int s = 0; s < kCap; ++s) {
-      if (s < p.num_states && w[s] != 0.f) {  // an empty partial's O is never used
-#pragma unroll
-        for (int i = 0; i < kPack; ++i) o[i] = fmaf(w[s], r.x[s][i], o[i]);
-      }
-    }
-    store_pack<TOut, kPack>(out_ptr + d, o);
-  }
-  // Every lane of the row has read the accumulator's LSE before lane 0 rewrites it.
-  if constexpr (kAcc) __syncwarp();
-  if (r.active && lane_in_row == 0) {
-    p.out_lse[r.head * p.out_lse_stride_head + r.out_row] = empty ? -INFINITY : m + logf(sum);
-  }
-}
-
 template <typename TIn, typename TOut, int kPack, MergeTarget kTarget, int kCap>
 __global__ void __launch_bounds__(kThreads) merge_attn_states_kernel(MergeAttnStatesParams p, int lanes) {
-  constexpr bool kAcc = kTarget == MergeTarget::kAccumulate;
   const int64_t num_rows = p.num_tokens * p.num_heads;
   const int rows_per_warp = 32 / lanes;
   const int lane = threadIdx.x % 32;
@@ -187,20 +85,94 @@ __global__ void __launch_bounds__(kThreads) merge_attn_states_kernel(MergeAttnSt
   const int lane_in_row = lane % lanes;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int64_t num_warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
-  const int64_t d0 = static_cast<int64_t>(lane_in_row) * kPack;
+  const int num_states = p.num_states;
   const int64_t step = static_cast<int64_t>(lanes) * kPack;
-  // kRows rows per warp and loop step: all of their loads are in flight together (one row when
-  // eight states' packs already fill the registers). The loop covers any grid size.
-  constexpr int kRows = kCap <= 2 ? kRowsPerStep : 1;
-  const int64_t span = static_cast<int64_t>(rows_per_warp) * kRows;
-  for (int64_t base = warp * span; base < num_rows; base += num_warps * span) {
-    RowLoads<TIn, TOut, kPack, kCap> r[kRows];
+  constexpr bool kAcc = kTarget == MergeTarget::kAccumulate;
+
+  for (int64_t base = warp * rows_per_warp; base < num_rows; base += num_warps * rows_per_warp) {
+    const int64_t row = base + row_in_warp;
+    const bool active = row < num_rows;
+    // Token-major rows: O's memory order.
+    const int64_t token = active ? row / p.num_heads : 0;
+    const int64_t head = active ? row % p.num_heads : 0;
+    const int64_t out_row = (kAcc && p.rows != nullptr && active) ? p.rows[token] : token;
+    TOut* out_ptr = static_cast<TOut*>(p.out) + out_row * p.out_stride_token + head * p.out_stride_head;
+    const int64_t d0 = static_cast<int64_t>(lane_in_row) * kPack;
+    const bool has = active && d0 < p.head_dim;
+
+    // Every load of the row's first step, before any arithmetic.
+    float lse[kCap];
+    float x[kCap][kPack];
+    float acc[kPack];
+    float acc_lse = -INFINITY;
 #pragma unroll
-    for (int u = 0; u < kRows; ++u) {
-      issue_row<TIn, TOut, kPack, kAcc, kCap>(p, base + u * rows_per_warp + row_in_warp, d0, r[u]);
+    for (int s = 0; s < kCap; ++s) {
+      lse[s] = (active && s < num_states) ? p.states[s].lse[head * p.states[s].lse_stride_head + token] : -INFINITY;
+      if (has && s < num_states) {
+        load_pack<TIn, kPack>(static_cast<const TIn*>(p.states[s].out) + token * p.states[s].out_stride_token +
+                                  head * p.states[s].out_stride_head + d0, x[s]);
+      }
     }
+    if constexpr (kAcc) {
+      if (active) acc_lse = p.out_lse[head * p.out_lse_stride_head + out_row];
+      if (has) load_pack<TOut, kPack>(out_ptr + d0, acc);
+    }
+
+    // Weights (Note [merge of attention states]); m == -inf: every partial is empty.
+    float m = acc_lse;
+    bool poisoned = isnan(acc_lse);  // a NaN LSE (e.g. a ring slot the watchdog filled) makes the row NaN
 #pragma unroll
-    for (int u = 0; u < kRows; ++u) finish_row<TIn, TOut, kPack, kAcc, kCap>(p, d0, step, lane_in_row, r[u]);
+    for (int s = 0; s < kCap; ++s) {
+      m = fmaxf(m, lse[s]);
+      poisoned = poisoned || isnan(lse[s]);
+    }
+    if (poisoned) m = NAN;
+    const bool empty = m == -INFINITY;
+    float sum = 0.f;
+    float w[kCap];
+#pragma unroll
+    for (int s = 0; s < kCap; ++s) {
+      w[s] = (s < num_states && !empty) ? expf(lse[s] - m) : 0.f;
+      sum += w[s];
+    }
+    float w_acc = 0.f;
+    if constexpr (kAcc) {
+      w_acc = empty ? 0.f : expf(acc_lse - m);
+      sum += w_acc;
+    }
+    const float inv = empty ? 0.f : __frcp_rn(sum);
+#pragma unroll
+    for (int s = 0; s < kCap; ++s) w[s] *= inv;
+    w_acc *= inv;
+
+    for (int64_t d = d0; has && d < p.head_dim; d += step) {
+      if (d != d0) {  // head_dim > lanes * kPack: the later steps load here
+#pragma unroll
+        for (int s = 0; s < kCap; ++s) {
+          if (s < num_states) {
+            load_pack<TIn, kPack>(static_cast<const TIn*>(p.states[s].out) + token * p.states[s].out_stride_token +
+                                      head * p.states[s].out_stride_head + d, x[s]);
+          }
+        }
+        if constexpr (kAcc) load_pack<TOut, kPack>(out_ptr + d, acc);
+      }
+      float r[kPack];
+#pragma unroll
+      for (int i = 0; i < kPack; ++i) r[i] = (kAcc && w_acc != 0.f) ? acc[i] * w_acc : 0.f;
+#pragma unroll
+      for (int s = 0; s < kCap; ++s) {
+        if (s < num_states && w[s] != 0.f) {  // an empty partial's O is never used
+#pragma unroll
+          for (int i = 0; i < kPack; ++i) r[i] = fmaf(w[s], x[s][i], r[i]);
+        }
+      }
+      store_pack<TOut, kPack>(out_ptr + d, r);
+    }
+    // Every lane of the row has read the accumulator's LSE before lane 0 rewrites it.
+    if constexpr (kAcc) __syncwarp();
+    if (active && lane_in_row == 0) {
+      p.out_lse[head * p.out_lse_stride_head + out_row] = empty ? -INFINITY : m + logf(sum);
+    }
   }
 }
 
@@ -230,11 +202,7 @@ Status launch_typed(const MergeAttnStatesParams& p, Stream stream) {
   const int64_t rows_per_block = kThreads / lanes;
   const int64_t num_rows = p.num_tokens * p.num_heads;
   LaunchShape shape;
-  // One loop step per warp: a block per 256 / lanes * kRowsPerStep rows, as an elementwise kernel
-  // (no grid-stride cap: blocks keep arriving while others drain).
-  const int64_t rows_per_block_step = rows_per_block * kRowsPerStep;
-  shape.grid = dim3(static_cast<unsigned>(
-      std::min<int64_t>((num_rows + rows_per_block_step - 1) / rows_per_block_step, int64_t{1} << 30)));
+  shape.grid = dim3(static_cast<unsigned>(std::min<int64_t>((num_rows + rows_per_block - 1) / rows_per_block, kMaxBlocks)));
   shape.block = dim3(kThreads);
   const bool accumulate = p.target == MergeTarget::kAccumulate;
   if (p.num_states <= 2) {
