@@ -1,0 +1,512 @@
+"""commlib.kv across hosts: the KV transfer through NIXL (UCX backend). Used by ``commlib.kv.KVAgent``
+when a destination rank runs on another host; docs/kv.md says what it does, the benchmark
+(``commlib-perf kv_transfer``) shares its NIXL helpers.
+
+# Note [kv over nixl]
+# Peers: every agent publishes its cache geometry under "kv/<instance>/<rank>/geometry" (JSON: host,
+# pid, TP, dtype, strides in bytes, plane addresses) beside the native descriptor (Note [kv peers]);
+# a receiving agent with NIXL creates its NIXL agent at register(), registers its cache with it once
+# and publishes the agent's metadata under ".../nixl". A sender that connects to an instance one of
+# whose destination ranks is on another host takes this path for that instance (all its ranks):
+# it creates its own NIXL agent (once), registers its cache, loads each destination's metadata and
+# prepares two descriptor lists per destination (prep_xfer_dlist), once.
+# Granularity: the request's tokens cut into chunks of g = gcd(source block size, destination
+# block size) tokens; a chunk lies in one block on each side. Within a chunk the copied
+# (token, head) rows form runs of bytes contiguous on both sides (the same for every chunk: one
+# per chunk when both sides hold the chunk's heads contiguously in the same order, one head_dim row
+# each under a layout change). The lists hold one entry per (layer, plane, block, chunk in block,
+# run), so a request is only a list of indices on each side (make_prepped_xfer): no address is
+# computed per request. A request whose token count is not a multiple of g has a partial last
+# chunk: its runs (at most g - 1 tokens' worth) go as a second, small transfer with explicit
+# descriptors. Lists larger than PREP_LIMIT entries are not prepared; such a peer gets explicit
+# descriptors for the whole request (the way an engine without prepared lists moves it).
+# Nothing is staged: every transform is a set of runs of at least one head_dim row.
+# Completion: each transfer carries a notification (JSON, prefix MAGIC) with the request's header
+# (id, sequence number, sender, contributors, announced layers, destination blocks) and the layers
+# it completes; NIXL delivers it after the transfer's data. A request is announced by a standalone
+# notification at begin. The receiver (NixlInbox) counts a layer landed from a sender when every
+# transfer part of the post that carried it arrived, and reports a request the way the native
+# records are reported (Note [kv protocol]): done when every contributor's every announced layer
+# landed; failed when a sender reports a failure (CommError) or nothing progresses for the agent's
+# timeout (CommTimeoutError: the sender may have died; across hosts there is no pid to look at).
+# Progress: NIXL agents run without a progress thread (NIXL's spins a core); send_layer() drives
+# its transfers until NIXL reports them done (so, as on the CPU path, a layer has landed when it
+# returns), and the receiver's poll() / wait() / wait_layer() drive UCX on its side.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import time
+import uuid
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+MAGIC = b"cmlkv1"
+PREP_LIMIT = 1 << 22  # entries of one prepared descriptor list (a peer above it: explicit descriptors)
+MAX_DESTS = 8  # kernels::kKvMaxDests
+
+
+def nixl_api():
+    """NIXL's agent classes: the CUDA 13 wheel's (nixl-cu13), else the meta package's; None without NIXL."""
+    for module in ("nixl_cu13._api", "nixl._api"):
+        try:
+            api = importlib.import_module(module)
+        except Exception:  # not installed, or a build that cannot load here
+            continue
+        return api.nixl_agent, api.nixl_agent_config
+    return None
+
+
+def rdma_devices() -> List[str]:
+    """This host's RDMA ports as UCX names them ("mlx5_0:1"), from /sys/class/infiniband."""
+    root = "/sys/class/infiniband"
+    out = []
+    try:
+        for dev in sorted(os.listdir(root)):
+            for port in sorted(os.listdir(os.path.join(root, dev, "ports"))):
+                out.append(f"{dev}:{port}")
+    except OSError:
+        pass
+    return out
+
+
+def make_agent(name: str, regions=None, tensors=None, mem: str = "DRAM", device: int = 0,
+               only_rdma: bool = False):
+    """A NIXL agent with the UCX backend and no progress thread (Note [kv over nixl]), `regions`
+    ((address, bytes) pairs) or `tensors` registered. only_rdma: UCX may use this host's RDMA ports
+    only (no TCP across hosts)."""
+    nixl_agent, nixl_agent_config = nixl_api()
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+    params = {"ucx_devices": ",".join(rdma_devices())} if only_rdma else {}
+    agent.create_backend("UCX", params)
+    if tensors:
+        agent.register_memory(list(tensors))
+    if regions:
+        agent.register_memory([(int(a), int(n), device, "") for a, n in regions], mem)
+    return agent
+
+
+def merged_regions(planes: Sequence[int], span: int):
+    """(address, bytes) intervals covering every [plane, plane + span), overlaps merged."""
+    out = []
+    for a in sorted(int(p) for p in planes):
+        if out and a <= out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][1], a + span - out[-1][0])
+        else:
+            out.append([a, span])
+    return [(a, n) for a, n in out]
+
+
+def chunk_runs(src_strides, dst_strides, tokens: int, heads: int, row: int):
+    """Runs of a chunk of `tokens` tokens x `heads` heads contiguous on both sides: (source offsets,
+    destination offsets, lengths) relative to the chunk's first row; strides = (token, head) bytes."""
+    t = np.repeat(np.arange(tokens, dtype=np.int64), heads)
+    h = np.tile(np.arange(heads, dtype=np.int64), tokens)
+    so = t * src_strides[0] + h * src_strides[1]
+    do = t * dst_strides[0] + h * dst_strides[1]
+    order = np.argsort(so, kind="stable")
+    so, do = so[order], do[order]
+    start = np.ones(len(so), dtype=bool)
+    start[1:] = (so[1:] != so[:-1] + row) | (do[1:] != do[:-1] + row)
+    first = np.flatnonzero(start)
+    lengths = np.diff(np.append(first, len(so))) * row
+    return so[first], do[first], lengths
+
+
+def layer_list(layers: Sequence[int]) -> str:
+    """"0..2, 5" (the native agent's format)."""
+    layers = sorted(layers)
+    if not layers:
+        return "none"
+    out, i = [], 0
+    while i < len(layers):
+        j = i
+        while j + 1 < len(layers) and layers[j + 1] == layers[j] + 1:
+            j += 1
+        out.append(str(layers[i]) if i == j else f"{layers[i]}..{layers[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def mask_layers(mask: int) -> List[int]:
+    return [l for l in range(mask.bit_length()) if mask >> l & 1]
+
+
+def plan_destinations(mine: dict, rank: int, tp: int, tp_d: int) -> List[dict]:
+    """Destination ranks of `rank` (Note [kv tensor parallelism]): rank, first source / destination
+    head, heads, and the contributors of that destination (first sender, count, this rank's index)."""
+    heads = mine["heads"] * tp
+    out = []
+    for d in range(tp_d):
+        if mine["mla"]:
+            if d % tp != rank:
+                continue
+            entry = dict(rank=d, src_head=0, dst_head=0, heads=1, first_sender=d % tp, num_contributors=1,
+                         contributor=0)
+            out.append(entry)
+            continue
+        hp, hd = heads // tp, heads // tp_d
+        lo, hi = max(rank * hp, d * hd), min((rank + 1) * hp, (d + 1) * hd)
+        if lo >= hi:
+            continue
+        senders = [s for s in range(tp) if max(s * hp, d * hd) < min((s + 1) * hp, (d + 1) * hd)]
+        out.append(dict(rank=d, src_head=lo - rank * hp, dst_head=lo - d * hd, heads=hi - lo, first_sender=senders[0],
+                        num_contributors=len(senders), contributor=senders.index(rank)))
+    return out
+
+
+def peer_name(instance: str, rank: int, pid: int, host: str) -> str:
+    return f"instance '{instance}' rank {rank} (pid {pid}, host '{host}')"
+
+
+def _message(header: dict, **fields) -> bytes:
+    return MAGIC + json.dumps(dict(header, **fields), separators=(",", ":")).encode()
+
+
+class _Dest:
+    """One destination rank of a NIXL peer: its geometry, agent name and prepared lists."""
+
+    def __init__(self, geo: dict, plan: dict):
+        self.geo, self.plan = geo, plan
+        self.rank = geo["rank"]
+        self.name = peer_name(geo["instance"], geo["rank"], geo["pid"], geo["host"])
+        self.agent_name = ""
+        self.local = self.remote = None  # prepared lists (None: explicit descriptors)
+        self.next_seq = 1
+        self.dev = 0
+
+
+class NixlPeer:
+    """A sender's view of one peer instance reached through NIXL (Note [kv over nixl])."""
+
+    def __init__(self, owner, name: str, mine: dict, ranks: List[dict], plans: List[dict]):
+        self.owner, self.name, self.mine = owner, name, mine
+        self.dests = [_Dest(ranks[p["rank"]], p) for p in plans]
+        theirs = ranks[0]
+        self.peer_blocks, self.peer_bs = theirs["num_blocks"], theirs["block_size"]
+        self.g = math.gcd(mine["block_size"], self.peer_bs)
+        self.row = mine["head_dim"] * mine["esize"]
+        self.planes = mine["num_planes"]
+        self.mem = "DRAM" if mine["device"] == "cpu" else "VRAM"
+        self.dev = max(0, mine["device_index"])
+        heads = plans[0]["heads"] if plans else 1
+        self.runs = chunk_runs((mine["sT"], mine["sH"]), (theirs["sT"], theirs["sH"]), self.g, heads, self.row)
+        self.tail_runs: Dict[int, tuple] = {}
+        agent = owner.nixl_agent()
+        for d in self.dests:
+            meta = owner.store_get(f"kv/{name}/{d.rank}/nixl", f"instance '{name}' rank {d.rank}")
+            d.agent_name = agent.add_remote_agent(meta)
+            n_src = self._entries(mine)
+            n_dst = self._entries(d.geo)
+            if max(n_src, n_dst) <= PREP_LIMIT:
+                d.local = agent.prep_xfer_dlist("", self._dlist(mine, d.plan["src_head"]), self.mem)
+                d.remote = agent.prep_xfer_dlist(d.agent_name, self._dlist(d.geo, d.plan["dst_head"], dst=True),
+                                                 self.mem)
+            d.dev = max(0, d.geo["device_index"])
+        self.transport = owner.transport_description()
+
+    def _entries(self, geo: dict) -> int:
+        return geo["num_layers"] * self.planes * geo["num_blocks"] * (geo["block_size"] // self.g) * len(self.runs[0])
+
+    def _dlist(self, geo: dict, head0: int, dst: bool = False) -> np.ndarray:
+        """Entries (layer, plane, block, chunk in block, run) of one side: Nx3 (address, bytes, device)."""
+        offs = self.runs[1] if dst else self.runs[0]
+        planes = np.array(geo["planes"], dtype=np.uint64)
+        chunk = ((np.arange(geo["num_blocks"], dtype=np.uint64)[:, None] * np.uint64(geo["sB"])
+                  + np.arange(geo["block_size"] // self.g, dtype=np.uint64)[None, :] * np.uint64(self.g * geo["sT"]))
+                 .reshape(-1) + np.uint64(head0 * geo["sH"]))
+        addr = (planes[:, None, None] + chunk[None, :, None] + offs.astype(np.uint64)[None, None, :]).reshape(-1)
+        lengths = np.broadcast_to(self.runs[2].astype(np.uint64), (len(planes), len(chunk), len(offs))).reshape(-1)
+        return np.stack([addr, lengths, np.full_like(addr, max(0, geo["device_index"]))], 1)
+
+    def tail(self, tokens: int):
+        if tokens not in self.tail_runs:
+            heads = self.dests[0].plan["heads"] if self.dests else 1
+            self.tail_runs[tokens] = chunk_runs((self.mine["sT"], self.mine["sH"]),
+                                                (self.dests[0].geo["sT"], self.dests[0].geo["sH"]), tokens, heads,
+                                                self.row)
+        return self.tail_runs[tokens]
+
+    def release(self, agent) -> None:
+        for d in self.dests:
+            for h in (d.local, d.remote):
+                if h is not None:
+                    agent.release_dlist_handle(h)
+            d.local = d.remote = None
+            try:
+                agent.remove_remote_agent(d.agent_name)
+            except Exception:  # noqa: BLE001 - closing: the peer may be gone
+                pass
+
+
+class NixlSend:
+    """One request pushed through NIXL: the per-request index arrays and the posted transfers."""
+
+    def __init__(self, agent, peer: NixlPeer, request_id: str, src: np.ndarray, dst: np.ndarray, num_tokens: int,
+                 announced: List[int]):
+        self.agent, self.peer, self.request_id = agent, peer, request_id
+        self.announced, self.sent = announced, set()
+        self.num_tokens, self.num_dst = num_tokens, len(dst)
+        self.handles: List[tuple] = []  # (dest index, handle)
+        self.failed: Optional[str] = None
+        self.done_flag = False
+        self.reported = False
+        self.post = 0
+        g = peer.g
+        full = num_tokens // g
+        tok = np.arange(full, dtype=np.int64) * g
+        self.src_chunk = src[tok // peer.mine["block_size"]] * (peer.mine["block_size"] // g) + \
+            (tok % peer.mine["block_size"]) // g
+        self.dst_chunk = dst[tok // peer.peer_bs] * (peer.peer_bs // g) + (tok % peer.peer_bs) // g
+        self.tail = num_tokens - full * g
+        if self.tail:
+            t0 = full * g
+            self.tail_src = (int(src[t0 // peer.mine["block_size"]]), t0 % peer.mine["block_size"])
+            self.tail_dst = (int(dst[t0 // peer.peer_bs]), t0 % peer.peer_bs)
+        mask = 0
+        for l in announced:
+            mask |= 1 << l
+        self.headers = []
+        owner = agent
+        for d in peer.dests:
+            seq = d.next_seq
+            d.next_seq += 1
+            self.headers.append(dict(r=request_id, s=seq, i=owner.instance, k=owner.tp_rank, p=os.getpid(),
+                                     h=owner.host, n=d.plan["num_contributors"], f=d.plan["first_sender"], m=mask,
+                                     b=len(dst)))
+        self.empty = num_tokens == 0 or not peer.dests
+
+    def announce(self) -> None:
+        nixl = self.agent.nixl_agent()
+        for d, header in zip(self.peer.dests, self.headers):
+            nixl.send_notif(d.agent_name, _message(header, t="a"))
+            if self.empty:
+                nixl.send_notif(d.agent_name, _message(header, t="d", l=header["m"], q=0, c=1))
+
+    def _addresses(self, geo: dict, layers: List[int], blocks: np.ndarray, offset_tokens: np.ndarray, head0: int,
+                   offs: np.ndarray) -> np.ndarray:
+        planes = np.array(geo["planes"], dtype=np.int64).reshape(geo["num_layers"], -1)[layers].reshape(-1)
+        chunk = blocks * geo["sB"] + offset_tokens * geo["sT"] + head0 * geo["sH"]
+        return (planes[:, None, None] + chunk[None, :, None] + offs[None, None, :]).reshape(-1)
+
+    def send_layers(self, layers: List[int]) -> None:
+        """Posts `layers` (checked by the caller) to every destination: one prepared transfer and,
+        with a partial last chunk, one explicit one, each carrying the notification."""
+        self.sent.update(layers)
+        if self.empty:
+            return
+        peer, nixl = self.peer, self.agent.nixl_agent()
+        self.post += 1
+        mask = 0
+        for l in layers:
+            mask |= 1 << l
+        lp = (np.array(layers, dtype=np.int64)[:, None] * peer.planes + np.arange(peer.planes)[None, :]).reshape(-1)
+        R = len(peer.runs[0])
+        for j, d in enumerate(peer.dests):
+            parts = []
+            if len(self.src_chunk):
+                if d.local is not None:
+                    per_s = peer.mine["num_blocks"] * (peer.mine["block_size"] // peer.g) * R
+                    per_d = d.geo["num_blocks"] * (d.geo["block_size"] // peer.g) * R
+                    rr = np.arange(R, dtype=np.int64)
+                    si = (lp[:, None, None] * per_s + self.src_chunk[None, :, None] * R + rr).reshape(-1)
+                    di = (lp[:, None, None] * per_d + self.dst_chunk[None, :, None] * R + rr).reshape(-1)
+                    parts.append(("prepped", d, si.astype(np.int32), di.astype(np.int32)))
+                else:
+                    cs, cd = peer.mine["block_size"] // peer.g, peer.peer_bs // peer.g
+                    sa = self._addresses(peer.mine, layers, self.src_chunk // cs, (self.src_chunk % cs) * peer.g,
+                                         d.plan["src_head"], peer.runs[0])
+                    da = self._addresses(d.geo, layers, self.dst_chunk // cd, (self.dst_chunk % cd) * peer.g,
+                                         d.plan["dst_head"], peer.runs[1])
+                    n = len(sa) // R
+                    parts.append(("explicit", d, sa, da, np.tile(peer.runs[2], n)))
+            if self.tail:
+                so, do, ln = peer.tail(self.tail)
+                sa = self._addresses(peer.mine, layers, np.array([self.tail_src[0]]), np.array([self.tail_src[1]]),
+                                     d.plan["src_head"], so)
+                da = self._addresses(d.geo, layers, np.array([self.tail_dst[0]]), np.array([self.tail_dst[1]]),
+                                     d.plan["dst_head"], do)
+                parts.append(("explicit", d, sa, da, np.tile(ln, len(sa) // len(so))))
+            note = _message(self.headers[j], t="d", l=mask, q=self.post, c=len(parts))
+            for part in parts:
+                try:
+                    if part[0] == "prepped":
+                        h = nixl.make_prepped_xfer("WRITE", d.local, part[2], d.remote, part[3], note)
+                    else:
+                        n = len(part[2])
+                        local = np.stack([part[2].astype(np.uint64), part[4].astype(np.uint64),
+                                          np.full(n, peer.dev, dtype=np.uint64)], 1)
+                        remote = np.stack([part[3].astype(np.uint64), part[4].astype(np.uint64),
+                                           np.full(n, d.dev, dtype=np.uint64)], 1)
+                        h = nixl.initialize_xfer("WRITE", nixl.get_xfer_descs(local, peer.mem),
+                                                 nixl.get_xfer_descs(remote, peer.mem), d.agent_name, note)
+                    state = nixl.transfer(h)
+                except Exception as e:  # noqa: BLE001 - reported to the receiver, then raised
+                    state, h = f"ERR ({type(e).__name__}: {e})", None
+                if state.startswith("ERR"):
+                    self.fail(f"NIXL could not post the transfer to {d.name}: {state}")
+                    from .errors import CommError
+                    raise CommError(f"KVAgent.send_layer: request '{self.request_id}' to {d.name}: {self.failed}")
+                self.handles.append((j, h))
+        self.drain()
+
+    def drain(self) -> None:
+        """Drives the posted transfers until they completed (Note [kv over nixl]: no progress thread,
+        so a transfer moves while this thread drives it); CommTimeoutError after the agent's timeout."""
+        deadline = time.monotonic() + self.agent.timeout.total_seconds()
+        for round in range(1 << 62):
+            self.check()
+            if not self.handles:
+                return
+            if time.monotonic() >= deadline:
+                from .errors import CommTimeoutError
+                self.fail(f"the transfers to instance '{self.peer.name}' did not complete within "
+                          f"{int(self.agent.timeout.total_seconds() * 1000)} ms")
+                raise CommTimeoutError(f"KVAgent.send_layer: request '{self.request_id}': {self.failed}")
+            if round >= 64:
+                time.sleep(0.00005)
+
+    def fail(self, reason: str) -> None:
+        if self.failed is None:
+            self.failed = reason
+            nixl = self.agent.nixl_agent()
+            for d, header in zip(self.peer.dests, self.headers):
+                try:
+                    nixl.send_notif(d.agent_name, _message(header, t="f", e=reason[:240]))
+                except Exception:  # noqa: BLE001 - the peer may be gone
+                    pass
+
+    def check(self) -> bool:
+        """Whether every announced layer landed at every destination; raises CommError if one failed."""
+        from .errors import CommError
+        if self.failed is not None:
+            raise CommError(f"KVAgent.send: request '{self.request_id}' to instance '{self.peer.name}' failed: "
+                            f"{self.failed}")
+        if self.done_flag:
+            return True
+        nixl = self.agent.nixl_agent()
+        pending = []
+        for j, h in self.handles:
+            state = nixl.check_xfer_state(h)
+            if state == "PROC":
+                pending.append((j, h))
+            elif state == "DONE":
+                nixl.release_xfer_handle(h)
+            else:
+                self.fail(f"NIXL reported the transfer to {self.peer.dests[j].name} failed")
+                return self.check()
+        self.handles = pending
+        self.done_flag = not pending and len(self.sent) == len(self.announced)
+        return self.done_flag
+
+
+class _Contributor:
+    def __init__(self, sender: str, header: dict):
+        self.sender, self.seq = sender, header["s"]
+        self.rank, self.pid, self.host, self.instance = header["k"], header["p"], header["h"], header["i"]
+        self.landed = 0
+        self.parts: Dict[int, int] = {}
+        self.failed: Optional[str] = None
+
+    def name(self) -> str:
+        return peer_name(self.instance, self.rank, self.pid, self.host)
+
+
+class _Tracked:
+    def __init__(self, header: dict):
+        self.request_id = header["r"]
+        self.num_contributors, self.mask, self.num_blocks = header["n"], header["m"], header["b"]
+        self.first_sender = header["f"]
+        self.contributors: Dict[int, _Contributor] = {}
+        self.last_progress = time.monotonic()
+        self.progress = 0
+
+    def landed(self) -> int:
+        mask = self.mask
+        for c in self.contributors.values():
+            mask &= c.landed
+        return mask
+
+
+class NixlInbox:
+    """A receiving agent's NIXL side: notifications in, requests tracked, events out (Note [kv over nixl])."""
+
+    def __init__(self, agent, timeout_s: float):
+        self.agent, self.timeout_s = agent, timeout_s
+        self.tracked: Dict[str, _Tracked] = {}
+        self.finished = set()  # (sender agent, seq) of reported requests: late notifications ignored
+
+    def pump(self) -> None:
+        for sender, messages in self.agent.get_new_notifs().items():
+            for raw in messages:
+                if not raw.startswith(MAGIC):
+                    continue
+                m = json.loads(raw[len(MAGIC):])
+                if (sender, m["s"]) in self.finished:
+                    continue
+                t = self.tracked.get(m["r"])
+                if t is None:
+                    t = self.tracked[m["r"]] = _Tracked(m)
+                c = t.contributors.get(m["k"])
+                if c is None:
+                    c = t.contributors[m["k"]] = _Contributor(sender, m)
+                    t.progress += 1
+                if m["t"] == "d":
+                    got = c.parts.get(m["q"], 0) + 1
+                    c.parts[m["q"]] = got
+                    if got == m["c"]:
+                        c.landed |= m["l"]
+                        t.progress += 1
+                elif m["t"] == "f":
+                    c.failed = m["e"]
+                    t.progress += 1
+
+    def evaluate(self, t: _Tracked, now: float):
+        """(state, error class, reason, peer, layers landed): state "pending", "done" or "failed"."""
+        if t.progress != getattr(t, "seen_progress", -1):
+            t.seen_progress, t.last_progress = t.progress, now
+        landed = mask_layers(t.landed())
+        num_layers = bin(t.mask).count("1")
+        if len(t.contributors) == t.num_contributors and len(landed) == num_layers:
+            return "done", "", "", self._peer(t), landed
+        missing = [l for l in mask_layers(t.mask) if l not in landed]
+        partial = (f"; layers landed: {layer_list(landed)} of {num_layers}; the request's {t.num_blocks} destination "
+                   "blocks hold partial data for the other layers")
+        for c in t.contributors.values():
+            if c.failed is not None:
+                return ("failed", "CommError", f"KV request '{t.request_id}' from {c.name()} failed at the sender: "
+                        f"{c.failed}{partial}", c.name(), landed)
+        if now - t.last_progress > self.timeout_s:
+            peer = self._peer(t)
+            return ("failed", "CommTimeoutError", f"KV request '{t.request_id}' from {peer}: Timed out after "
+                    f"{int(self.timeout_s * 1000)} ms without progress: layer {missing[0]} has not landed "
+                    f"({len(t.contributors)} of {t.num_contributors} senders announced the request){partial}",
+                    peer, landed)
+        return "pending", "", "", self._peer(t), landed
+
+    def _peer(self, t: _Tracked) -> str:
+        for c in sorted(t.contributors.values(), key=lambda c: c.rank):
+            if c.landed & t.mask != t.mask:
+                return c.name()
+        if len(t.contributors) < t.num_contributors:
+            c = next(iter(t.contributors.values()))
+            missing = [r for r in range(t.first_sender, t.first_sender + t.num_contributors) if r not in t.contributors]
+            return f"instance '{c.instance}' rank {missing[0]}"
+        c = next(iter(t.contributors.values()))
+        return c.name()
+
+    def finish(self, t: _Tracked) -> None:
+        for c in t.contributors.values():
+            self.finished.add((c.sender, c.seq))
+        del self.tracked[t.request_id]
+
+    def close(self) -> None:
+        self.tracked.clear()
+
+
+def new_agent_name(instance: str, rank: int) -> str:
+    return f"commlib-kv/{instance}/{rank}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
