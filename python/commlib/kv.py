@@ -221,8 +221,8 @@ class KVAgent:
         self.host = _C.host_id()
         self._store = store
         self._geo = None          # this rank's geometry, as published (Note [kv over nixl])
-        self._nixl = None         # the NIXL agent: receivers at register(), senders at the first remote connect
-        self._inbox = None        # receivers with NIXL: requests that arrive through it
+        self._nixl = None         # the NIXL agent it sends through, made at the first remote connect
+        self._inbox = None        # receivers with NIXL: their own NIXL agent (made at register) and what arrives
         self._local_peers = set()  # peers reached through the native agent
         self._remote = {}          # peer -> kv_nixl.NixlPeer
         self._nixl_sends = {}      # id -> kv_nixl.NixlSend, until poll() reports it
@@ -292,8 +292,9 @@ class KVAgent:
                          span=span, nixl=False, rdma=kv_nixl.rdma_devices())
         if self._geo["receives"] and kv_nixl.nixl_api() is not None:
             try:
-                self._inbox = kv_nixl.NixlInbox(self.nixl_agent(), self.timeout.total_seconds())
-                self._store.set(f"kv/{self.instance}/{self.tp_rank}/nixl", self._nixl.get_agent_metadata())
+                rx = self._make_nixl()
+                self._store.set(f"kv/{self.instance}/{self.tp_rank}/nixl", rx.get_agent_metadata())
+                self._inbox = kv_nixl.NixlInbox(rx, self.timeout.total_seconds())  # its thread drives rx from now
                 self._geo["nixl"] = True
             except Exception as e:  # noqa: BLE001 - NIXL imports but cannot start: this host's peers still work
                 _log.warning("commlib.kv: instance '%s' rank %d: NIXL did not start (%s: %s); senders on other "
@@ -316,7 +317,11 @@ class KVAgent:
                            for r in range(1, first["tp_size"])]
         plans = kv_nixl.plan_destinations(self._geo, self.tp_rank, self.tp_size, first["tp_size"]) \
             if first["heads"] * first["tp_size"] % self.tp_size == 0 or self._geo["mla"] else []
-        if all(ranks[p["rank"]]["host"] == self.host for p in plans):
+        # Every rank of both instances on this host: the native path. Otherwise NIXL for all of
+        # them, so that the senders of one destination rank agree (Note [kv over nixl]).
+        own = [json.loads(self.store_get(f"kv/{self.instance}/{r}/geometry", f"instance '{self.instance}' rank {r}"))
+               for r in range(self.tp_size)]
+        if all(g["host"] == self.host for g in ranks + own):
             self._native.connect(peer)
             self._local_peers.add(peer)
             return self._native.destinations(peer)
@@ -352,15 +357,18 @@ class KVAgent:
         return self._store.get(key)
 
     def nixl_agent(self):
-        """This agent's NIXL agent (created once, its cache registered)."""
+        """The NIXL agent this rank sends through (created once, its cache registered). A receiving
+        rank has another, driven by its inbox's thread (Note [kv over nixl])."""
         if self._nixl is None:
-            g = self._geo
-            self._nixl = kv_nixl.make_agent(kv_nixl.new_agent_name(self.instance, self.tp_rank),
-                                            regions=kv_nixl.merged_regions(g["planes"], g["span"]),
-                                            mem="DRAM" if self.device.type == "cpu" else "VRAM",
-                                            device=max(0, g["device_index"]),
-                                            only_rdma=self.require_rdma and bool(g["rdma"]))
+            self._nixl = self._make_nixl()
         return self._nixl
+
+    def _make_nixl(self):
+        g = self._geo
+        return kv_nixl.make_agent(kv_nixl.new_agent_name(self.instance, self.tp_rank),
+                                  regions=kv_nixl.merged_regions(g["planes"], g["span"]),
+                                  mem="DRAM" if self.device.type == "cpu" else "VRAM", device=max(0, g["device_index"]),
+                                  only_rdma=self.require_rdma and bool(g["rdma"]))
 
     def transport_description(self) -> str:
         devices = self._geo["rdma"]
@@ -403,10 +411,9 @@ class KVAgent:
         if not mine["mla"] and (heads % self.tp_size or heads % first["tp_size"]):
             raise ValueError(f"{what}: {heads} KV heads do not divide by TP {self.tp_size} and TP "
                              f"{first['tp_size']}{both}")
-        far = next(ranks[p["rank"]] for p in plans if ranks[p["rank"]]["host"] != self.host)
-        name = kv_nixl.peer_name(far["instance"], far["rank"], far["pid"], far["host"])
         if kv_nixl.nixl_api() is None:
-            raise ValueError(f"{what}: {name} runs on host '{far['host']}' and this agent on '{self.host}'; across "
+            hosts = sorted({g["host"] for g in ranks} | {self.host})
+            raise ValueError(f"{what}: instances '{self.instance}' and '{peer}' span hosts {', '.join(hosts)}; across "
                              "hosts the KV transfer needs NIXL, which does not import here: pip install nixl-cu13 "
                              "(or commlib[nixl]) (docs/kv.md)")
         for p in plans:
@@ -627,8 +634,10 @@ class KVAgent:
                 peer.release(self._nixl)
             self._nixl_sends.clear()
             self._remote.clear()
-            self._inbox = None
             self._nixl = None  # NIXL deregisters the cache when its agent goes
+        if self._inbox is not None:
+            self._inbox.close()
+            self._inbox = None
         self._native.close()
 
     def _stream(self) -> int:

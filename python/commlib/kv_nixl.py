@@ -6,8 +6,9 @@ when a destination rank runs on another host; docs/kv.md says what it does, the 
 # Peers: every agent publishes its cache geometry under "kv/<instance>/<rank>/geometry" (JSON: host,
 # pid, TP, dtype, strides in bytes, plane addresses) beside the native descriptor (Note [kv peers]);
 # a receiving agent with NIXL creates its NIXL agent at register(), registers its cache with it once
-# and publishes the agent's metadata under ".../nixl". A sender that connects to an instance one of
-# whose destination ranks is on another host takes this path for that instance (all its ranks):
+# and publishes the agent's metadata under ".../nixl". A sender takes this path to a peer instance
+# unless every rank of both instances is on its host (so that all senders of one destination rank
+# take the same path: a request's contributors are counted on one side, native records or NIXL):
 # it creates its own NIXL agent (once), registers its cache, loads each destination's metadata and
 # prepares two descriptor lists per destination (prep_xfer_dlist), once.
 # Granularity: the request's tokens cut into chunks of g = gcd(source block size, destination
@@ -29,18 +30,23 @@ when a destination rank runs on another host; docs/kv.md says what it does, the 
 # records are reported (Note [kv protocol]): done when every contributor's every announced layer
 # landed; failed when a sender reports a failure (CommError) or nothing progresses for the agent's
 # timeout (CommTimeoutError: the sender may have died; across hosts there is no pid to look at).
-# Progress: NIXL agents run without a progress thread (NIXL's spins a core); send_layer() drives
+# Progress: NIXL agents run without NIXL's progress thread (it spins a core). send_layer() drives
 # its transfers until NIXL reports them done (so, as on the CPU path, a layer has landed when it
-# returns), and the receiver's poll() / wait() / wait_layer() drive UCX on its side.
+# returns). A receiving agent runs a thread of its own (_progress) that is the only caller of its
+# NIXL agent after registration: it asks for notifications (which progresses UCX: connection
+# setup, TCP) every 0.1 ms while they come, every 1 ms when idle, and queues them for poll / wait.
 """
 from __future__ import annotations
 
+import collections
 import importlib
 import json
 import math
 import os
+import threading
 import time
 import uuid
+import weakref
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -75,12 +81,12 @@ def rdma_devices() -> List[str]:
 
 
 def make_agent(name: str, regions=None, tensors=None, mem: str = "DRAM", device: int = 0,
-               only_rdma: bool = False):
-    """A NIXL agent with the UCX backend and no progress thread (Note [kv over nixl]), `regions`
-    ((address, bytes) pairs) or `tensors` registered. only_rdma: UCX may use this host's RDMA ports
-    only (no TCP across hosts)."""
+               only_rdma: bool = False, progress_thread: bool = False):
+    """A NIXL agent with the UCX backend, `regions` ((address, bytes) pairs) or `tensors` registered.
+    only_rdma: UCX may use this host's RDMA ports only (no TCP across hosts). progress_thread: NIXL's
+    own (it spins a core; commlib.kv does without, Note [kv over nixl])."""
     nixl_agent, nixl_agent_config = nixl_api()
-    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[]))
     params = {"ucx_devices": ",".join(rdma_devices())} if only_rdma else {}
     agent.create_backend("UCX", params)
     if tensors:
@@ -423,7 +429,6 @@ class _Tracked:
         self.first_sender = header["f"]
         self.contributors: Dict[int, _Contributor] = {}
         self.last_progress = time.monotonic()
-        self.progress = 0
 
     def landed(self) -> int:
         mask = self.mask
@@ -437,16 +442,28 @@ class NixlInbox:
 
     def __init__(self, agent, timeout_s: float):
         self.agent, self.timeout_s = agent, timeout_s
+        self.arrived = collections.deque()  # get_new_notifs() results, from the progress thread
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=_progress, args=(weakref.ref(self), agent, self.arrived, self.stop),
+                                       name="commlib-kv-nixl", daemon=True)
+        self.thread.start()
         self.tracked: Dict[str, _Tracked] = {}
-        self.finished = set()  # (sender agent, seq) of reported requests: late notifications ignored
+        # sender agent -> (every seq up to this one reported, reported seqs above it): the sequence
+        # numbers of one sender to this rank are consecutive, so the set stays small.
+        self.finished: Dict[str, tuple] = {}
 
     def pump(self) -> None:
-        for sender, messages in self.agent.get_new_notifs().items():
+        now = time.monotonic()
+        while self.arrived:
+            self._take(self.arrived.popleft(), now)
+
+    def _take(self, notifs: dict, now: float) -> None:
+        for sender, messages in notifs.items():
             for raw in messages:
                 if not raw.startswith(MAGIC):
                     continue
                 m = json.loads(raw[len(MAGIC):])
-                if (sender, m["s"]) in self.finished:
+                if self._stale(sender, m["s"]):
                     continue
                 t = self.tracked.get(m["r"])
                 if t is None:
@@ -454,21 +471,22 @@ class NixlInbox:
                 c = t.contributors.get(m["k"])
                 if c is None:
                     c = t.contributors[m["k"]] = _Contributor(sender, m)
-                    t.progress += 1
+                t.last_progress = now  # any message of the request is progress
                 if m["t"] == "d":
                     got = c.parts.get(m["q"], 0) + 1
                     c.parts[m["q"]] = got
                     if got == m["c"]:
                         c.landed |= m["l"]
-                        t.progress += 1
                 elif m["t"] == "f":
                     c.failed = m["e"]
-                    t.progress += 1
+
+    def _stale(self, sender: str, seq: int) -> bool:
+        """A message of a request reported already (a late part of a timed-out one)."""
+        low, done = self.finished.get(sender, (0, set()))
+        return seq <= low or seq in done
 
     def evaluate(self, t: _Tracked, now: float):
         """(state, error class, reason, peer, layers landed): state "pending", "done" or "failed"."""
-        if t.progress != getattr(t, "seen_progress", -1):
-            t.seen_progress, t.last_progress = t.progress, now
         landed = mask_layers(t.landed())
         num_layers = bin(t.mask).count("1")
         if len(t.contributors) == t.num_contributors and len(landed) == num_layers:
@@ -501,11 +519,40 @@ class NixlInbox:
 
     def finish(self, t: _Tracked) -> None:
         for c in t.contributors.values():
-            self.finished.add((c.sender, c.seq))
+            low, done = self.finished.get(c.sender, (0, set()))
+            done.add(c.seq)
+            while low + 1 in done:
+                low += 1
+                done.discard(low)
+            self.finished[c.sender] = (low, done)
         del self.tracked[t.request_id]
 
     def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
         self.tracked.clear()
+        self.agent = None  # NIXL deregisters the cache when its agent goes
+
+    def __del__(self):
+        self.stop.set()
+
+
+def _progress(inbox, agent, arrived, stop) -> None:
+    """The receiving side's progress (Note [kv over nixl]): the one thread that calls into the
+    receiver's NIXL agent after registration, so UCX moves (connection setup, TCP) while the
+    agent's owner computes; 0.1 ms between calls while messages come, 1 ms when idle."""
+    idle = 0
+    while not stop.is_set() and inbox() is not None:
+        try:
+            notifs = agent.get_new_notifs()
+        except Exception:  # noqa: BLE001 - the agent is being torn down
+            return
+        if notifs:
+            arrived.append(notifs)
+            idle = 0
+        else:
+            idle += 1
+        stop.wait(0.0001 if idle < 100 else 0.001)
 
 
 def new_agent_name(instance: str, rank: int) -> str:

@@ -57,9 +57,17 @@ def _host(ctx, P):
     return f"host-{'prefill' if ctx.rank < P else 'decode'}-{ctx.rank}"
 
 
-def _cross_host_case(ctx, case):
-    with _OnHost(_host(ctx, case["P"])) as h:
-        return run_case(ctx, case), h.transports
+def _cross_host_case(ctx, case, prep_limit=None):
+    """run_case with the ranks on two hosts; prep_limit: kv_nixl.PREP_LIMIT for the run (0: no
+    prepared lists, explicit descriptors for every request)."""
+    from commlib import kv_nixl
+    limit = kv_nixl.PREP_LIMIT
+    kv_nixl.PREP_LIMIT = limit if prep_limit is None else prep_limit
+    try:
+        with _OnHost(_host(ctx, case["P"])) as h:
+            return run_case(ctx, case), h.transports
+    finally:
+        kv_nixl.PREP_LIMIT = limit
 
 
 def _two_requests(src_bs, dst_bs, ntok_a=40, ntok_b=23):
@@ -93,6 +101,13 @@ def test_cross_host_transforms(ranks, P, D, src, dst, src_bs, dst_bs, dtype):
     case = case_dict(_tag(f"nx{P}{D}"), P=P, D=D, src_layout=src, dst_layout=dst, src_bs=src_bs, dst_bs=dst_bs,
                      heads=4, dtype=dtype, requests=_two_requests(src_bs, dst_bs))
     _check(ranks(P + D).run(_cross_host_case, case), P, ("a", "b"))
+
+
+def test_cross_host_without_prepared_lists(ranks):
+    """A cache whose descriptor lists would be too large to prepare: explicit descriptors per request."""
+    case = case_dict(_tag("nxexp"), P=1, D=2, src_layout="NHD", dst_layout="flashinfer_hnd", src_bs=16, dst_bs=32,
+                     heads=4, dtype="bfloat16", requests=_two_requests(16, 32))
+    _check(ranks(3).run(_cross_host_case, case, 0), 1, ("a", "b"))
 
 
 def test_cross_host_mla_replicated(ranks):
@@ -129,9 +144,10 @@ def _layerwise(ctx, tag):
             x.send_layers([1, 2])
             x.wait()
             sent = agent.poll()
+            through = agent.transport(dec)
             barrier(ctx, f"{tag}/end")
             agent.close()
-            return [(e.request_id, e.kind, e.state) for e in sent], x.done()
+            return [(e.request_id, e.kind, e.state) for e in sent], x.done() and through.startswith("NIXL/UCX")
         agent = kv.KVAgent(ctx.store, dec, "decode", timeout=timedelta(seconds=30))
         caches, planes = make_cache("NHD", 3, 8, 16, 2, 8, torch.bfloat16, 900, "cpu", kv.host_empty)
         agent.register(caches, "NHD")

@@ -19,8 +19,9 @@ Columns, on prefill rank 0, medians over ``-n`` requests after ``-w`` warm-up on
 * wrong: bytes of one more request on fresh data that differ from the reference (indexing), read
   on the decode ranks;
 * NIXL (when ``nixl_cu13`` or ``nixl`` imports: ``pip install nixl-cu13``): the same request through NIXL in the
-  same run, as an engine without commlib moves it: one NIXL agent per rank (UCX backend) with the
-  caches registered, the request's descriptors (one per run of bytes contiguous on both sides:
+  same run, as an engine without commlib moves it: one NIXL agent per rank (UCX backend with NIXL's
+  progress thread, made by commlib.kv_nixl.make_agent) with the caches registered, the request's
+  descriptors (one per run of bytes contiguous on both sides:
   a whole block when the layouts match, a head_dim row when they do not) posted as one WRITE per
   decode rank; post = host time to build the descriptor lists and post them, complete = until
   NIXL reports the transfer done, then the count of descriptors and the wrong bytes of a checked
@@ -275,22 +276,16 @@ def _wrong_bytes(canon, src_ids, dst_ids, d_rank, P, D, bs, dst_bs, heads, head_
 # ---- the same request through NIXL (when it imports) ----
 
 def _nixl_api():
-    """NIXL's agent classes: the CUDA 13 wheel's (nixl-cu13), else the meta package's; None without NIXL."""
-    import importlib
-    for module in ("nixl_cu13._api", "nixl._api"):
-        try:
-            api = importlib.import_module(module)
-        except Exception:  # not installed, or a build that cannot load here
-            continue
-        return api.nixl_agent, api.nixl_agent_config
-    return None
+    """NIXL's agent classes, or None without NIXL (the product's helper: commlib.kv_nixl)."""
+    from ..kv_nixl import nixl_api
+    return nixl_api()
 
 
 def _nixl_agent(name: str, caches):
-    nixl_agent, nixl_agent_config = _nixl_api()
-    agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
-    agent.register_memory([t for c in caches for t in (c if isinstance(c, tuple) else (c,))])
-    return agent
+    """A NIXL agent (UCX) with the caches registered, made the way commlib.kv makes its own."""
+    from ..kv_nixl import make_agent
+    return make_agent(name, tensors=[t for c in caches for t in (c if isinstance(c, tuple) else (c,))],
+                      progress_thread=True)
 
 
 def _plane_geometry(canon) -> list:
