@@ -1,7 +1,7 @@
 """commlib.kv across hosts: the KV transfer through NIXL (UCX backend). Used by ``commlib.kv.KVAgent``
 when a destination rank runs on another host; docs/kv.md says what it does, the benchmark
 (``commlib-perf kv_transfer``) shares its NIXL helpers.
-
+"""
 # Note [kv over nixl]
 # Peers: every agent publishes its cache geometry under "kv/<instance>/<rank>/geometry" (JSON: host,
 # pid, TP, dtype, strides in bytes, plane addresses) beside the native descriptor (Note [kv peers]);
@@ -35,7 +35,7 @@ when a destination rank runs on another host; docs/kv.md says what it does, the 
 # returns). A receiving agent runs a thread of its own (_progress) that is the only caller of its
 # NIXL agent after registration: it asks for notifications (which progresses UCX: connection
 # setup, TCP) every 0.1 ms while they come, every 1 ms when idle, and queues them for poll / wait.
-"""
+# A rank that both sends and receives has two NIXL agents, so no NIXL agent is called by two threads.
 from __future__ import annotations
 
 import collections
