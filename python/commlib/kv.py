@@ -132,11 +132,11 @@ class _NixlKVSend(KVSend):
             if first < 0 or first + count > n:
                 raise ValueError(f"KVAgent.send_layer: layers [{first}, {first + count}) out of range; valid: "
                                  f"0..{n - 1}")
-        for l in layers:
+        for i, l in enumerate(layers):
             if l not in self._send.announced:
                 raise ValueError(f"KVAgent.send_layer: request '{self.request_id}': layer {l} was not announced by "
                                  "send/begin")
-            if l in self._send.sent:
+            if l in self._send.sent or l in layers[:i]:
                 raise ValueError(f"KVAgent.send_layer: request '{self.request_id}': layer {l} sent already")
         if self._agent.device.type == "cuda":  # NIXL reads memory, not a stream: the layers must be written
             torch.cuda.current_stream(self._agent.device).synchronize()
