@@ -282,6 +282,12 @@ class KVAgent:
                                     [p.data_ptr() for p in planes], span)
         self._caches = caches  # the agent addresses their memory: keep it alive
         self.num_layers = len(caches)
+        # [layer][plane] as [B, T, H, head_dim bytes] uint8 views: what a NIXL sender gathers from
+        perm = [plane_axes.index(a) for a in "BTHD" if a in plane_axes]
+        views = [p.permute(perm).view(torch.uint8) for p in planes]
+        views = [v if "H" in plane_axes else v.unsqueeze(2) for v in views]
+        n = len(views) // len(caches)
+        self._canon = [views[i * n:(i + 1) * n] for i in range(len(caches))]
         self._geo = dict(instance=self.instance, rank=self.tp_rank, tp_size=self.tp_size, role=self.role,
                          receives=self.role != "prefill", host=self.host, pid=os.getpid(), device=self.device.type,
                          device_index=-1 if self.device.index is None else self.device.index,

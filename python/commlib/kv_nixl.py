@@ -21,7 +21,14 @@ when a destination rank runs on another host; docs/kv.md says what it does, the 
 # chunk: its runs (at most g - 1 tokens' worth) go as a second, small transfer with explicit
 # descriptors. Lists larger than PREP_LIMIT entries are not prepared; such a peer gets explicit
 # descriptors for the whole request (the way an engine without prepared lists moves it).
-# Nothing is staged: every transform is a set of runs of at least one head_dim row.
+# Staging: a transform that cuts a chunk into more runs than the destination alone needs (a layout
+# change: one head_dim row per run; TP 1 -> 2 from a token-major layout) is gathered on the sender:
+# each full chunk's rows are copied (torch indexing, on the cache's device) into a registered
+# staging buffer in destination order, so one descriptor covers each run contiguous at the
+# destination (NHD -> HND: a head's tokens). The sender's list then covers the staging buffer's
+# (slot, run) entries and the destination's covers (layer, plane, block, chunk, destination run).
+# The buffer grows by doubling to the largest send_layers() call; it is free again when the call
+# returns (its transfers completed). Partial last chunks are not staged. STAGE = False turns it off.
 # Completion: each transfer carries a notification (JSON, prefix MAGIC) with the request's header
 # (id, sequence number, sender, contributors, announced layers, destination blocks) and the layers
 # it completes; NIXL delivers it after the transfer's data. A request is announced by a standalone
@@ -53,6 +60,7 @@ import numpy as np
 
 MAGIC = b"cmlkv1"
 PREP_LIMIT = 1 << 22  # entries of one prepared descriptor list (a peer above it: explicit descriptors)
+STAGE = True  # gather on the sender when that makes fewer descriptors (False: runs straight from the cache)
 MAX_DESTS = 8  # kernels::kKvMaxDests
 
 
@@ -121,6 +129,20 @@ def chunk_runs(src_strides, dst_strides, tokens: int, heads: int, row: int):
     first = np.flatnonzero(start)
     lengths = np.diff(np.append(first, len(so))) * row
     return so[first], do[first], lengths
+
+
+def dst_runs(dst_strides, tokens: int, heads: int, row: int):
+    """A chunk's rows in destination order and the runs contiguous at the destination: (token of each
+    row, head of each row, run destination offsets, run lengths, run offsets in the staged chunk)."""
+    t = np.repeat(np.arange(tokens, dtype=np.int64), heads)
+    h = np.tile(np.arange(heads, dtype=np.int64), tokens)
+    do = t * dst_strides[0] + h * dst_strides[1]
+    order = np.argsort(do, kind="stable")
+    t, h, do = t[order], h[order], do[order]
+    start = np.ones(len(do), dtype=bool)
+    start[1:] = do[1:] != do[:-1] + row
+    first = np.flatnonzero(start)
+    return t, h, do[first], np.diff(np.append(first, len(do))) * row, first * row
 
 
 def layer_list(layers: Sequence[int]) -> str:
@@ -202,31 +224,76 @@ class NixlPeer:
         heads = plans[0]["heads"] if plans else 1
         self.runs = chunk_runs((mine["sT"], mine["sH"]), (theirs["sT"], theirs["sH"]), self.g, heads, self.row)
         self.tail_runs: Dict[int, tuple] = {}
+        # Staging: the chunk's rows gathered in destination order, so that one descriptor covers a run
+        # contiguous at the destination, when that is fewer than the runs contiguous on both sides.
+        self.staged = None
+        staged = dst_runs((theirs["sT"], theirs["sH"]), self.g, heads, self.row)
+        if STAGE and plans and len(staged[2]) < len(self.runs[0]) and \
+                self._entries(theirs, len(staged[2])) <= PREP_LIMIT:
+            self.staged = staged
+        self.stage_buf = self.stage_reg = self.stage_list = None
+        self.stage_slots = 0
         agent = owner.nixl_agent()
         for d in self.dests:
             meta = owner.store_get(f"kv/{name}/{d.rank}/nixl", f"instance '{name}' rank {d.rank}")
             d.agent_name = agent.add_remote_agent(meta)
-            n_src = self._entries(mine)
-            n_dst = self._entries(d.geo)
-            if max(n_src, n_dst) <= PREP_LIMIT:
-                d.local = agent.prep_xfer_dlist("", self._dlist(mine, d.plan["src_head"]), self.mem)
-                d.remote = agent.prep_xfer_dlist(d.agent_name, self._dlist(d.geo, d.plan["dst_head"], dst=True),
-                                                 self.mem)
+            if self.staged is not None:
+                d.remote = agent.prep_xfer_dlist(d.agent_name, self._dlist(d.geo, d.plan["dst_head"], self.staged[2],
+                                                                           self.staged[3]), self.mem)
+            elif max(self._entries(mine, len(self.runs[0])), self._entries(d.geo, len(self.runs[0]))) <= PREP_LIMIT:
+                d.local = agent.prep_xfer_dlist("", self._dlist(mine, d.plan["src_head"], self.runs[0], self.runs[2]),
+                                                self.mem)
+                d.remote = agent.prep_xfer_dlist(d.agent_name, self._dlist(d.geo, d.plan["dst_head"], self.runs[1],
+                                                                           self.runs[2]), self.mem)
             d.dev = max(0, d.geo["device_index"])
-        self.transport = owner.transport_description()
+        runs = len(self.runs[0])
+        if self.staged is not None:
+            how = (f"staged: rows gathered on the sender, {len(self.staged[2])} descriptor(s) per chunk of {self.g} "
+                   f"tokens instead of {runs}")
+        elif self.dests and self.dests[0].local is None:
+            how = f"explicit descriptors per request, {runs} per chunk of {self.g} tokens"
+        else:
+            how = f"direct: {runs} descriptor(s) per chunk of {self.g} tokens"
+        self.transport = f"{owner.transport_description()}; {how}"
 
-    def _entries(self, geo: dict) -> int:
-        return geo["num_layers"] * self.planes * geo["num_blocks"] * (geo["block_size"] // self.g) * len(self.runs[0])
+    def _entries(self, geo: dict, runs: int) -> int:
+        return geo["num_layers"] * self.planes * geo["num_blocks"] * (geo["block_size"] // self.g) * runs
 
-    def _dlist(self, geo: dict, head0: int, dst: bool = False) -> np.ndarray:
+    def stage(self, slots: int):
+        """The staging buffer (registered, its list of (slot, run) prepared) for at least `slots`
+        chunks; grown by doubling. Every transfer from it has completed when send_layers returns."""
+        if slots > self.stage_slots:
+            import torch
+            agent = self.owner.nixl_agent()
+            self.release_staging(agent)
+            cap = max(slots, 2 * self.stage_slots)
+            slot_bytes = len(self.staged[0]) * self.row
+            self.stage_buf = torch.empty(cap * slot_bytes, dtype=torch.uint8, device=self.owner.device)
+            base = self.stage_buf.data_ptr()
+            self.stage_reg = agent.register_memory([(base, cap * slot_bytes, self.dev, "")], self.mem)
+            addr = (np.uint64(base) + np.arange(cap, dtype=np.uint64)[:, None] * np.uint64(slot_bytes)
+                    + self.staged[4].astype(np.uint64)[None, :]).reshape(-1)
+            lengths = np.tile(self.staged[3].astype(np.uint64), cap)
+            self.stage_list = agent.prep_xfer_dlist("", np.stack([addr, lengths, np.full_like(addr, self.dev)], 1),
+                                                    self.mem)
+            self.stage_slots = cap
+        return self.stage_buf.view(self.stage_slots, len(self.staged[0]), self.row)
+
+    def release_staging(self, agent) -> None:
+        if self.stage_list is not None:
+            agent.release_dlist_handle(self.stage_list)
+            agent.deregister_memory(self.stage_reg)
+        self.stage_buf = self.stage_reg = self.stage_list = None
+        self.stage_slots = 0
+
+    def _dlist(self, geo: dict, head0: int, offs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Entries (layer, plane, block, chunk in block, run) of one side: Nx3 (address, bytes, device)."""
-        offs = self.runs[1] if dst else self.runs[0]
         planes = np.array(geo["planes"], dtype=np.uint64)
         chunk = ((np.arange(geo["num_blocks"], dtype=np.uint64)[:, None] * np.uint64(geo["sB"])
                   + np.arange(geo["block_size"] // self.g, dtype=np.uint64)[None, :] * np.uint64(self.g * geo["sT"]))
                  .reshape(-1) + np.uint64(head0 * geo["sH"]))
         addr = (planes[:, None, None] + chunk[None, :, None] + offs.astype(np.uint64)[None, None, :]).reshape(-1)
-        lengths = np.broadcast_to(self.runs[2].astype(np.uint64), (len(planes), len(chunk), len(offs))).reshape(-1)
+        lengths = np.broadcast_to(lengths.astype(np.uint64), (len(planes), len(chunk), len(offs))).reshape(-1)
         return np.stack([addr, lengths, np.full_like(addr, max(0, geo["device_index"]))], 1)
 
     def tail(self, tokens: int):
@@ -238,6 +305,7 @@ class NixlPeer:
         return self.tail_runs[tokens]
 
     def release(self, agent) -> None:
+        self.release_staging(agent)
         for d in self.dests:
             for h in (d.local, d.remote):
                 if h is not None:
@@ -312,9 +380,19 @@ class NixlSend:
             mask |= 1 << l
         lp = (np.array(layers, dtype=np.int64)[:, None] * peer.planes + np.arange(peer.planes)[None, :]).reshape(-1)
         R = len(peer.runs[0])
+        staged = peer.staged is not None and len(self.src_chunk) > 0
+        if staged:
+            rows = self._gather(layers)
         for j, d in enumerate(peer.dests):
             parts = []
-            if len(self.src_chunk):
+            if staged:
+                rd = len(peer.staged[2])
+                per_d = d.geo["num_blocks"] * (d.geo["block_size"] // peer.g) * rd
+                rr = np.arange(rd, dtype=np.int64)
+                li = ((j * rows + np.arange(rows, dtype=np.int64))[:, None] * rd + rr).reshape(-1)
+                di = (lp[:, None, None] * per_d + self.dst_chunk[None, :, None] * rd + rr).reshape(-1)
+                parts.append(("staged", d, li.astype(np.int32), di.astype(np.int32)))
+            elif len(self.src_chunk):
                 if d.local is not None:
                     per_s = peer.mine["num_blocks"] * (peer.mine["block_size"] // peer.g) * R
                     per_d = d.geo["num_blocks"] * (d.geo["block_size"] // peer.g) * R
@@ -342,6 +420,8 @@ class NixlSend:
                 try:
                     if part[0] == "prepped":
                         h = nixl.make_prepped_xfer("WRITE", d.local, part[2], d.remote, part[3], note)
+                    elif part[0] == "staged":
+                        h = nixl.make_prepped_xfer("WRITE", peer.stage_list, part[2], d.remote, part[3], note)
                     else:
                         n = len(part[2])
                         local = np.stack([part[2].astype(np.uint64), part[4].astype(np.uint64),
@@ -359,6 +439,32 @@ class NixlSend:
                     raise CommError(f"KVAgent.send_layer: request '{self.request_id}' to {d.name}: {self.failed}")
                 self.handles.append((j, h))
         self.drain()
+
+    def _gather(self, layers: List[int]) -> int:
+        """Copies the full chunks of `layers` for every destination into the staging buffer, rows in
+        destination order (slot (dest, layer, plane, chunk)); returns the slots per destination."""
+        import torch
+        peer = self.peer
+        t, h = peer.staged[0], peer.staged[1]
+        nch = len(self.src_chunk)
+        rows = len(layers) * peer.planes * nch
+        buf = peer.stage(rows * len(peer.dests))
+        device = peer.owner.device
+        if not hasattr(self, "_blk"):
+            cs = peer.mine["block_size"] // peer.g
+            self._blk = torch.from_numpy(self.src_chunk // cs).to(device)[:, None]
+            self._tok = (torch.from_numpy((self.src_chunk % cs) * peer.g)[:, None] + torch.from_numpy(t)[None, :]).to(
+                device)
+        for j, d in enumerate(peer.dests):
+            head = (torch.from_numpy(h) + d.plan["src_head"]).to(device)[None, :]
+            slot = j * rows
+            for l in layers:
+                for p in range(peer.planes):
+                    buf[slot:slot + nch] = peer.owner._canon[l][p][self._blk, self._tok, head]
+                    slot += nch
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        return rows
 
     def drain(self) -> None:
         """Drives the posted transfers until they completed (Note [kv over nixl]: no progress thread,

@@ -57,17 +57,18 @@ def _host(ctx, P):
     return f"host-{'prefill' if ctx.rank < P else 'decode'}-{ctx.rank}"
 
 
-def _cross_host_case(ctx, case, prep_limit=None):
+def _cross_host_case(ctx, case, prep_limit=None, stage=True):
     """run_case with the ranks on two hosts; prep_limit: kv_nixl.PREP_LIMIT for the run (0: no
-    prepared lists, explicit descriptors for every request)."""
+    prepared lists, explicit descriptors for every request); stage: kv_nixl.STAGE."""
     from commlib import kv_nixl
-    limit = kv_nixl.PREP_LIMIT
+    limit, staging = kv_nixl.PREP_LIMIT, kv_nixl.STAGE
     kv_nixl.PREP_LIMIT = limit if prep_limit is None else prep_limit
+    kv_nixl.STAGE = stage
     try:
         with _OnHost(_host(ctx, case["P"])) as h:
             return run_case(ctx, case), h.transports
     finally:
-        kv_nixl.PREP_LIMIT = limit
+        kv_nixl.PREP_LIMIT, kv_nixl.STAGE = limit, staging
 
 
 def _two_requests(src_bs, dst_bs, ntok_a=40, ntok_b=23):
@@ -80,10 +81,13 @@ def _two_requests(src_bs, dst_bs, ntok_a=40, ntok_b=23):
             request("b", ntok_b, b_src, b_dst, num_tokens=ntok_b, mode="stream")]
 
 
-def _check(results, P, ids):
+def _check(results, P, ids, how=None):
+    """Every request done on every decode rank; the prefill ranks went through NIXL (`how`: the way
+    their descriptors were made, as transport() says)."""
     for rank, (out, transports) in enumerate(results):
         if rank < P:
             assert transports and all(t.startswith("NIXL/UCX") for t in transports), transports
+            assert how is None or all(f"; {how}" in t for t in transports), (how, transports)
             continue
         events, remaining = out
         for rid in ids:
@@ -91,23 +95,25 @@ def _check(results, P, ids):
         assert remaining == [], remaining
 
 
-@pytest.mark.parametrize("P,D,src,dst,src_bs,dst_bs,dtype", [
-    (1, 1, "NHD", "HND", 16, 32, "bfloat16"),           # layout and block size: one head row per run
-    (1, 2, "flash_attn", "HND", 16, 32, "float16"),    # TP 1 -> 2
-    (2, 1, "HND", "flash_attn", 32, 16, "float8_e4m3fn"),  # TP 2 -> 1
-    (1, 1, "flash_attn", "flash_attn", 16, 16, "bfloat16"),  # same layout: one run per block
+@pytest.mark.parametrize("P,D,src,dst,src_bs,dst_bs,dtype,stage,how", [
+    (1, 1, "NHD", "HND", 16, 32, "bfloat16", True, "staged"),       # layout and block size: rows gathered
+    (1, 1, "NHD", "HND", 16, 32, "bfloat16", False, "direct: 64"),  # the same, one head row per descriptor
+    (1, 2, "flash_attn", "HND", 16, 32, "float16", True, "staged"),  # TP 1 -> 2
+    (2, 1, "HND", "flash_attn", 32, 16, "float8_e4m3fn", True, "staged"),  # TP 2 -> 1
+    (2, 1, "NHD", "NHD", 16, 16, "float16", True, "direct: 16"),   # TP 2 -> 1: a half token row per run
+    (1, 1, "flash_attn", "flash_attn", 16, 16, "bfloat16", True, "direct: 1"),  # same layout: one run per block
 ])
-def test_cross_host_transforms(ranks, P, D, src, dst, src_bs, dst_bs, dtype):
+def test_cross_host_transforms(ranks, P, D, src, dst, src_bs, dst_bs, dtype, stage, how):
     case = case_dict(_tag(f"nx{P}{D}"), P=P, D=D, src_layout=src, dst_layout=dst, src_bs=src_bs, dst_bs=dst_bs,
                      heads=4, dtype=dtype, requests=_two_requests(src_bs, dst_bs))
-    _check(ranks(P + D).run(_cross_host_case, case), P, ("a", "b"))
+    _check(ranks(P + D).run(_cross_host_case, case, None, stage), P, ("a", "b"), how)
 
 
 def test_cross_host_without_prepared_lists(ranks):
     """A cache whose descriptor lists would be too large to prepare: explicit descriptors per request."""
     case = case_dict(_tag("nxexp"), P=1, D=2, src_layout="NHD", dst_layout="flashinfer_hnd", src_bs=16, dst_bs=32,
                      heads=4, dtype="bfloat16", requests=_two_requests(16, 32))
-    _check(ranks(3).run(_cross_host_case, case, 0), 1, ("a", "b"))
+    _check(ranks(3).run(_cross_host_case, case, 0), 1, ("a", "b"), "explicit descriptors per request")
 
 
 def test_cross_host_mla_replicated(ranks):
