@@ -228,6 +228,7 @@ class KVAgent:
         self._nixl_sends = {}      # id -> kv_nixl.NixlSend, until poll() reports it
         self._events: List[KVEvent] = []  # native events wait() took while looking for another request
         self._transport_logged = False
+        self._closed = False
 
     # ---- registration ----
     def register(self, caches: Sequence, layout: str = "NHD") -> None:
@@ -366,6 +367,8 @@ class KVAgent:
         """The NIXL agent this rank sends through (created once, its cache registered). A receiving
         rank has another, driven by its inbox's thread (Note [kv over nixl])."""
         if self._nixl is None:
+            if self._geo is None or self._closed:
+                raise ValueError(f"KVAgent: the KV agent of instance '{self.instance}' is closed or not registered")
             self._nixl = self._make_nixl()
         return self._nixl
 
@@ -629,6 +632,7 @@ class KVAgent:
 
     def close(self) -> None:
         """Releases the agent's memory, mappings and server; peers' later sends to it fail."""
+        self._closed = True
         if self._nixl is not None:
             for send in self._nixl_sends.values():
                 for _, h in send.handles:
