@@ -111,7 +111,7 @@ setup(
     python_requires=">=3.10",
     # EPBuffer(transport="nvshmem"): nvshmem4py bootstraps NVSHMEM (its runtime comes with torch's
     # nvidia-nvshmem-cu13).
-    extras_require={"nvshmem": ["nvshmem4py-cu13"]},
+    extras_require={"nvshmem": ["nvshmem4py-cu13"], "nixl": ["nixl-cu13"]},
     entry_points={
         "console_scripts": [
             "commlib-perf=commlib.perf.__main__:main",

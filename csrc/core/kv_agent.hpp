@@ -20,8 +20,8 @@
 // allocator) by a legacy IPC handle of the allocation's base (cudaIpcGetMemHandle) plus the
 // offset; cuMem allocations (commlib's symmetric memory) by their POSIX-fd handle; CPU caches by
 // the memfd of commlib.kv.host_empty(), the only CPU memory another process can write.
-// Agents on different hosts would need a network transport (NIXL): not in this build;
-// connect() says so.
+// Agents on different hosts: the torch layer (python/commlib/kv.py) sends such peers through NIXL
+// (Note [kv over nixl]) and never hands them to connect(), which refuses them.
 //
 // Note [kv tensor parallelism]
 // Both sides split the same global KV heads evenly and in order: rank r of TP t holds heads

@@ -22,10 +22,16 @@ D head_dim, K the K/V plane): ``"NHD"`` (= ``"BTHD"``: a (k, v) pair per layer),
 ``"flashinfer_nhd"`` (``"BKTHD"``), ``"flashinfer_hnd"`` (``"BKHTD"``), ``"MLA"`` (``"BTD"``: the
 latent cache, one tensor per layer); any other axes string of these letters works too.
 The two sides may differ in layout, block size and TP size; the copy transforms on the way.
+A destination on another host is reached through NIXL (``pip install nixl-cu13``; commlib.kv_nixl,
+Note [kv over nixl]); the calls are the same.
 """
 from __future__ import annotations
 
+import json
+import logging
 import math
+import os
+import time
 from datetime import timedelta
 from typing import Iterable, List, NamedTuple, Optional, Sequence, Union
 
@@ -33,12 +39,14 @@ import torch
 import torch.distributed as dist
 
 from . import _C
+from . import kv_nixl
 from .errors import CommError, CommTimeoutError, PeerError
 
 LAYOUTS = {"NHD": "BTHD", "HND": "BHTD", "flash_attn": "KBTHD", "flashinfer_nhd": "BKTHD",
            "flashinfer_hnd": "BKHTD", "MLA": "BTD"}
 ROLES = ("prefill", "decode", "both")
 _ERRORS = {"CommTimeoutError": CommTimeoutError, "PeerError": PeerError, "CommError": CommError}
+_log = logging.getLogger("commlib.kv")
 
 
 class KVEvent(NamedTuple):
@@ -107,6 +115,48 @@ class KVSend:
         self._agent._native.wait_send(self._handle, self._agent._seconds(timeout))
 
 
+class _NixlKVSend(KVSend):
+    """A request pushed through NIXL (Note [kv over nixl]); the same calls as ``KVSend``."""
+
+    def __init__(self, agent: "KVAgent", send: "kv_nixl.NixlSend", request_id: str, layers: List[int]):
+        super().__init__(agent, 0, request_id, layers)
+        self._send = send
+
+    def send_layer(self, layer: int) -> None:
+        self.send_layers([layer])
+
+    def send_layers(self, layers: Iterable[int]) -> None:
+        layers = sorted(int(l) for l in layers)
+        n = self._agent.num_layers
+        for first, count in _runs(layers):
+            if first < 0 or first + count > n:
+                raise ValueError(f"KVAgent.send_layer: layers [{first}, {first + count}) out of range; valid: "
+                                 f"0..{n - 1}")
+        for i, l in enumerate(layers):
+            if l not in self._send.announced:
+                raise ValueError(f"KVAgent.send_layer: request '{self.request_id}': layer {l} was not announced by "
+                                 "send/begin")
+            if l in self._send.sent or l in layers[:i]:
+                raise ValueError(f"KVAgent.send_layer: request '{self.request_id}': layer {l} sent already")
+        if self._agent.device.type == "cuda":  # NIXL reads memory, not a stream: the layers must be written
+            torch.cuda.current_stream(self._agent.device).synchronize()
+        self._send.send_layers(layers)
+
+    def done(self) -> bool:
+        return self._send.check()
+
+    def wait(self, timeout: Optional[timedelta] = None) -> None:
+        seconds = self._agent._seconds(timeout)
+        deadline = time.monotonic() + seconds
+        while not self._send.check():
+            if time.monotonic() >= deadline:
+                raise CommTimeoutError(
+                    f"KVAgent.wait_send: request '{self.request_id}' to instance '{self._send.peer.name}': not "
+                    f"complete after {int(seconds * 1000)} ms ({len(self._send.sent)} of {len(self._send.announced)} "
+                    "layers sent)")
+            time.sleep(0.0001)
+
+
 def _runs(layers: List[int]):
     i = 0
     while i < len(layers):
@@ -141,12 +191,14 @@ class KVAgent:
     lives. ``timeout`` bounds every wait: a receiver reports a request failed when no layer of it
     landed for that long (``CommTimeoutError``) or at once when its sender exited (``PeerError``).
     ``num_ctas``: the CUDA copy kernel's largest grid, its SM budget (default ``COMMLIB_KV_CTAS``).
+    ``require_rdma``: a destination on another host is reached through NIXL over RDMA or not at
+    all (``ValueError`` at connect when either host has no RDMA port; UCX may use only those ports).
     One thread drives an agent; ``close()`` (or collection) releases everything.
     """
 
     def __init__(self, store: dist.Store, instance: str, role: str, tp_rank: int = 0, tp_size: int = 1,
                  device: Union[str, torch.device] = "cpu", timeout: timedelta = timedelta(seconds=300),
-                 num_ctas: Optional[int] = None):
+                 num_ctas: Optional[int] = None, require_rdma: bool = False):
         if not isinstance(store, dist.Store):
             raise TypeError(f"KVAgent: store must be a torch.distributed.Store, got {type(store).__name__}")
         if role not in ROLES:
@@ -165,6 +217,18 @@ class KVAgent:
                                   int(num_ctas or 0))
         self._caches = None
         self.num_layers = 0
+        self.require_rdma = bool(require_rdma)
+        self.host = _C.host_id()
+        self._store = store
+        self._geo = None          # this rank's geometry, as published (Note [kv over nixl])
+        self._nixl = None         # the NIXL agent it sends through, made at the first remote connect
+        self._inbox = None        # receivers with NIXL: their own NIXL agent (made at register) and what arrives
+        self._local_peers = set()  # peers reached through the native agent
+        self._remote = {}          # peer -> kv_nixl.NixlPeer
+        self._nixl_sends = {}      # id -> kv_nixl.NixlSend, until poll() reports it
+        self._events: List[KVEvent] = []  # native events wait() took while looking for another request
+        self._transport_logged = False
+        self._closed = False
 
     # ---- registration ----
     def register(self, caches: Sequence, layout: str = "NHD") -> None:
@@ -219,12 +283,160 @@ class KVAgent:
                                     [p.data_ptr() for p in planes], span)
         self._caches = caches  # the agent addresses their memory: keep it alive
         self.num_layers = len(caches)
+        # [layer][plane] as [B, T, H, head_dim bytes] uint8 views: what a NIXL sender gathers from
+        perm = [plane_axes.index(a) for a in "BTHD" if a in plane_axes]
+        views = [p.permute(perm).view(torch.uint8) for p in planes]
+        views = [v if "H" in plane_axes else v.unsqueeze(2) for v in views]
+        n = len(views) // len(caches)
+        self._canon = [views[i * n:(i + 1) * n] for i in range(len(caches))]
+        self._geo = dict(instance=self.instance, rank=self.tp_rank, tp_size=self.tp_size, role=self.role,
+                         receives=self.role != "prefill", host=self.host, pid=os.getpid(), device=self.device.type,
+                         device_index=-1 if self.device.index is None else self.device.index,
+                         axes=axes, dtype=str(first.dtype).replace("torch.", ""), esize=esize,
+                         num_layers=len(caches), num_planes=1 if "H" not in axes else 2, mla="H" not in axes,
+                         num_blocks=size["B"], block_size=size["T"], heads=size.get("H", 1), head_dim=size["D"],
+                         sB=stride["B"], sT=stride["T"], sH=stride.get("H", 0), planes=[p.data_ptr() for p in planes],
+                         span=span, nixl=False, rdma=kv_nixl.rdma_devices())
+        if self._geo["receives"] and kv_nixl.nixl_api() is not None:
+            try:
+                rx = self._make_nixl()
+                self._store.set(f"kv/{self.instance}/{self.tp_rank}/nixl", rx.get_agent_metadata())
+                self._inbox = kv_nixl.NixlInbox(rx, self.timeout.total_seconds())  # its thread drives rx from now
+                self._geo["nixl"] = True
+            except Exception as e:  # noqa: BLE001 - NIXL imports but cannot start: this host's peers still work
+                _log.warning("commlib.kv: instance '%s' rank %d: NIXL did not start (%s: %s); senders on other "
+                             "hosts cannot reach it", self.instance, self.tp_rank, type(e).__name__, e)
+                self._inbox = None
+        self._store.set(f"kv/{self.instance}/{self.tp_rank}/geometry", json.dumps(self._geo).encode())
 
     def connect(self, peer: str) -> List[int]:
         """Sender: maps the ranks of instance ``peer`` that this rank writes to (done by the first
-        send too); returns their TP ranks. Waits (up to the timeout) for the peer to register."""
-        self._native.connect(str(peer))
-        return self._native.destinations(str(peer))
+        send too); returns their TP ranks. Waits (up to the timeout) for the peer to register. A
+        peer with a destination rank on another host is reached through NIXL (Note [kv over nixl])."""
+        peer = str(peer)
+        if peer in self._remote:
+            return [d.rank for d in self._remote[peer].dests]
+        if self._geo is None or self.role == "decode" or peer in self._local_peers:
+            self._native.connect(peer)  # its checks and errors (not registered, not a sender, ...)
+            return self._native.destinations(peer)
+        first = json.loads(self.store_get(f"kv/{peer}/0/geometry", f"instance '{peer}' rank 0"))
+        ranks = [first] + [json.loads(self.store_get(f"kv/{peer}/{r}/geometry", f"instance '{peer}' rank {r}"))
+                           for r in range(1, first["tp_size"])]
+        plans = kv_nixl.plan_destinations(self._geo, self.tp_rank, self.tp_size, first["tp_size"]) \
+            if first["heads"] * first["tp_size"] % self.tp_size == 0 or self._geo["mla"] else []
+        # Every rank of both instances on this host: the native path. Otherwise NIXL for all of
+        # them, so that the senders of one destination rank agree (Note [kv over nixl]).
+        own = [json.loads(self.store_get(f"kv/{self.instance}/{r}/geometry", f"instance '{self.instance}' rank {r}"))
+               for r in range(self.tp_size)]
+        if all(g["host"] == self.host for g in ranks + own):
+            self._native.connect(peer)
+            self._local_peers.add(peer)
+            return self._native.destinations(peer)
+        self._check_remote(peer, ranks, plans)
+        self._remote[peer] = kv_nixl.NixlPeer(self, peer, self._geo, ranks, plans)
+        if not self._transport_logged:
+            self._transport_logged = True
+            text = self._remote[peer].transport
+            (_log.warning if "TCP" in text else _log.info)("commlib.kv: instance '%s' rank %d -> instance '%s': %s",
+                                                           self.instance, self.tp_rank, peer, text)
+        return [d.rank for d in self._remote[peer].dests]
+
+    def transport(self, peer: str) -> str:
+        """How this rank reaches instance ``peer`` (after connect): "local: ..." (this host's shared or
+        CUDA IPC memory) or "NIXL/UCX ..." with what can be known of the transport (NIXL names its
+        backend, not the UCX transport it picked: the RDMA ports UCX may use, or TCP when there are none)."""
+        peer = str(peer)
+        if peer in self._remote:
+            return self._remote[peer].transport
+        if peer in self._local_peers:
+            return "local: " + ("CUDA IPC (peer GPU memory)" if self.device.type == "cuda" else "shared memory (memfd)")
+        raise ValueError(f"KVAgent.transport: not connected to instance '{peer}'")
+
+    # ---- NIXL (Note [kv over nixl]) ----
+    def store_get(self, key: str, who: str) -> bytes:
+        """The store's value of ``key``, waiting up to the timeout (``CommTimeoutError`` naming ``who``)."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not self._store.check([key]):
+            if time.monotonic() >= deadline:
+                raise CommTimeoutError(f"KVAgent.connect: {who} did not register its KV cache within "
+                                       f"{int(self.timeout.total_seconds() * 1000)} ms (store key '{key}')")
+            time.sleep(0.005)
+        return self._store.get(key)
+
+    def nixl_agent(self):
+        """The NIXL agent this rank sends through (created once, its cache registered). A receiving
+        rank has another, driven by its inbox's thread (Note [kv over nixl])."""
+        if self._nixl is None:
+            if self._geo is None or self._closed:
+                raise ValueError(f"KVAgent: the KV agent of instance '{self.instance}' is closed or not registered")
+            self._nixl = self._make_nixl()
+        return self._nixl
+
+    def _make_nixl(self):
+        g = self._geo
+        return kv_nixl.make_agent(kv_nixl.new_agent_name(self.instance, self.tp_rank),
+                                  regions=kv_nixl.merged_regions(g["planes"], g["span"]),
+                                  mem="DRAM" if self.device.type == "cpu" else "VRAM", device=max(0, g["device_index"]),
+                                  only_rdma=self.require_rdma and bool(g["rdma"]))
+
+    def transport_description(self) -> str:
+        devices = self._geo["rdma"]
+        if not devices:
+            return ("NIXL/UCX; this host has no RDMA port (/sys/class/infiniband is empty): across hosts UCX "
+                    "runs over TCP")
+        return (f"NIXL/UCX; RDMA ports {', '.join(devices)} " +
+                ("(UCX may use only these: require_rdma)" if self.require_rdma else
+                 "(UCX picks among them and TCP; NIXL does not say which)"))
+
+    def _check_remote(self, peer: str, ranks: list, plans: list) -> None:
+        """connect()'s checks for a NIXL peer (the native agent's messages)."""
+        what, mine, first = "KVAgent.connect", self._geo, ranks[0]
+        both = (f" (instance '{self.instance}': {mine['axes']} {mine['dtype']}, instance '{peer}': {first['axes']} "
+                f"{first['dtype']})")
+        if not first["receives"]:
+            raise ValueError(f"{what}: instance '{peer}' has role {first['role']}; it does not receive")
+        if first["device"] != mine["device"]:
+            raise ValueError(f"{what}: this agent's cache is on {mine['device']} but instance '{peer}' registered "
+                             f"{first['device']}; supported: the same device type on both sides")
+        if first["dtype"] != mine["dtype"] or first["esize"] != mine["esize"]:
+            raise ValueError(f"{what}: dtypes differ{both}; the copy is bitwise, both sides need the same dtype")
+        if first["mla"] != mine["mla"]:
+            raise ValueError(f"{what}: one side is an MLA latent cache and the other not{both}")
+        if first["head_dim"] != mine["head_dim"]:
+            raise ValueError(f"{what}: head_dim {mine['head_dim']} vs {first['head_dim']}{both}")
+        if first["num_layers"] != mine["num_layers"]:
+            raise ValueError(f"{what}: {mine['num_layers']} layers vs {first['num_layers']}{both}")
+        heads = mine["heads"] * self.tp_size
+        if not mine["mla"] and heads != first["heads"] * first["tp_size"]:
+            raise ValueError(f"{what}: global KV heads differ: {mine['heads']} x TP {self.tp_size} = {heads} vs "
+                             f"{first['heads']} x TP {first['tp_size']} = {first['heads'] * first['tp_size']}{both}")
+        for d in ranks:
+            if any(d[k] != first[k] for k in ("tp_size", "heads", "block_size", "num_blocks", "axes")):
+                raise CommError(f"{what}: the ranks of instance '{peer}' registered different caches (rank 0 and "
+                                f"{kv_nixl.peer_name(d['instance'], d['rank'], d['pid'], d['host'])})")
+        if len(plans) > kv_nixl.MAX_DESTS:
+            raise ValueError(f"{what}: rank {self.tp_rank} would write to {len(plans)} ranks of instance '{peer}'; at "
+                             f"most {kv_nixl.MAX_DESTS} (TP ratio up to 1:{kv_nixl.MAX_DESTS})")
+        if not mine["mla"] and (heads % self.tp_size or heads % first["tp_size"]):
+            raise ValueError(f"{what}: {heads} KV heads do not divide by TP {self.tp_size} and TP "
+                             f"{first['tp_size']}{both}")
+        if kv_nixl.nixl_api() is None:
+            hosts = sorted({g["host"] for g in ranks} | {self.host})
+            raise ValueError(f"{what}: instances '{self.instance}' and '{peer}' span hosts {', '.join(hosts)}; across "
+                             "hosts the KV transfer needs NIXL, which does not import here: pip install nixl-cu13 "
+                             "(or commlib[nixl]) (docs/kv.md)")
+        for p in plans:
+            d = ranks[p["rank"]]
+            if not d["nixl"]:
+                raise ValueError(f"{what}: {kv_nixl.peer_name(d['instance'], d['rank'], d['pid'], d['host'])} on host "
+                                 f"'{d['host']}' has no NIXL agent (NIXL does not import or start there: pip install "
+                                 "nixl-cu13); across hosts the KV transfer needs it on both sides")
+            if self.require_rdma and not (mine["rdma"] and d["rdma"]):
+                host = self.host if not mine["rdma"] else d["host"]
+                raise ValueError(f"{what}: require_rdma: host '{host}' has no RDMA port (/sys/class/infiniband is "
+                                 f"empty), so NIXL/UCX would carry the KV cache to "
+                                 f"{kv_nixl.peer_name(d['instance'], d['rank'], d['pid'], d['host'])} over TCP; "
+                                 "refusing (KVAgent(require_rdma=False) allows it)")
 
     # ---- sending ----
     def begin(self, peer: str, request_id: str, src_blocks, dst_blocks, layers=None,
@@ -240,6 +452,13 @@ class KVAgent:
             layer_list = [layers]
         else:
             layer_list = [int(l) for l in layers]
+        peer = str(peer)
+        if peer not in self._local_peers and peer not in self._remote and self._geo is not None \
+                and self.role != "decode":
+            self.connect(peer)
+        if peer in self._remote:
+            return self._begin_nixl(self._remote[peer], str(request_id), _block_ids("src_blocks", src_blocks),
+                                    _block_ids("dst_blocks", dst_blocks), num_tokens, layer_list)
         handle = self._native.begin(str(peer), str(request_id), _block_ids("src_blocks", src_blocks),
                                     _block_ids("dst_blocks", dst_blocks), -1 if num_tokens is None else int(num_tokens),
                                     layer_list, self._stream())
@@ -250,41 +469,185 @@ class KVAgent:
         """``begin`` and send every announced layer at once (one launch per run of layers)."""
         x = self.begin(peer, request_id, src_blocks, dst_blocks, layers, num_tokens)
         stream = self._stream()
-        if layers is None:
+        if isinstance(x, _NixlKVSend):
+            x.send_layers(x.layers)
+        elif layers is None:
             self._native.send_layers(x._handle, 0, self.num_layers, stream)
         else:
             x.send_layers(x.layers)
         return x
 
+    def _begin_nixl(self, peer: "kv_nixl.NixlPeer", request_id: str, src: torch.Tensor, dst: torch.Tensor,
+                    num_tokens: Optional[int], layer_list: List[int]) -> KVSend:
+        """``begin`` to a NIXL peer: the native agent's checks and messages, then the announcement."""
+        what = "KVAgent.send"
+        if not request_id or len(request_id) >= 96:
+            raise ValueError(f"{what}: request id '{request_id}' must be 1..95 characters")
+        bs, bd = self._geo["block_size"], peer.peer_bs
+        ntok = len(src) * bs if num_tokens is None or int(num_tokens) < 0 else int(num_tokens)
+        if len(src) != -(-ntok // bs) or len(dst) != -(-ntok // bd):
+            raise ValueError(f"{what}: request '{request_id}' of {ntok} tokens needs {-(-ntok // bs)} source blocks of "
+                             f"{bs} tokens and {-(-ntok // bd)} destination blocks of {bd} tokens; got {len(src)} and "
+                             f"{len(dst)}")
+        s, d = src.numpy().astype("int64"), dst.numpy().astype("int64")
+        for ids, n, side in ((s, self._geo["num_blocks"], "source"), (d, peer.peer_blocks, "destination")):
+            bad = ((ids < 0) | (ids >= n)).nonzero()[0]
+            if len(bad):
+                raise ValueError(f"{what}: request '{request_id}': {side} block id {ids[bad[0]]} (position "
+                                 f"{bad[0]}) out of range; valid: 0..{n - 1}")
+        if len(d):
+            order = d.argsort(kind="stable")
+            twice = (d[order][1:] == d[order][:-1]).nonzero()[0]
+            if len(twice):
+                i, j = sorted((order[twice[0]], order[twice[0] + 1]))
+                raise ValueError(f"{what}: request '{request_id}': destination block {d[i]} appears twice (positions "
+                                 f"{i} and {j})")
+        announced = []
+        for l in layer_list or range(self.num_layers):
+            if l < 0 or l >= self.num_layers:
+                raise ValueError(f"{what}: layer {l} out of range; valid: 0..{self.num_layers - 1}")
+            if l in announced:
+                raise ValueError(f"{what}: layer {l} listed twice")
+            announced.append(l)
+        send = kv_nixl.NixlSend(self, peer, request_id, s, d, ntok, announced)
+        send.announce()
+        key = id(send)
+        self._nixl_sends[key] = send
+        return _NixlKVSend(self, send, request_id, layer_list or list(range(self.num_layers)))
+
+    def _nixl_events(self, request_id: Optional[str] = None) -> List[KVEvent]:
+        """Finished NIXL requests (received: all, or only ``request_id``; sent: all unless one is asked for)."""
+        out = []
+        if self._inbox is not None:
+            self._inbox.pump()
+            now = time.monotonic()
+            for t in list(self._inbox.tracked.values()):
+                if request_id is not None and t.request_id != request_id:
+                    continue
+                state, cls, reason, peer, landed = self._inbox.evaluate(t, now)
+                if state != "pending":
+                    self._inbox.finish(t)
+                    out.append(KVEvent(t.request_id, "recv", state, _ERRORS[cls](reason) if cls else None, reason, peer,
+                                       bin(t.mask).count("1"), landed, t.num_blocks))
+        if request_id is None:
+            for key, send in list(self._nixl_sends.items()):
+                try:
+                    if not send.check():
+                        continue
+                    event = KVEvent(send.request_id, "send", "done", None, "", f"instance '{send.peer.name}'",
+                                    len(send.announced), [], 0)
+                except CommError as e:
+                    event = KVEvent(send.request_id, "send", "failed", e, str(e), f"instance '{send.peer.name}'",
+                                    len(send.announced), [], 0)
+                del self._nixl_sends[key]
+                out.append(event)
+        return out
+
     # ---- receiving ----
     def poll(self) -> List[KVEvent]:
         """Requests finished since the last poll: received here (kind "recv") and sent from here
         (kind "send"), done or failed, each reported once (by poll or by wait)."""
-        return [_event(t) for t in self._native.poll()]
+        events = [_event(t) for t in self._native.poll()]
+        if self._events:
+            events, self._events = self._events + events, []
+        if self._inbox is not None or self._nixl_sends:
+            events += self._nixl_events()
+        return events
 
     def wait(self, request_id: str, timeout: Optional[timedelta] = None) -> KVEvent:
         """Waits until ``request_id`` landed from every sender and returns its event (reported: a
         later poll does not list it). Raises its error (``CommTimeoutError`` / ``PeerError`` /
         ``CommError``, naming the request, peer and layer) if it failed, and ``CommTimeoutError``
         (not reported: wait again) if it is still incomplete after ``timeout`` (default: the agent's)."""
-        event = _event(self._native.wait(str(request_id), self._seconds(timeout)))
+        request_id, seconds = str(request_id), self._seconds(timeout)
+        if self._inbox is None and not self._events:
+            event = _event(self._native.wait(request_id, seconds))
+        else:
+            event = self._wait_any(request_id, seconds)
         if event.error is not None:
             raise event.error
         return event
 
+    def _wait_any(self, request_id: str, seconds: float) -> KVEvent:
+        """wait() when requests may also arrive through NIXL: polls both, keeps the other events for poll()."""
+        deadline = time.monotonic() + seconds
+        for round in range(1 << 62):
+            for i, e in enumerate(self._events):
+                if e.kind == "recv" and e.request_id == request_id:
+                    return self._events.pop(i)
+            events = self._nixl_events(request_id) if self._inbox is not None else []
+            if events:
+                return events[0]
+            self._events += [_event(t) for t in self._native.poll()]
+            if any(e.kind == "recv" and e.request_id == request_id for e in self._events):
+                continue
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0 if round < 32 else 0.0001 if round < 2000 else 0.001)
+        t = self._inbox.tracked.get(request_id) if self._inbox is not None else None
+        if t is not None:
+            _, _, _, peer, landed = self._inbox.evaluate(t, time.monotonic())
+            missing = [l for l in kv_nixl.mask_layers(t.mask) if l not in landed]
+            raise CommTimeoutError(f"KVAgent.wait: Timed out after {int(seconds * 1000)} ms: KV request '{request_id}' "
+                                   f"from {peer}: layer {missing[0]} has not landed (layers landed: "
+                                   f"{kv_nixl.layer_list(landed)} of {bin(t.mask).count('1')})")
+        return _event(self._native.wait(request_id, 0.0))  # its message: what arrived, who is connected
+
     def wait_layer(self, request_id: str, layer: int, timeout: Optional[timedelta] = None) -> None:
         """Waits until layer ``layer`` of the request landed from every sender (layer-wise streaming);
         ``CommTimeoutError`` after ``timeout`` (default: the agent's); raises the request's failure."""
-        if not self._native.wait_layer(str(request_id), int(layer), self._seconds(timeout)):
+        if not self._layer(str(request_id), int(layer), self._seconds(timeout)):
             raise CommTimeoutError(f"KVAgent.wait_layer: layer {layer} of KV request '{request_id}' has not landed "
                                    f"after {self._seconds(timeout):.3f} s")
 
     def layer_ready(self, request_id: str, layer: int) -> bool:
         """Whether layer ``layer`` of the request landed from every sender (does not wait)."""
-        return self._native.wait_layer(str(request_id), int(layer), 0.0)
+        return self._layer(str(request_id), int(layer), 0.0)
+
+    def _layer(self, request_id: str, layer: int, seconds: float) -> bool:
+        if self._inbox is None and not self._events:
+            return self._native.wait_layer(request_id, layer, seconds)
+        deadline = time.monotonic() + seconds
+        for round in range(1 << 62):
+            if self._native.wait_layer(request_id, layer, 0.0):  # also checks the layer's range
+                return True
+            for e in self._events:  # a request wait() took from the native agent while looking for another
+                if e.kind == "recv" and e.request_id == request_id:
+                    if e.error is not None:
+                        raise e.error
+                    return layer in e.layers_done
+            if self._inbox is not None:
+                self._inbox.pump()
+                t = self._inbox.tracked.get(request_id)
+                if t is not None:
+                    state, cls, reason, _, landed = self._inbox.evaluate(t, time.monotonic())
+                    if layer in landed and len(t.contributors) == t.num_contributors:
+                        return True
+                    if state == "failed":
+                        raise _ERRORS[cls](reason)
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0 if round < 32 else 0.0001 if round < 2000 else 0.001)
+        return False
 
     def close(self) -> None:
         """Releases the agent's memory, mappings and server; peers' later sends to it fail."""
+        self._closed = True
+        if self._nixl is not None:
+            for send in self._nixl_sends.values():
+                for _, h in send.handles:
+                    try:
+                        self._nixl.release_xfer_handle(h)
+                    except Exception:  # noqa: BLE001 - closing: a transfer still in flight stays NIXL's
+                        pass
+            for peer in self._remote.values():
+                peer.release(self._nixl)
+            self._nixl_sends.clear()
+            self._remote.clear()
+            self._nixl = None  # NIXL deregisters the cache when its agent goes
+        if self._inbox is not None:
+            self._inbox.close()
+            self._inbox = None
         self._native.close()
 
     def _stream(self) -> int:

@@ -19,12 +19,17 @@ Columns, on prefill rank 0, medians over ``-n`` requests after ``-w`` warm-up on
 * wrong: bytes of one more request on fresh data that differ from the reference (indexing), read
   on the decode ranks;
 * NIXL (when ``nixl_cu13`` or ``nixl`` imports: ``pip install nixl-cu13``): the same request through NIXL in the
-  same run, as an engine without commlib moves it: one NIXL agent per rank (UCX backend) with the
-  caches registered, the request's descriptors (one per run of bytes contiguous on both sides:
+  same run, as an engine without commlib moves it: one NIXL agent per rank (UCX backend with NIXL's
+  progress thread, made by commlib.kv_nixl.make_agent) with the caches registered, the request's
+  descriptors (one per run of bytes contiguous on both sides:
   a whole block when the layouts match, a head_dim row when they do not) posted as one WRITE per
   decode rank; post = host time to build the descriptor lists and post them, complete = until
   NIXL reports the transfer done, then the count of descriptors and the wrong bytes of a checked
   request on fresh data.
+* c/NIXL (CPU, when NIXL imports): commlib.kv itself through NIXL (Note [kv over nixl]): the same
+  requests through a second pair of agents whose processes name two hosts; post and complete as
+  commlib's (post includes the transfer: over NIXL ``send`` returns once it landed), wrong bytes of a
+  checked request.
 ``llama70b`` is the anchor shape of the issue: 80 layers x 118 blocks x K, V = 18,880 block
 descriptors of 4 KiB (Llama-3-70B at TP 8: one KV head of 128 dims, 16 tokens, bf16).
 """
@@ -174,6 +179,16 @@ def _row_worker(rank: int, world_size: int, store, opts, rows, run_id: str) -> L
             while int(store.add(f"{tag}/finished", 0)) < P + D:
                 time.sleep(0.001)
             agent.close()
+            if _nixl_api() is not None and cpu:  # commlib.kv itself over NIXL: the instances name two hosts
+                layout = src_layout if role == "prefill" else dst_layout
+                out = _over_nixl(store, f"{tag}-x", role, tp_rank, tp, P + D, device, caches, layout, lambda a, t: (
+                    _send_rows(a, f"{t}-decode", src_ids, dst_ids, opts, rank, device, caches, canon, store, t, D)
+                    if role == "prefill" else
+                    _receive(a, store, t, src_ids, dst_ids, canon, rank - P, P, D, bs, dst_bs, heads, head_dim, layers,
+                             src_layout, blocks, device, opts)))
+                if role == "prefill":
+                    result.update(cx_post_us=out["post_us"], cx_complete_us=out["complete_us"],
+                                  cx_wrong=out.get("wrong", 0))
         if rank == 0:
             result.update(case=case, block_bytes=block_bytes, blocks=blocks, layers=layers, ctas=ctas,
                           bytes=blocks * block_bytes * 2 * layers)
@@ -182,6 +197,29 @@ def _row_worker(rank: int, world_size: int, store, opts, rows, run_id: str) -> L
         while int(store.add(f"{tag}/row", 0)) < world_size:
             time.sleep(0.001)
     return results
+
+
+def _over_nixl(store, tag, role, tp_rank, tp, ranks, device, caches, layout, run):
+    """`run(agent, tag)` with a second pair of commlib.kv agents over the same caches, the prefill and
+    decode processes naming two hosts (COMMLIB_TEST_HOST_ID), so commlib.kv moves the requests
+    through NIXL (Note [kv over nixl])."""
+    from .. import kv
+    old = os.environ.get("COMMLIB_TEST_HOST_ID")
+    os.environ["COMMLIB_TEST_HOST_ID"] = f"{tag}-{role}-host"
+    try:
+        agent = kv.KVAgent(store, f"{tag}-{role}", role, tp_rank, tp, device=device, timeout=timedelta(seconds=60))
+        agent.register(caches, layout)
+        out = run(agent, tag)
+        store.add(f"{tag}/finished", 1)
+        while int(store.add(f"{tag}/finished", 0)) < ranks:
+            time.sleep(0.001)
+        agent.close()
+        return out
+    finally:
+        if old is None:
+            os.environ.pop("COMMLIB_TEST_HOST_ID", None)
+        else:
+            os.environ["COMMLIB_TEST_HOST_ID"] = old
 
 
 def _send_rows(agent, peer, src_ids, dst_ids, opts, rank, device, caches, canon, store, tag, D) -> dict:
@@ -275,22 +313,16 @@ def _wrong_bytes(canon, src_ids, dst_ids, d_rank, P, D, bs, dst_bs, heads, head_
 # ---- the same request through NIXL (when it imports) ----
 
 def _nixl_api():
-    """NIXL's agent classes: the CUDA 13 wheel's (nixl-cu13), else the meta package's; None without NIXL."""
-    import importlib
-    for module in ("nixl_cu13._api", "nixl._api"):
-        try:
-            api = importlib.import_module(module)
-        except Exception:  # not installed, or a build that cannot load here
-            continue
-        return api.nixl_agent, api.nixl_agent_config
-    return None
+    """NIXL's agent classes, or None without NIXL (the product's helper: commlib.kv_nixl)."""
+    from ..kv_nixl import nixl_api
+    return nixl_api()
 
 
 def _nixl_agent(name: str, caches):
-    nixl_agent, nixl_agent_config = _nixl_api()
-    agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
-    agent.register_memory([t for c in caches for t in (c if isinstance(c, tuple) else (c,))])
-    return agent
+    """A NIXL agent (UCX) with the caches registered, made the way commlib.kv makes its own."""
+    from ..kv_nixl import make_agent
+    return make_agent(name, tensors=[t for c in caches for t in (c if isinstance(c, tuple) else (c,))],
+                      progress_thread=True)
 
 
 def _plane_geometry(canon) -> list:
@@ -407,7 +439,7 @@ def main_kv(opts) -> int:
     lines = _table(results, cpu)
     for line in lines:
         print(line, flush=True)
-    wrong = sum(r["wrong"] + r.get("nixl_wrong", 0) for r in results)
+    wrong = sum(r["wrong"] + r.get("nixl_wrong", 0) + r.get("cx_wrong", 0) for r in results)
     if opts.out:
         meta = [f"# {NAME}: commlib.kv, {opts.device.upper()}, prefill and decode instances on one machine", "",
                 f"- machine: {machine_description(opts.device)}; {software_description(opts.device)}",
@@ -425,6 +457,7 @@ def main_kv(opts) -> int:
 def _table(results, cpu: bool) -> List[str]:
     head = (f"{'case':>9} {'block':>6} {'blocks':>6} {'layers':>6} {'CTAs':>5} {'MB/req':>8} {'post us':>8} {'complete us':>11} "
             f"{'GPU us':>8} {'GB/s':>7} {'D2D GB/s':>8} {'% D2D':>6} {'wrong':>5}  "
+            f"{'c/NIXL post':>11} {'complete us':>11} {'wrong':>5}  "
             f"{'NIXL post us':>12} {'complete us':>11} {'descs':>6} {'wrong':>5} {'vs NIXL':>7}")
     lines = [head]
     for r in results:
@@ -435,8 +468,14 @@ def _table(results, cpu: bool) -> List[str]:
         ctas = str(r["ctas"]) if r["ctas"] else os.environ.get("COMMLIB_KV_CTAS", "dflt")
         lines.append(f"{r['case']:>9} {r['block_bytes'] // 1024:>5}K {r['blocks']:>6} {r['layers']:>6} {ctas:>5} "
                      f"{r['bytes'] / 1e6:>8.2f} {r['post_us']:>8.1f} {r['complete_us']:>11.1f} {r['gpu_us']:>8.1f} "
-                     f"{gbps:>7.1f} {d2d:>8.1f} {pct:>6.1f} {r['wrong']:>5}  " + _nixl_cells(r))
+                     f"{gbps:>7.1f} {d2d:>8.1f} {pct:>6.1f} {r['wrong']:>5}  " + _over_nixl_cells(r) + _nixl_cells(r))
     return lines
+
+
+def _over_nixl_cells(r: dict) -> str:
+    if "cx_post_us" not in r:
+        return f"{'n/a':>11} {'n/a':>11} {'n/a':>5}  "
+    return f"{r['cx_post_us']:>11.1f} {r['cx_complete_us']:>11.1f} {r['cx_wrong']:>5}  "
 
 
 def _nixl_cells(r: dict) -> str:

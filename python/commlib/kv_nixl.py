@@ -1,0 +1,665 @@
+"""commlib.kv across hosts: the KV transfer through NIXL (UCX backend). Used by ``commlib.kv.KVAgent``
+when a destination rank runs on another host; docs/kv.md says what it does, the benchmark
+(``commlib-perf kv_transfer``) shares its NIXL helpers.
+"""
+# Note [kv over nixl]
+# Peers: every agent publishes its cache geometry under "kv/<instance>/<rank>/geometry" (JSON: host,
+# pid, TP, dtype, strides in bytes, plane addresses) beside the native descriptor (Note [kv peers]);
+# a receiving agent with NIXL creates its NIXL agent at register(), registers its cache with it once
+# and publishes the agent's metadata under ".../nixl". A sender takes this path to a peer instance
+# unless every rank of both instances is on its host (so that all senders of one destination rank
+# take the same path: a request's contributors are counted on one side, native records or NIXL):
+# it creates its own NIXL agent (once), registers its cache, loads each destination's metadata and
+# prepares two descriptor lists per destination (prep_xfer_dlist), once.
+# Granularity: the request's tokens cut into chunks of g = gcd(source block size, destination
+# block size) tokens; a chunk lies in one block on each side. Within a chunk the copied
+# (token, head) rows form runs of bytes contiguous on both sides (the same for every chunk: one
+# per chunk when both sides hold the chunk's heads contiguously in the same order, one head_dim row
+# each under a layout change). The lists hold one entry per (layer, plane, block, chunk in block,
+# run), so a request is only a list of indices on each side (make_prepped_xfer): no address is
+# computed per request. A request whose token count is not a multiple of g has a partial last
+# chunk: its runs (at most g - 1 tokens' worth) go as a second, small transfer with explicit
+# descriptors. Lists larger than PREP_LIMIT entries are not prepared; such a peer gets explicit
+# descriptors for the whole request (the way an engine without prepared lists moves it).
+# Staging: a transform that cuts a chunk into more runs than the destination alone needs (a layout
+# change: one head_dim row per run; TP 1 -> 2 from a token-major layout) is gathered on the sender:
+# each full chunk's rows are copied (torch indexing, on the cache's device) into a registered
+# staging buffer in destination order, so one descriptor covers each run contiguous at the
+# destination (NHD -> HND: a head's tokens). The sender's list then covers the staging buffer's
+# (slot, run) entries and the destination's covers (layer, plane, block, chunk, destination run).
+# The buffer grows by doubling to the largest send_layers() call; it is free again when the call
+# returns (its transfers completed). Partial last chunks are not staged. STAGE = False turns it off.
+# Completion: each transfer carries a notification (JSON, prefix MAGIC) with the request's header
+# (id, sequence number, sender, contributors, announced layers, destination blocks) and the layers
+# it completes; NIXL delivers it after the transfer's data. A request is announced by a standalone
+# notification at begin. The receiver (NixlInbox) counts a layer landed from a sender when every
+# transfer part of the post that carried it arrived, and reports a request the way the native
+# records are reported (Note [kv protocol]): done when every contributor's every announced layer
+# landed; failed when a sender reports a failure (CommError) or nothing progresses for the agent's
+# timeout (CommTimeoutError: the sender may have died; across hosts there is no pid to look at).
+# Progress: NIXL agents run without NIXL's progress thread (it spins a core). send_layer() drives
+# its transfers until NIXL reports them done (so, as on the CPU path, a layer has landed when it
+# returns). A receiving agent runs a thread of its own (_progress) that is the only caller of its
+# NIXL agent after registration: it asks for notifications (which progresses UCX: connection
+# setup, TCP) every 0.1 ms while they come, every 1 ms when idle, and queues them for poll / wait.
+# A rank that both sends and receives has two NIXL agents, so no NIXL agent is called by two threads.
+from __future__ import annotations
+
+import collections
+import importlib
+import json
+import math
+import os
+import threading
+import time
+import uuid
+import weakref
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+MAGIC = b"cmlkv1"
+PREP_LIMIT = 1 << 22  # entries of one prepared descriptor list (a peer above it: explicit descriptors)
+STAGE = True  # gather on the sender when that makes fewer descriptors (False: runs straight from the cache)
+MAX_DESTS = 8  # kernels::kKvMaxDests
+
+
+def nixl_api():
+    """NIXL's agent classes: the CUDA 13 wheel's (nixl-cu13), else the meta package's; None without NIXL."""
+    for module in ("nixl_cu13._api", "nixl._api"):
+        try:
+            api = importlib.import_module(module)
+        except Exception:  # not installed, or a build that cannot load here
+            continue
+        return api.nixl_agent, api.nixl_agent_config
+    return None
+
+
+def rdma_devices() -> List[str]:
+    """This host's RDMA ports as UCX names them ("mlx5_0:1"), from /sys/class/infiniband."""
+    root = "/sys/class/infiniband"
+    out = []
+    try:
+        for dev in sorted(os.listdir(root)):
+            for port in sorted(os.listdir(os.path.join(root, dev, "ports"))):
+                out.append(f"{dev}:{port}")
+    except OSError:
+        pass
+    return out
+
+
+def make_agent(name: str, regions=None, tensors=None, mem: str = "DRAM", device: int = 0,
+               only_rdma: bool = False, progress_thread: bool = False):
+    """A NIXL agent with the UCX backend, `regions` ((address, bytes) pairs) or `tensors` registered.
+    only_rdma: UCX may use this host's RDMA ports only (no TCP across hosts). progress_thread: NIXL's
+    own (it spins a core; commlib.kv does without, Note [kv over nixl])."""
+    nixl_agent, nixl_agent_config = nixl_api()
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[]))
+    params = {"ucx_devices": ",".join(rdma_devices())} if only_rdma else {}
+    agent.create_backend("UCX", params)
+    if tensors:
+        agent.register_memory(list(tensors))
+    if regions:
+        agent.register_memory([(int(a), int(n), device, "") for a, n in regions], mem)
+    return agent
+
+
+def merged_regions(planes: Sequence[int], span: int):
+    """(address, bytes) intervals covering every [plane, plane + span), overlaps merged."""
+    out = []
+    for a in sorted(int(p) for p in planes):
+        if out and a <= out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][1], a + span - out[-1][0])
+        else:
+            out.append([a, span])
+    return [(a, n) for a, n in out]
+
+
+def chunk_runs(src_strides, dst_strides, tokens: int, heads: int, row: int):
+    """Runs of a chunk of `tokens` tokens x `heads` heads contiguous on both sides: (source offsets,
+    destination offsets, lengths) relative to the chunk's first row; strides = (token, head) bytes."""
+    t = np.repeat(np.arange(tokens, dtype=np.int64), heads)
+    h = np.tile(np.arange(heads, dtype=np.int64), tokens)
+    so = t * src_strides[0] + h * src_strides[1]
+    do = t * dst_strides[0] + h * dst_strides[1]
+    order = np.argsort(so, kind="stable")
+    so, do = so[order], do[order]
+    start = np.ones(len(so), dtype=bool)
+    start[1:] = (so[1:] != so[:-1] + row) | (do[1:] != do[:-1] + row)
+    first = np.flatnonzero(start)
+    lengths = np.diff(np.append(first, len(so))) * row
+    return so[first], do[first], lengths
+
+
+def dst_runs(dst_strides, tokens: int, heads: int, row: int):
+    """A chunk's rows in destination order and the runs contiguous at the destination: (token of each
+    row, head of each row, run destination offsets, run lengths, run offsets in the staged chunk)."""
+    t = np.repeat(np.arange(tokens, dtype=np.int64), heads)
+    h = np.tile(np.arange(heads, dtype=np.int64), tokens)
+    do = t * dst_strides[0] + h * dst_strides[1]
+    order = np.argsort(do, kind="stable")
+    t, h, do = t[order], h[order], do[order]
+    start = np.ones(len(do), dtype=bool)
+    start[1:] = do[1:] != do[:-1] + row
+    first = np.flatnonzero(start)
+    return t, h, do[first], np.diff(np.append(first, len(do))) * row, first * row
+
+
+def layer_list(layers: Sequence[int]) -> str:
+    """"0..2, 5" (the native agent's format)."""
+    layers = sorted(layers)
+    if not layers:
+        return "none"
+    out, i = [], 0
+    while i < len(layers):
+        j = i
+        while j + 1 < len(layers) and layers[j + 1] == layers[j] + 1:
+            j += 1
+        out.append(str(layers[i]) if i == j else f"{layers[i]}..{layers[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def mask_layers(mask: int) -> List[int]:
+    return [l for l in range(mask.bit_length()) if mask >> l & 1]
+
+
+def plan_destinations(mine: dict, rank: int, tp: int, tp_d: int) -> List[dict]:
+    """Destination ranks of `rank` (Note [kv tensor parallelism]): rank, first source / destination
+    head, heads, and the contributors of that destination (first sender, count, this rank's index)."""
+    heads = mine["heads"] * tp
+    out = []
+    for d in range(tp_d):
+        if mine["mla"]:
+            if d % tp != rank:
+                continue
+            entry = dict(rank=d, src_head=0, dst_head=0, heads=1, first_sender=d % tp, num_contributors=1,
+                         contributor=0)
+            out.append(entry)
+            continue
+        hp, hd = heads // tp, heads // tp_d
+        lo, hi = max(rank * hp, d * hd), min((rank + 1) * hp, (d + 1) * hd)
+        if lo >= hi:
+            continue
+        senders = [s for s in range(tp) if max(s * hp, d * hd) < min((s + 1) * hp, (d + 1) * hd)]
+        out.append(dict(rank=d, src_head=lo - rank * hp, dst_head=lo - d * hd, heads=hi - lo, first_sender=senders[0],
+                        num_contributors=len(senders), contributor=senders.index(rank)))
+    return out
+
+
+def peer_name(instance: str, rank: int, pid: int, host: str) -> str:
+    return f"instance '{instance}' rank {rank} (pid {pid}, host '{host}')"
+
+
+def _message(header: dict, **fields) -> bytes:
+    return MAGIC + json.dumps(dict(header, **fields), separators=(",", ":")).encode()
+
+
+class _Dest:
+    """One destination rank of a NIXL peer: its geometry, agent name and prepared lists."""
+
+    def __init__(self, geo: dict, plan: dict):
+        self.geo, self.plan = geo, plan
+        self.rank = geo["rank"]
+        self.name = peer_name(geo["instance"], geo["rank"], geo["pid"], geo["host"])
+        self.agent_name = ""
+        self.local = self.remote = None  # prepared lists (None: explicit descriptors)
+        self.next_seq = 1
+        self.dev = 0
+
+
+class NixlPeer:
+    """A sender's view of one peer instance reached through NIXL (Note [kv over nixl])."""
+
+    def __init__(self, owner, name: str, mine: dict, ranks: List[dict], plans: List[dict]):
+        self.owner, self.name, self.mine = owner, name, mine
+        self.dests = [_Dest(ranks[p["rank"]], p) for p in plans]
+        theirs = ranks[0]
+        self.peer_blocks, self.peer_bs = theirs["num_blocks"], theirs["block_size"]
+        self.g = math.gcd(mine["block_size"], self.peer_bs)
+        self.row = mine["head_dim"] * mine["esize"]
+        self.planes = mine["num_planes"]
+        self.mem = "DRAM" if mine["device"] == "cpu" else "VRAM"
+        self.dev = max(0, mine["device_index"])
+        heads = plans[0]["heads"] if plans else 1
+        self.runs = chunk_runs((mine["sT"], mine["sH"]), (theirs["sT"], theirs["sH"]), self.g, heads, self.row)
+        self.tail_runs: Dict[int, tuple] = {}
+        # Staging: the chunk's rows gathered in destination order, so that one descriptor covers a run
+        # contiguous at the destination, when that is fewer than the runs contiguous on both sides.
+        self.staged = None
+        staged = dst_runs((theirs["sT"], theirs["sH"]), self.g, heads, self.row)
+        if STAGE and plans and len(staged[2]) < len(self.runs[0]) and \
+                self._entries(theirs, len(staged[2])) <= PREP_LIMIT:
+            self.staged = staged
+        self.stage_buf = self.stage_reg = self.stage_list = None
+        self.stage_slots = 0
+        agent = owner.nixl_agent()
+        for d in self.dests:
+            meta = owner.store_get(f"kv/{name}/{d.rank}/nixl", f"instance '{name}' rank {d.rank}")
+            d.agent_name = agent.add_remote_agent(meta)
+            if self.staged is not None:
+                d.remote = agent.prep_xfer_dlist(d.agent_name, self._dlist(d.geo, d.plan["dst_head"], self.staged[2],
+                                                                           self.staged[3]), self.mem)
+            elif max(self._entries(mine, len(self.runs[0])), self._entries(d.geo, len(self.runs[0]))) <= PREP_LIMIT:
+                d.local = agent.prep_xfer_dlist("", self._dlist(mine, d.plan["src_head"], self.runs[0], self.runs[2]),
+                                                self.mem)
+                d.remote = agent.prep_xfer_dlist(d.agent_name, self._dlist(d.geo, d.plan["dst_head"], self.runs[1],
+                                                                           self.runs[2]), self.mem)
+            d.dev = max(0, d.geo["device_index"])
+        runs = len(self.runs[0])
+        if self.staged is not None:
+            how = (f"staged: rows gathered on the sender, {len(self.staged[2])} descriptor(s) per chunk of {self.g} "
+                   f"tokens instead of {runs}")
+        elif self.dests and self.dests[0].local is None:
+            how = f"explicit descriptors per request, {runs} per chunk of {self.g} tokens"
+        else:
+            how = f"direct: {runs} descriptor(s) per chunk of {self.g} tokens"
+        self.transport = f"{owner.transport_description()}; {how}"
+
+    def _entries(self, geo: dict, runs: int) -> int:
+        return geo["num_layers"] * self.planes * geo["num_blocks"] * (geo["block_size"] // self.g) * runs
+
+    def stage(self, slots: int):
+        """The staging buffer (registered, its list of (slot, run) prepared) for at least `slots`
+        chunks; grown by doubling. Every transfer from it has completed when send_layers returns."""
+        if slots > self.stage_slots:
+            import torch
+            agent = self.owner.nixl_agent()
+            self.release_staging(agent)
+            cap = max(slots, 2 * self.stage_slots)
+            slot_bytes = len(self.staged[0]) * self.row
+            self.stage_buf = torch.empty(cap * slot_bytes, dtype=torch.uint8, device=self.owner.device)
+            base = self.stage_buf.data_ptr()
+            self.stage_reg = agent.register_memory([(base, cap * slot_bytes, self.dev, "")], self.mem)
+            addr = (np.uint64(base) + np.arange(cap, dtype=np.uint64)[:, None] * np.uint64(slot_bytes)
+                    + self.staged[4].astype(np.uint64)[None, :]).reshape(-1)
+            lengths = np.tile(self.staged[3].astype(np.uint64), cap)
+            self.stage_list = agent.prep_xfer_dlist("", np.stack([addr, lengths, np.full_like(addr, self.dev)], 1),
+                                                    self.mem)
+            self.stage_slots = cap
+        return self.stage_buf.view(self.stage_slots, len(self.staged[0]), self.row)
+
+    def release_staging(self, agent) -> None:
+        if self.stage_list is not None:
+            agent.release_dlist_handle(self.stage_list)
+            agent.deregister_memory(self.stage_reg)
+        self.stage_buf = self.stage_reg = self.stage_list = None
+        self.stage_slots = 0
+
+    def _dlist(self, geo: dict, head0: int, offs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Entries (layer, plane, block, chunk in block, run) of one side: Nx3 (address, bytes, device)."""
+        planes = np.array(geo["planes"], dtype=np.uint64)
+        chunk = ((np.arange(geo["num_blocks"], dtype=np.uint64)[:, None] * np.uint64(geo["sB"])
+                  + np.arange(geo["block_size"] // self.g, dtype=np.uint64)[None, :] * np.uint64(self.g * geo["sT"]))
+                 .reshape(-1) + np.uint64(head0 * geo["sH"]))
+        addr = (planes[:, None, None] + chunk[None, :, None] + offs.astype(np.uint64)[None, None, :]).reshape(-1)
+        lengths = np.broadcast_to(lengths.astype(np.uint64), (len(planes), len(chunk), len(offs))).reshape(-1)
+        return np.stack([addr, lengths, np.full_like(addr, max(0, geo["device_index"]))], 1)
+
+    def tail(self, tokens: int):
+        if tokens not in self.tail_runs:
+            heads = self.dests[0].plan["heads"] if self.dests else 1
+            self.tail_runs[tokens] = chunk_runs((self.mine["sT"], self.mine["sH"]),
+                                                (self.dests[0].geo["sT"], self.dests[0].geo["sH"]), tokens, heads,
+                                                self.row)
+        return self.tail_runs[tokens]
+
+    def release(self, agent) -> None:
+        self.release_staging(agent)
+        for d in self.dests:
+            for h in (d.local, d.remote):
+                if h is not None:
+                    agent.release_dlist_handle(h)
+            d.local = d.remote = None
+            try:
+                agent.remove_remote_agent(d.agent_name)
+            except Exception:  # noqa: BLE001 - closing: the peer may be gone
+                pass
+
+
+class NixlSend:
+    """One request pushed through NIXL: the per-request index arrays and the posted transfers."""
+
+    def __init__(self, agent, peer: NixlPeer, request_id: str, src: np.ndarray, dst: np.ndarray, num_tokens: int,
+                 announced: List[int]):
+        self.agent, self.peer, self.request_id = agent, peer, request_id
+        self.announced, self.sent = announced, set()
+        self.num_tokens, self.num_dst = num_tokens, len(dst)
+        self.handles: List[tuple] = []  # (dest index, handle)
+        self.failed: Optional[str] = None
+        self.done_flag = False
+        self.reported = False
+        self.post = 0
+        g = peer.g
+        full = num_tokens // g
+        tok = np.arange(full, dtype=np.int64) * g
+        self.src_chunk = src[tok // peer.mine["block_size"]] * (peer.mine["block_size"] // g) + \
+            (tok % peer.mine["block_size"]) // g
+        self.dst_chunk = dst[tok // peer.peer_bs] * (peer.peer_bs // g) + (tok % peer.peer_bs) // g
+        self.tail = num_tokens - full * g
+        if self.tail:
+            t0 = full * g
+            self.tail_src = (int(src[t0 // peer.mine["block_size"]]), t0 % peer.mine["block_size"])
+            self.tail_dst = (int(dst[t0 // peer.peer_bs]), t0 % peer.peer_bs)
+        mask = 0
+        for l in announced:
+            mask |= 1 << l
+        self.headers = []
+        owner = agent
+        for d in peer.dests:
+            seq = d.next_seq
+            d.next_seq += 1
+            self.headers.append(dict(r=request_id, s=seq, i=owner.instance, k=owner.tp_rank, p=os.getpid(),
+                                     h=owner.host, n=d.plan["num_contributors"], f=d.plan["first_sender"], m=mask,
+                                     b=len(dst)))
+        self.empty = num_tokens == 0 or not peer.dests
+
+    def announce(self) -> None:
+        nixl = self.agent.nixl_agent()
+        for d, header in zip(self.peer.dests, self.headers):
+            nixl.send_notif(d.agent_name, _message(header, t="a"))
+            if self.empty:
+                nixl.send_notif(d.agent_name, _message(header, t="d", l=header["m"], q=0, c=1))
+
+    def _addresses(self, geo: dict, layers: List[int], blocks: np.ndarray, offset_tokens: np.ndarray, head0: int,
+                   offs: np.ndarray) -> np.ndarray:
+        planes = np.array(geo["planes"], dtype=np.int64).reshape(geo["num_layers"], -1)[layers].reshape(-1)
+        chunk = blocks * geo["sB"] + offset_tokens * geo["sT"] + head0 * geo["sH"]
+        return (planes[:, None, None] + chunk[None, :, None] + offs[None, None, :]).reshape(-1)
+
+    def send_layers(self, layers: List[int]) -> None:
+        """Posts `layers` (checked by the caller) to every destination: one prepared transfer and,
+        with a partial last chunk, one explicit one, each carrying the notification."""
+        self.sent.update(layers)
+        if self.empty:
+            return
+        peer, nixl = self.peer, self.agent.nixl_agent()
+        self.post += 1
+        mask = 0
+        for l in layers:
+            mask |= 1 << l
+        lp = (np.array(layers, dtype=np.int64)[:, None] * peer.planes + np.arange(peer.planes)[None, :]).reshape(-1)
+        R = len(peer.runs[0])
+        staged = peer.staged is not None and len(self.src_chunk) > 0
+        if staged:
+            rows = self._gather(layers)
+        for j, d in enumerate(peer.dests):
+            parts = []
+            if staged:
+                rd = len(peer.staged[2])
+                per_d = d.geo["num_blocks"] * (d.geo["block_size"] // peer.g) * rd
+                rr = np.arange(rd, dtype=np.int64)
+                li = ((j * rows + np.arange(rows, dtype=np.int64))[:, None] * rd + rr).reshape(-1)
+                di = (lp[:, None, None] * per_d + self.dst_chunk[None, :, None] * rd + rr).reshape(-1)
+                parts.append(("staged", d, li.astype(np.int32), di.astype(np.int32)))
+            elif len(self.src_chunk):
+                if d.local is not None:
+                    per_s = peer.mine["num_blocks"] * (peer.mine["block_size"] // peer.g) * R
+                    per_d = d.geo["num_blocks"] * (d.geo["block_size"] // peer.g) * R
+                    rr = np.arange(R, dtype=np.int64)
+                    si = (lp[:, None, None] * per_s + self.src_chunk[None, :, None] * R + rr).reshape(-1)
+                    di = (lp[:, None, None] * per_d + self.dst_chunk[None, :, None] * R + rr).reshape(-1)
+                    parts.append(("prepped", d, si.astype(np.int32), di.astype(np.int32)))
+                else:
+                    cs, cd = peer.mine["block_size"] // peer.g, peer.peer_bs // peer.g
+                    sa = self._addresses(peer.mine, layers, self.src_chunk // cs, (self.src_chunk % cs) * peer.g,
+                                         d.plan["src_head"], peer.runs[0])
+                    da = self._addresses(d.geo, layers, self.dst_chunk // cd, (self.dst_chunk % cd) * peer.g,
+                                         d.plan["dst_head"], peer.runs[1])
+                    n = len(sa) // R
+                    parts.append(("explicit", d, sa, da, np.tile(peer.runs[2], n)))
+            if self.tail:
+                so, do, ln = peer.tail(self.tail)
+                sa = self._addresses(peer.mine, layers, np.array([self.tail_src[0]]), np.array([self.tail_src[1]]),
+                                     d.plan["src_head"], so)
+                da = self._addresses(d.geo, layers, np.array([self.tail_dst[0]]), np.array([self.tail_dst[1]]),
+                                     d.plan["dst_head"], do)
+                parts.append(("explicit", d, sa, da, np.tile(ln, len(sa) // len(so))))
+            note = _message(self.headers[j], t="d", l=mask, q=self.post, c=len(parts))
+            for part in parts:
+                try:
+                    if part[0] == "prepped":
+                        h = nixl.make_prepped_xfer("WRITE", d.local, part[2], d.remote, part[3], note)
+                    elif part[0] == "staged":
+                        h = nixl.make_prepped_xfer("WRITE", peer.stage_list, part[2], d.remote, part[3], note)
+                    else:
+                        n = len(part[2])
+                        local = np.stack([part[2].astype(np.uint64), part[4].astype(np.uint64),
+                                          np.full(n, peer.dev, dtype=np.uint64)], 1)
+                        remote = np.stack([part[3].astype(np.uint64), part[4].astype(np.uint64),
+                                           np.full(n, d.dev, dtype=np.uint64)], 1)
+                        h = nixl.initialize_xfer("WRITE", nixl.get_xfer_descs(local, peer.mem),
+                                                 nixl.get_xfer_descs(remote, peer.mem), d.agent_name, note)
+                    state = nixl.transfer(h)
+                except Exception as e:  # noqa: BLE001 - reported to the receiver, then raised
+                    state, h = f"ERR ({type(e).__name__}: {e})", None
+                if state.startswith("ERR"):
+                    self.fail(f"NIXL could not post the transfer to {d.name}: {state}")
+                    from .errors import CommError
+                    raise CommError(f"KVAgent.send_layer: request '{self.request_id}' to {d.name}: {self.failed}")
+                self.handles.append((j, h))
+        self.drain()
+
+    def _gather(self, layers: List[int]) -> int:
+        """Copies the full chunks of `layers` for every destination into the staging buffer, rows in
+        destination order (slot (dest, layer, plane, chunk)); returns the slots per destination."""
+        import torch
+        peer = self.peer
+        t, h = peer.staged[0], peer.staged[1]
+        nch = len(self.src_chunk)
+        rows = len(layers) * peer.planes * nch
+        buf = peer.stage(rows * len(peer.dests))
+        device = peer.owner.device
+        if not hasattr(self, "_blk"):
+            cs = peer.mine["block_size"] // peer.g
+            self._blk = torch.from_numpy(self.src_chunk // cs).to(device)[:, None]
+            self._tok = (torch.from_numpy((self.src_chunk % cs) * peer.g)[:, None] + torch.from_numpy(t)[None, :]).to(
+                device)
+        for j, d in enumerate(peer.dests):
+            head = (torch.from_numpy(h) + d.plan["src_head"]).to(device)[None, :]
+            slot = j * rows
+            for l in layers:
+                for p in range(peer.planes):
+                    buf[slot:slot + nch] = peer.owner._canon[l][p][self._blk, self._tok, head]
+                    slot += nch
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        return rows
+
+    def drain(self) -> None:
+        """Drives the posted transfers until they completed (Note [kv over nixl]: no progress thread,
+        so a transfer moves while this thread drives it); CommTimeoutError after the agent's timeout."""
+        deadline = time.monotonic() + self.agent.timeout.total_seconds()
+        for round in range(1 << 62):
+            self.check()
+            if not self.handles:
+                return
+            if time.monotonic() >= deadline:
+                from .errors import CommTimeoutError
+                self.fail(f"the transfers to instance '{self.peer.name}' did not complete within "
+                          f"{int(self.agent.timeout.total_seconds() * 1000)} ms")
+                raise CommTimeoutError(f"KVAgent.send_layer: request '{self.request_id}': {self.failed}")
+            if round >= 64:
+                time.sleep(0.00005)
+
+    def fail(self, reason: str) -> None:
+        if self.failed is None:
+            self.failed = reason
+            nixl = self.agent.nixl_agent()
+            for d, header in zip(self.peer.dests, self.headers):
+                try:
+                    nixl.send_notif(d.agent_name, _message(header, t="f", e=reason[:240]))
+                except Exception:  # noqa: BLE001 - the peer may be gone
+                    pass
+
+    def check(self) -> bool:
+        """Whether every announced layer landed at every destination; raises CommError if one failed."""
+        from .errors import CommError
+        if self.failed is not None:
+            raise CommError(f"KVAgent.send: request '{self.request_id}' to instance '{self.peer.name}' failed: "
+                            f"{self.failed}")
+        if self.done_flag:
+            return True
+        nixl = self.agent.nixl_agent()
+        pending = []
+        for j, h in self.handles:
+            state = nixl.check_xfer_state(h)
+            if state == "PROC":
+                pending.append((j, h))
+            elif state == "DONE":
+                nixl.release_xfer_handle(h)
+            else:
+                self.fail(f"NIXL reported the transfer to {self.peer.dests[j].name} failed")
+                return self.check()
+        self.handles = pending
+        self.done_flag = not pending and len(self.sent) == len(self.announced)
+        return self.done_flag
+
+
+class _Contributor:
+    def __init__(self, sender: str, header: dict):
+        self.sender, self.seq = sender, header["s"]
+        self.rank, self.pid, self.host, self.instance = header["k"], header["p"], header["h"], header["i"]
+        self.landed = 0
+        self.parts: Dict[int, int] = {}
+        self.failed: Optional[str] = None
+
+    def name(self) -> str:
+        return peer_name(self.instance, self.rank, self.pid, self.host)
+
+
+class _Tracked:
+    def __init__(self, header: dict):
+        self.request_id = header["r"]
+        self.num_contributors, self.mask, self.num_blocks = header["n"], header["m"], header["b"]
+        self.first_sender = header["f"]
+        self.contributors: Dict[int, _Contributor] = {}
+        self.last_progress = time.monotonic()
+
+    def landed(self) -> int:
+        mask = self.mask
+        for c in self.contributors.values():
+            mask &= c.landed
+        return mask
+
+
+class NixlInbox:
+    """A receiving agent's NIXL side: notifications in, requests tracked, events out (Note [kv over nixl])."""
+
+    def __init__(self, agent, timeout_s: float):
+        self.agent, self.timeout_s = agent, timeout_s
+        self.arrived = collections.deque()  # get_new_notifs() results, from the progress thread
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=_progress, args=(weakref.ref(self), agent, self.arrived, self.stop),
+                                       name="commlib-kv-nixl", daemon=True)
+        self.thread.start()
+        self.tracked: Dict[str, _Tracked] = {}
+        # sender agent -> (every seq up to this one reported, reported seqs above it): the sequence
+        # numbers of one sender to this rank are consecutive, so the set stays small.
+        self.finished: Dict[str, tuple] = {}
+
+    def pump(self) -> None:
+        now = time.monotonic()
+        while self.arrived:
+            self._take(self.arrived.popleft(), now)
+
+    def _take(self, notifs: dict, now: float) -> None:
+        for sender, messages in notifs.items():
+            for raw in messages:
+                if not raw.startswith(MAGIC):
+                    continue
+                m = json.loads(raw[len(MAGIC):])
+                if self._stale(sender, m["s"]):
+                    continue
+                t = self.tracked.get(m["r"])
+                if t is None:
+                    t = self.tracked[m["r"]] = _Tracked(m)
+                c = t.contributors.get(m["k"])
+                if c is None:
+                    c = t.contributors[m["k"]] = _Contributor(sender, m)
+                t.last_progress = now  # any message of the request is progress
+                if m["t"] == "d":
+                    got = c.parts.get(m["q"], 0) + 1
+                    c.parts[m["q"]] = got
+                    if got == m["c"]:
+                        c.landed |= m["l"]
+                elif m["t"] == "f":
+                    c.failed = m["e"]
+
+    def _stale(self, sender: str, seq: int) -> bool:
+        """A message of a request reported already (a late part of a timed-out one)."""
+        low, done = self.finished.get(sender, (0, set()))
+        return seq <= low or seq in done
+
+    def evaluate(self, t: _Tracked, now: float):
+        """(state, error class, reason, peer, layers landed): state "pending", "done" or "failed"."""
+        landed = mask_layers(t.landed())
+        num_layers = bin(t.mask).count("1")
+        if len(t.contributors) == t.num_contributors and len(landed) == num_layers:
+            return "done", "", "", self._peer(t), landed
+        missing = [l for l in mask_layers(t.mask) if l not in landed]
+        partial = (f"; layers landed: {layer_list(landed)} of {num_layers}; the request's {t.num_blocks} destination "
+                   "blocks hold partial data for the other layers")
+        for c in t.contributors.values():
+            if c.failed is not None:
+                return ("failed", "CommError", f"KV request '{t.request_id}' from {c.name()} failed at the sender: "
+                        f"{c.failed}{partial}", c.name(), landed)
+        if now - t.last_progress > self.timeout_s:
+            peer = self._peer(t)
+            return ("failed", "CommTimeoutError", f"KV request '{t.request_id}' from {peer}: Timed out after "
+                    f"{int(self.timeout_s * 1000)} ms without progress: layer {missing[0]} has not landed "
+                    f"({len(t.contributors)} of {t.num_contributors} senders announced the request){partial}",
+                    peer, landed)
+        return "pending", "", "", self._peer(t), landed
+
+    def _peer(self, t: _Tracked) -> str:
+        for c in sorted(t.contributors.values(), key=lambda c: c.rank):
+            if c.landed & t.mask != t.mask:
+                return c.name()
+        if len(t.contributors) < t.num_contributors:
+            c = next(iter(t.contributors.values()))
+            missing = [r for r in range(t.first_sender, t.first_sender + t.num_contributors) if r not in t.contributors]
+            return f"instance '{c.instance}' rank {missing[0]}"
+        c = next(iter(t.contributors.values()))
+        return c.name()
+
+    def finish(self, t: _Tracked) -> None:
+        for c in t.contributors.values():
+            low, done = self.finished.get(c.sender, (0, set()))
+            done.add(c.seq)
+            while low + 1 in done:
+                low += 1
+                done.discard(low)
+            self.finished[c.sender] = (low, done)
+        del self.tracked[t.request_id]
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.tracked.clear()
+        self.agent = None  # NIXL deregisters the cache when its agent goes
+
+    def __del__(self):
+        self.stop.set()
+
+
+def _progress(inbox, agent, arrived, stop) -> None:
+    """The receiving side's progress (Note [kv over nixl]): the one thread that calls into the
+    receiver's NIXL agent after registration, so UCX moves (connection setup, TCP) while the
+    agent's owner computes; 0.1 ms between calls while messages come, 1 ms when idle."""
+    idle = 0
+    while not stop.is_set() and inbox() is not None:
+        try:
+            notifs = agent.get_new_notifs()
+        except Exception:  # noqa: BLE001 - the agent is being torn down
+            return
+        if notifs:
+            arrived.append(notifs)
+            idle = 0
+        else:
+            idle += 1
+        stop.wait(0.0001 if idle < 100 else 0.001)
+
+
+def new_agent_name(instance: str, rank: int) -> str:
+    return f"commlib-kv/{instance}/{rank}/{os.getpid()}/{uuid.uuid4().hex[:8]}"

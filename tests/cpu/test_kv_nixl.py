@@ -1,0 +1,292 @@
+"""commlib.kv across hosts, through NIXL (Note [kv over nixl]): the prefill and decode processes run
+on one machine but name different hosts (COMMLIB_TEST_HOST_ID), so every destination is "remote"
+and the request goes through NIXL / UCX. Bitwise against tests/kv_reference.py (indexing), the
+destination poisoned and checked outside the request's blocks too."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import time
+import uuid
+from datetime import timedelta
+
+import pytest
+import torch
+
+from kv_reference import barrier, case_dict, make_cache, request, run_case
+
+pytestmark = pytest.mark.skipif(not any(importlib.util.find_spec(m) for m in ("nixl_cu13", "nixl")),
+                                reason="NIXL not installed (pip install nixl-cu13)")
+HOST = "COMMLIB_TEST_HOST_ID"
+
+
+def _tag(name):
+    return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
+class _OnHost:
+    """This rank names host `name` while the block runs; KVAgent.connect records the transport."""
+
+    def __init__(self, name):
+        self.name, self.transports = name, []
+
+    def __enter__(self):
+        from commlib import kv
+        self.old_host, self.old_connect = os.environ.get(HOST), kv.KVAgent.connect
+        os.environ[HOST] = self.name
+        transports, connect = self.transports, self.old_connect
+
+        def recording(agent, peer):
+            out = connect(agent, peer)
+            transports.append(agent.transport(peer))
+            return out
+        kv.KVAgent.connect = recording
+        return self
+
+    def __exit__(self, *exc):
+        from commlib import kv
+        kv.KVAgent.connect = self.old_connect
+        if self.old_host is None:
+            os.environ.pop(HOST, None)
+        else:
+            os.environ[HOST] = self.old_host
+
+
+def _host(ctx, P):
+    return f"host-{'prefill' if ctx.rank < P else 'decode'}-{ctx.rank}"
+
+
+def _cross_host_case(ctx, case, prep_limit=None, stage=True):
+    """run_case with the ranks on two hosts; prep_limit: kv_nixl.PREP_LIMIT for the run (0: no
+    prepared lists, explicit descriptors for every request); stage: kv_nixl.STAGE."""
+    from commlib import kv_nixl
+    limit, staging = kv_nixl.PREP_LIMIT, kv_nixl.STAGE
+    kv_nixl.PREP_LIMIT = limit if prep_limit is None else prep_limit
+    kv_nixl.STAGE = stage
+    try:
+        with _OnHost(_host(ctx, case["P"])) as h:
+            return run_case(ctx, case), h.transports
+    finally:
+        kv_nixl.PREP_LIMIT, kv_nixl.STAGE = limit, staging
+
+
+def _two_requests(src_bs, dst_bs, ntok_a=40, ntok_b=23):
+    """Two requests with scattered, out-of-order blocks on both sides and a partial last chunk."""
+    def blocks(n, bs, order):
+        return [order[i] for i in range(-(-n // bs))]
+    a_src, b_src = blocks(ntok_a, src_bs, [7, 2, 9, 4, 11, 0]), blocks(ntok_b, src_bs, [5, 10, 1, 3])
+    a_dst, b_dst = blocks(ntok_a, dst_bs, [3, 14, 1, 8, 12, 6]), blocks(ntok_b, dst_bs, [15, 0, 9, 10])
+    return [request("a", ntok_a, a_src, a_dst, num_tokens=ntok_a),
+            request("b", ntok_b, b_src, b_dst, num_tokens=ntok_b, mode="stream")]
+
+
+def _check(results, P, ids, how=None):
+    """Every request done on every decode rank; the prefill ranks went through NIXL (`how`: the way
+    their descriptors were made, as transport() says)."""
+    for rank, (out, transports) in enumerate(results):
+        if rank < P:
+            assert transports and all(t.startswith("NIXL/UCX") for t in transports), transports
+            assert how is None or all(f"; {how}" in t for t in transports), (how, transports)
+            continue
+        events, remaining = out
+        for rid in ids:
+            assert events[rid][0] == "done", (rank, rid, events[rid])
+        assert remaining == [], remaining
+
+
+@pytest.mark.parametrize("P,D,src,dst,src_bs,dst_bs,dtype,stage,how", [
+    (1, 1, "NHD", "HND", 16, 32, "bfloat16", True, "staged"),       # layout and block size: rows gathered
+    (1, 1, "NHD", "HND", 16, 32, "bfloat16", False, "direct: 64"),  # the same, one head row per descriptor
+    (1, 2, "flash_attn", "HND", 16, 32, "float16", True, "staged"),  # TP 1 -> 2
+    (2, 1, "HND", "flash_attn", 32, 16, "float8_e4m3fn", True, "staged"),  # TP 2 -> 1
+    (2, 1, "NHD", "NHD", 16, 16, "float16", True, "direct: 16"),   # TP 2 -> 1: a half token row per run
+    (1, 1, "flash_attn", "flash_attn", 16, 16, "bfloat16", True, "direct: 1"),  # same layout: one run per block
+])
+def test_cross_host_transforms(ranks, P, D, src, dst, src_bs, dst_bs, dtype, stage, how):
+    case = case_dict(_tag(f"nx{P}{D}"), P=P, D=D, src_layout=src, dst_layout=dst, src_bs=src_bs, dst_bs=dst_bs,
+                     heads=4, dtype=dtype, requests=_two_requests(src_bs, dst_bs))
+    _check(ranks(P + D).run(_cross_host_case, case, None, stage), P, ("a", "b"), how)
+
+
+def test_cross_host_without_prepared_lists(ranks):
+    """A cache whose descriptor lists would be too large to prepare: explicit descriptors per request."""
+    case = case_dict(_tag("nxexp"), P=1, D=2, src_layout="NHD", dst_layout="flashinfer_hnd", src_bs=16, dst_bs=32,
+                     heads=4, dtype="bfloat16", requests=_two_requests(16, 32))
+    _check(ranks(3).run(_cross_host_case, case, 0), 1, ("a", "b"), "explicit descriptors per request")
+
+
+def test_cross_host_mla_replicated(ranks):
+    """MLA over NIXL, TP 1 -> 2: both decode ranks get the whole latent from the one prefill rank."""
+    case = case_dict(_tag("nxmla"), P=1, D=2, src_layout="MLA", dst_layout="MLA", head_dim=36, src_bs=64, dst_bs=16,
+                     requests=_two_requests(64, 16, 70, 16))
+    _check(ranks(3).run(_cross_host_case, case), 1, ("a", "b"))
+
+
+def test_cross_host_empty_single_block_and_layer_subsets(ranks):
+    reqs = [request("empty", 0, [], [], num_tokens=0),
+            request("one", 16, [3], [9]),
+            request("one-token", 1, [4], [2], num_tokens=1),
+            request("some-layers", 32, [0, 1], [4, 5], layers=[0, 2])]
+    case = case_dict(_tag("nxsmall"), src_layout="NHD", dst_layout="NHD", requests=reqs)
+    results = ranks(2).run(_cross_host_case, case)
+    _check(results, 1, [r["id"] for r in reqs])
+    (events, _), _ = results[1]
+    assert events["empty"][1] == [0, 1, 2] and events["some-layers"][1] == [0, 2]
+
+
+def _layerwise(ctx, tag):
+    """Layer 0 is usable on the decode side before the prefill side sends layer 1."""
+    from commlib import kv
+    pre, dec = f"{tag}-p", f"{tag}-d"
+    with _OnHost(_host(ctx, 1)):
+        if ctx.rank == 0:
+            agent = kv.KVAgent(ctx.store, pre, "prefill", timeout=timedelta(seconds=30))
+            caches, _ = make_cache("NHD", 3, 8, 16, 2, 8, torch.bfloat16, 17, "cpu")
+            agent.register(caches, "NHD")
+            x = agent.begin(dec, "r", [1, 2], [5, 6])
+            x.send_layer(0)
+            ctx.store.get(f"{tag}/layer0-checked")
+            x.send_layers([1, 2])
+            x.wait()
+            sent = agent.poll()
+            through = agent.transport(dec)
+            barrier(ctx, f"{tag}/end")
+            agent.close()
+            return [(e.request_id, e.kind, e.state) for e in sent], x.done() and through.startswith("NIXL/UCX")
+        agent = kv.KVAgent(ctx.store, dec, "decode", timeout=timedelta(seconds=30))
+        caches, planes = make_cache("NHD", 3, 8, 16, 2, 8, torch.bfloat16, 900, "cpu", kv.host_empty)
+        agent.register(caches, "NHD")
+        agent.wait_layer("r", 0)
+        seen = (agent.layer_ready("r", 0), agent.layer_ready("r", 1), agent.poll())
+        ctx.store.set(f"{tag}/layer0-checked", b"1")
+        event = agent.wait("r")
+        src, _ = make_cache("NHD", 3, 8, 16, 2, 8, torch.bfloat16, 17, "cpu")
+        exact = all(torch.equal(planes[l][p][[5, 6]].view(torch.uint8), src[l][p][[1, 2]].view(torch.uint8))
+                    for l in range(3) for p in range(2))
+        barrier(ctx, f"{tag}/end")
+        agent.close()
+        return seen, (event.state, event.layers_done, exact)
+
+
+def test_cross_host_layerwise_streaming(ranks):
+    (sent, done), (seen, final) = ranks(2).run(_layerwise, _tag("nxlw"))
+    assert seen == (True, False, [])  # layer 0 landed, layer 1 not, the request not finished
+    assert final == ("done", [0, 1, 2], True)
+    assert sent == [("r", "send", "done")] and done
+
+
+def _killed(ctx, tag, timeout_s):
+    """The prefill rank sends layer 0 of a request, then is killed (SIGKILL)."""
+    from commlib import kv
+    pre, dec = f"{tag}-p", f"{tag}-d"
+    with _OnHost(_host(ctx, 1)):
+        if ctx.rank == 0:
+            agent = kv.KVAgent(ctx.store, pre, "prefill", timeout=timedelta(seconds=timeout_s))
+            caches, _ = make_cache("NHD", 3, 8, 16, 2, 8, torch.bfloat16, 17, "cpu")
+            agent.register(caches, "NHD")
+            agent.send(dec, "ok", [0], [1]).wait()
+            x = agent.begin(dec, "partial", [4, 5], [6, 7])
+            x.send_layer(0)
+            ctx.store.get(f"{tag}/ok-seen")
+            os.kill(os.getpid(), signal.SIGKILL)
+        agent = kv.KVAgent(ctx.store, dec, "decode", timeout=timedelta(seconds=timeout_s))
+        caches, _ = make_cache("NHD", 3, 8, 16, 2, 8, torch.bfloat16, 900, "cpu", kv.host_empty)
+        agent.register(caches, "NHD")
+        ok = agent.wait("ok").state
+        agent.wait_layer("partial", 0)
+        ctx.store.set(f"{tag}/ok-seen", b"1")
+        try:  # the request's own failure, not this call's timeout, must end the wait
+            agent.wait("partial", timeout=timedelta(seconds=2 * timeout_s))
+            outcome = ("done", "")
+        except Exception as e:  # noqa: BLE001 - checked by the caller
+            outcome = (type(e).__name__, str(e))
+        after = agent.poll()
+        ctx.store.set(f"{tag}/outcome", repr((ok, outcome, after)).encode())
+        agent.close()
+        return ok, outcome, after
+
+
+def test_cross_host_killed_producer(ranks):
+    from conftest import RankFailure
+    tag = _tag("nxdie")
+    pool = ranks(2)
+    with pytest.raises(RankFailure) as info:
+        pool.run(_killed, tag, 2.0)
+    assert sorted(info.value.errors) == [0], info.value.errors  # only the killed rank failed
+    ok, (kind, message), after = eval(pool.store.get(f"{tag}/outcome").decode())  # noqa: S307 - our own repr
+    assert ok == "done" and kind == "CommTimeoutError", message
+    for part in ("'partial'", "instance '", "rank 0 (pid", "without progress", "layer 1 has not landed",
+                 "layers landed: 0 of 3", "2 destination blocks hold partial data"):
+        assert part in message, message
+    assert after == []  # reported once, by wait
+
+
+def _refusals(ctx, tag):
+    """Bad input errors (the local path's messages) before anything moves, and require_rdma."""
+    from commlib import kv
+    from commlib.kv_nixl import rdma_devices
+    pre, dec = f"{tag}-p", f"{tag}-d"
+    errors = []
+    with _OnHost(_host(ctx, 1)):
+        if ctx.rank == 0:
+            agent = kv.KVAgent(ctx.store, pre, "prefill", timeout=timedelta(seconds=30))
+            caches, _ = make_cache("NHD", 2, 8, 16, 2, 8, torch.bfloat16, 17, "cpu")
+            agent.register(caches, "NHD")
+            bad = [
+                (dict(src_blocks=[8], dst_blocks=[0]), "source block id 8 (position 0) out of range; valid: 0..7"),
+                (dict(src_blocks=[0], dst_blocks=[12]), "destination block id 12 (position 0) out of range; valid: "
+                                                        "0..11"),
+                (dict(src_blocks=[0, 1], dst_blocks=[3, 3]), "destination block 3 appears twice (positions 0 and 1)"),
+                (dict(src_blocks=[0, 1], dst_blocks=[3]), "needs 2 source blocks of 16 tokens and 2 destination"),
+                (dict(src_blocks=[0], dst_blocks=[3], layers=[2]), "layer 2 out of range; valid: 0..1"),
+                (dict(src_blocks=[0], dst_blocks=[3], layers=[1, 1]), "layer 1 listed twice"),
+            ]
+            for kwargs, text in bad:
+                try:
+                    agent.send(dec, "bad", **kwargs)
+                    errors.append(f"no error for {kwargs}")
+                except ValueError as e:
+                    if text not in str(e):
+                        errors.append(f"{kwargs}: {e}")
+            x = agent.begin(dec, "good", [0], [3])
+            x.send_layer(0)
+            for layer, text in ((0, "sent already"), (5, "out of range")):
+                try:
+                    x.send_layer(layer)
+                    errors.append(f"no error for layer {layer}")
+                except ValueError as e:
+                    if text not in str(e):
+                        errors.append(str(e))
+            x.send_layer(1)
+            x.wait()
+            strict = kv.KVAgent(ctx.store, pre + "-rdma", "prefill", timeout=timedelta(seconds=30), require_rdma=True)
+            strict.register(caches, "NHD")
+            try:
+                strict.connect(dec)
+                refused = "connected" if rdma_devices() else "no error without RDMA ports"
+            except ValueError as e:
+                refused = None if "require_rdma" in str(e) and "TCP" in str(e) else str(e)
+            strict.close()
+            barrier(ctx, f"{tag}/end")
+            agent.close()
+            return errors, refused
+        agent = kv.KVAgent(ctx.store, dec, "decode", timeout=timedelta(seconds=30))
+        caches, planes = make_cache("NHD", 2, 12, 16, 2, 8, torch.bfloat16, 900, "cpu", kv.host_empty)
+        before = [[p.clone() for p in layer] for layer in planes]
+        agent.register(caches, "NHD")
+        event = agent.wait("good")
+        others = torch.arange(12) != 3
+        changed = [(l, p) for l in range(2) for p in range(2)
+                   if not torch.equal(planes[l][p].view(torch.uint8)[others], before[l][p].view(torch.uint8)[others])]
+        leftover = agent.poll()
+        barrier(ctx, f"{tag}/end")
+        agent.close()
+        return event.state, changed, leftover
+
+
+def test_cross_host_bad_input_and_require_rdma(ranks):
+    (errors, refused), (state, changed, leftover) = ranks(2).run(_refusals, _tag("nxbad"))
+    assert errors == [] and state == "done"
+    assert changed == [] and leftover == []  # no failed send wrote or announced anything
+    assert refused in (None, "connected"), refused
