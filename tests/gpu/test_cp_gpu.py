@@ -320,7 +320,11 @@ def _stuck_peer(ctx, sleep_s):
     # (long) timeout first, so the 3 s communicator below times only the ring.
     cp.ring_attention(ctx.comm, q, k, v, cu_seqlens_q=cu, mode="pass_q")
     torch.cuda.synchronize()
+    # COMMLIB_TIMEOUT_MS (a runner's setting) would outrank the 3 s below and outlast the stall.
+    runner_timeout = os.environ.pop("COMMLIB_TIMEOUT_MS", None)
     comm = ctx.new_comm("cp-watchdog", timeout=timedelta(seconds=3))
+    if runner_timeout is not None:
+        os.environ["COMMLIB_TIMEOUT_MS"] = runner_timeout
     stalled = []
 
     def stuck_attention(*args):
