@@ -219,3 +219,15 @@ def run_case(ctx, case):
     agent.close()
     return {rid: (type(e).__name__, str(e)) if isinstance(e, Exception) else (e.state, e.layers_done)
             for rid, e in events.items()}, [(e.request_id, e.kind, e.state) for e in remaining]
+
+
+def two_requests(src_bs, dst_bs, ntok_a=40, ntok_b=23, b_mode="send"):
+    """Two requests with scattered, out-of-order blocks on both sides and a partial last block
+    (request "b" sent as ``b_mode``)."""
+    def blocks(n, bs, order):
+        return [order[i] for i in range(-(-n // bs))]
+    a_src, b_src = blocks(ntok_a, src_bs, [7, 2, 9, 4, 11, 0]), blocks(ntok_b, src_bs, [5, 10, 1, 3])
+    a_dst, b_dst = blocks(ntok_a, dst_bs, [3, 14, 1, 8, 12, 6]), blocks(ntok_b, dst_bs, [15, 0, 9, 10])
+    return [request("a", ntok_a, a_src, a_dst, num_tokens=ntok_a),
+            request("b", ntok_b, b_src, b_dst, mode=b_mode, num_tokens=ntok_b)]
+

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import RankFailure
-from kv_reference import barrier, case_dict, make_cache, request, run_case
+from kv_reference import barrier, case_dict, make_cache, request, run_case, two_requests
 
 NON_MLA = ("NHD", "HND", "flash_attn", "flashinfer_nhd", "flashinfer_hnd")
 DTYPE_CYCLE = ("bfloat16", "float16", "float8_e4m3fn")
@@ -28,13 +28,7 @@ def _run_cases(ctx, cases):
 
 
 def _two_requests(src_bs, dst_bs, ntok_a=40, ntok_b=23):
-    """Two requests with scattered, out-of-order blocks on both sides and a partial last block."""
-    def blocks(n, bs, order):
-        return [order[i] for i in range(-(-n // bs))]
-    a_src, b_src = blocks(ntok_a, src_bs, [7, 2, 9, 4, 11, 0]), blocks(ntok_b, src_bs, [5, 10, 1, 3])
-    a_dst, b_dst = blocks(ntok_a, dst_bs, [3, 14, 1, 8, 12, 6]), blocks(ntok_b, dst_bs, [15, 0, 9, 10])
-    return [request("a", ntok_a, a_src, a_dst, num_tokens=ntok_a),
-            request("b", ntok_b, b_src, b_dst, num_tokens=ntok_b)]
+    return two_requests(src_bs, dst_bs, ntok_a, ntok_b)
 
 
 def _check_done(results, world, P, ids=("a", "b")):

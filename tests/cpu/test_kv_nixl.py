@@ -14,7 +14,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from kv_reference import barrier, case_dict, make_cache, request, run_case
+from kv_reference import barrier, case_dict, make_cache, request, run_case, two_requests
 
 pytestmark = pytest.mark.skipif(not any(importlib.util.find_spec(m) for m in ("nixl_cu13", "nixl")),
                                 reason="NIXL not installed (pip install nixl-cu13)")
@@ -72,13 +72,7 @@ def _cross_host_case(ctx, case, prep_limit=None, stage=True):
 
 
 def _two_requests(src_bs, dst_bs, ntok_a=40, ntok_b=23):
-    """Two requests with scattered, out-of-order blocks on both sides and a partial last chunk."""
-    def blocks(n, bs, order):
-        return [order[i] for i in range(-(-n // bs))]
-    a_src, b_src = blocks(ntok_a, src_bs, [7, 2, 9, 4, 11, 0]), blocks(ntok_b, src_bs, [5, 10, 1, 3])
-    a_dst, b_dst = blocks(ntok_a, dst_bs, [3, 14, 1, 8, 12, 6]), blocks(ntok_b, dst_bs, [15, 0, 9, 10])
-    return [request("a", ntok_a, a_src, a_dst, num_tokens=ntok_a),
-            request("b", ntok_b, b_src, b_dst, num_tokens=ntok_b, mode="stream")]
+    return two_requests(src_bs, dst_bs, ntok_a, ntok_b, b_mode="stream")
 
 
 def _check(results, P, ids, how=None):
