@@ -231,3 +231,39 @@ def two_requests(src_bs, dst_bs, ntok_a=40, ntok_b=23, b_mode="send"):
     return [request("a", ntok_a, a_src, a_dst, num_tokens=ntok_a),
             request("b", ntok_b, b_src, b_dst, mode=b_mode, num_tokens=ntok_b)]
 
+
+def layerwise(ctx, tag, layout="NHD"):
+    """Layer-wise streaming between rank 0 (prefill) and rank 1 (decode): layer 0 is usable on the
+    decode side before the prefill side sends layer 1. Prefill returns (its send events, done, the
+    transport it used); decode (layer 0 / 1 ready and poll() while only layer 0 was sent, (final
+    state, layers done, the blocks bit-exact)). ``layout``'s planes must have the block axis first."""
+    from commlib import kv
+    pre, dec = f"{tag}-p", f"{tag}-d"
+    if ctx.rank == 0:
+        agent = kv.KVAgent(ctx.store, pre, "prefill", timeout=timedelta(seconds=30))
+        caches, _ = make_cache(layout, 3, 8, 16, 2, 8, torch.bfloat16, 17, "cpu")
+        agent.register(caches, layout)
+        x = agent.begin(dec, "r", [1, 2], [5, 6])
+        x.send_layer(0)
+        ctx.store.get(f"{tag}/layer0-checked")
+        x.send_layers([1, 2])
+        x.wait()
+        sent = agent.poll()
+        through = agent.transport(dec)
+        barrier(ctx, f"{tag}/end")
+        agent.close()
+        return [(e.request_id, e.kind, e.state) for e in sent], x.done(), through
+    agent = kv.KVAgent(ctx.store, dec, "decode", timeout=timedelta(seconds=30))
+    caches, planes = make_cache(layout, 3, 8, 16, 2, 8, torch.bfloat16, 900, "cpu", kv.host_empty)
+    agent.register(caches, layout)
+    agent.wait_layer("r", 0)
+    seen = (agent.layer_ready("r", 0), agent.layer_ready("r", 1), agent.poll())
+    ctx.store.set(f"{tag}/layer0-checked", b"1")
+    event = agent.wait("r")
+    src, src_planes = make_cache(layout, 3, 8, 16, 2, 8, torch.bfloat16, 17, "cpu")
+    exact = all(torch.equal(planes[l][p][[5, 6]].view(torch.uint8), src_planes[l][p][[1, 2]].view(torch.uint8))
+                for l in range(3) for p in range(2))
+    barrier(ctx, f"{tag}/end")
+    agent.close()
+    return seen, (event.state, event.layers_done, exact)
+

@@ -563,15 +563,18 @@ std::vector<int> KvAgent::destinations(const std::string& name) const {
   return out;
 }
 
-uint64_t KvAgent::begin(const std::string& peer_name, const std::string& request_id, const int32_t* src_blocks,
-                        size_t num_src, const int32_t* dst_blocks, size_t num_dst, int64_t num_tokens,
-                        const std::vector<int>& layers, void* stream) {
-  const char* what = "KVAgent.send";
-  check_open(what);
-  Peer& p = peer(peer_name);
+// Note [kv request checks]
+// A request's arguments, checked before anything is announced or moved, by KvAgent::begin and by
+// the NIXL path of commlib.kv (Note [kv over nixl]) alike: one set of rules and messages. Source
+// and destination counts must cover num_tokens (< 0: every token of the source blocks), ids lie in
+// range, no destination block appears twice (a stamp per destination block, this check's number
+// where it saw the block: no clearing between requests), layers in range and listed once.
+int64_t kv_check_request(const char* what, const std::string& request_id, const int32_t* src_blocks, size_t num_src,
+                         int64_t src_num_blocks, int64_t bs, const int32_t* dst_blocks, size_t num_dst,
+                         int64_t dst_num_blocks, int64_t bd, int64_t num_tokens, const std::vector<int>& layers,
+                         int num_layers, std::vector<uint32_t>& stamp, uint32_t& stamp_now) {
   COMMLIB_CHECK(!request_id.empty() && request_id.size() < sizeof(KvRecord::id), InvalidArgument, what,
                 ": request id '", request_id, "' must be 1..", sizeof(KvRecord::id) - 1, " characters");
-  const int64_t bs = layout_.block_size, bd = p.peer_block_size;
   if (num_tokens < 0) num_tokens = static_cast<int64_t>(num_src) * bs;
   COMMLIB_CHECK(static_cast<int64_t>(num_src) == (num_tokens + bs - 1) / bs &&
                     static_cast<int64_t>(num_dst) == (num_tokens + bd - 1) / bd,
@@ -583,23 +586,20 @@ uint64_t KvAgent::begin(const std::string& peer_name, const std::string& request
     lo = std::min(lo, src_blocks[i]);
     hi = std::max(hi, src_blocks[i]);
   }
-  for (size_t i = 0; (lo < 0 || hi >= layout_.num_blocks) && i < num_src; ++i) {
-    COMMLIB_CHECK(src_blocks[i] >= 0 && src_blocks[i] < layout_.num_blocks, InvalidArgument, what, ": request '",
+  for (size_t i = 0; (lo < 0 || hi >= src_num_blocks) && i < num_src; ++i) {
+    COMMLIB_CHECK(src_blocks[i] >= 0 && src_blocks[i] < src_num_blocks, InvalidArgument, what, ": request '",
                   request_id, "': source block id ", src_blocks[i], " (position ", i, ") out of range; valid: 0..",
-                  layout_.num_blocks - 1);
+                  src_num_blocks - 1);
   }
-  // Duplicates: a stamp per destination block, this check's number where it saw the block (no
-  // clearing between requests).
-  std::vector<uint32_t>& stamp = p.dst_stamp;
-  if (stamp.size() != static_cast<size_t>(p.peer_blocks) || ++p.stamp_now == 0) {
-    stamp.assign(static_cast<size_t>(p.peer_blocks), 0);
-    p.stamp_now = 1;
+  if (stamp.size() != static_cast<size_t>(dst_num_blocks) || ++stamp_now == 0) {
+    stamp.assign(static_cast<size_t>(dst_num_blocks), 0);
+    stamp_now = 1;
   }
-  const uint32_t now = p.stamp_now;
+  const uint32_t now = stamp_now;
   for (size_t i = 0; i < num_dst; ++i) {
     const int32_t id = dst_blocks[i];
-    COMMLIB_CHECK(id >= 0 && id < p.peer_blocks, InvalidArgument, what, ": request '", request_id,
-                  "': destination block id ", id, " (position ", i, ") out of range; valid: 0..", p.peer_blocks - 1);
+    COMMLIB_CHECK(id >= 0 && id < dst_num_blocks, InvalidArgument, what, ": request '", request_id,
+                  "': destination block id ", id, " (position ", i, ") out of range; valid: 0..", dst_num_blocks - 1);
     if (stamp[static_cast<size_t>(id)] == now) {
       size_t first = 0;
       while (dst_blocks[first] != id) ++first;
@@ -608,6 +608,25 @@ uint64_t KvAgent::begin(const std::string& peer_name, const std::string& request
     }
     stamp[static_cast<size_t>(id)] = now;
   }
+  std::vector<uint64_t> seen(static_cast<size_t>((std::max(num_layers, 1) + 63) / 64), 0);
+  for (int l : layers) {
+    COMMLIB_CHECK(l >= 0 && l < num_layers, InvalidArgument, what, ": layer ", l, " out of range; valid: 0..",
+                  num_layers - 1);
+    COMMLIB_CHECK(!kv_has_layer(seen.data(), l), InvalidArgument, what, ": layer ", l, " listed twice");
+    kv_set_layer(seen.data(), l);
+  }
+  return num_tokens;
+}
+
+uint64_t KvAgent::begin(const std::string& peer_name, const std::string& request_id, const int32_t* src_blocks,
+                        size_t num_src, const int32_t* dst_blocks, size_t num_dst, int64_t num_tokens,
+                        const std::vector<int>& layers, void* stream) {
+  const char* what = "KVAgent.send";
+  check_open(what);
+  Peer& p = peer(peer_name);
+  num_tokens = kv_check_request(what, request_id, src_blocks, num_src, layout_.num_blocks, layout_.block_size,
+                                dst_blocks, num_dst, p.peer_blocks, p.peer_block_size, num_tokens, layers,
+                                layout_.num_layers, p.dst_stamp, p.stamp_now);
   auto s = std::make_unique<Send>();
   s->peer = &p;
   s->request_id = request_id;
@@ -615,12 +634,7 @@ uint64_t KvAgent::begin(const std::string& peer_name, const std::string& request
     for (int l = 0; l < layout_.num_layers; ++l) kv_set_layer(s->announced, l);
     s->num_announced = layout_.num_layers;
   } else {
-    for (int l : layers) {
-      COMMLIB_CHECK(l >= 0 && l < layout_.num_layers, InvalidArgument, what, ": layer ", l, " out of range; valid: 0..",
-                    layout_.num_layers - 1);
-      COMMLIB_CHECK(!kv_has_layer(s->announced, l), InvalidArgument, what, ": layer ", l, " listed twice");
-      kv_set_layer(s->announced, l);
-    }
+    for (int l : layers) kv_set_layer(s->announced, l);  // checked by kv_check_request
     s->num_announced = static_cast<int>(layers.size());
   }
   for (const auto& d : p.dests) {

@@ -235,4 +235,12 @@ class KvAgent {
 // 64-bit FNV-1a of a request id (records carry it; ids are compared in full as well).
 uint64_t kv_request_hash(const std::string& request_id);
 
+// The argument checks of one request (Note [kv request checks], kv_agent.cc), shared by
+// KvAgent::begin and the NIXL path; returns num_tokens resolved (< 0: every source token). `stamp`
+// / `stamp_now`: the caller's duplicate-detection state for the destination's blocks.
+int64_t kv_check_request(const char* what, const std::string& request_id, const int32_t* src_blocks, size_t num_src,
+                         int64_t src_num_blocks, int64_t bs, const int32_t* dst_blocks, size_t num_dst,
+                         int64_t dst_num_blocks, int64_t bd, int64_t num_tokens, const std::vector<int>& layers,
+                         int num_layers, std::vector<uint32_t>& stamp, uint32_t& stamp_now);
+
 }  // namespace commlib

@@ -141,6 +141,25 @@ void bind_kv(py::module_& m) {
       .def("close", &KvAgent::close, py::call_guard<py::gil_scoped_release>());
 
   m.def(
+      "kv_check_request",
+      [](const std::string& request_id, const at::Tensor& src, const at::Tensor& dst, int64_t num_tokens,
+         int64_t src_num_blocks, int64_t block_size, int64_t dst_num_blocks, int64_t dst_block_size,
+         const std::vector<int>& layers, int num_layers) {
+        // The NIXL path's checks (Note [kv request checks]); its duplicate state lives per thread.
+        thread_local std::vector<uint32_t> stamp;
+        thread_local uint32_t stamp_now = 0;
+        return commlib::kv_check_request("KVAgent.send", request_id, block_ids(src, "src_blocks"),
+                                         static_cast<size_t>(src.numel()), src_num_blocks, block_size,
+                                         block_ids(dst, "dst_blocks"), static_cast<size_t>(dst.numel()),
+                                         dst_num_blocks, dst_block_size, num_tokens, layers, num_layers, stamp,
+                                         stamp_now);
+      },
+      py::arg("request_id"), py::arg("src_blocks"), py::arg("dst_blocks"), py::arg("num_tokens"),
+      py::arg("src_num_blocks"), py::arg("block_size"), py::arg("dst_num_blocks"), py::arg("dst_block_size"),
+      py::arg("layers"), py::arg("num_layers"),
+      "A KV request's argument checks (Note [kv request checks]); returns num_tokens resolved.");
+
+  m.def(
       "kv_host_empty",
       [](int64_t nbytes) {
         void* p = kv_host_allocate(static_cast<size_t>(nbytes));

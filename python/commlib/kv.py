@@ -480,35 +480,12 @@ class KVAgent:
     def _begin_nixl(self, peer: "kv_nixl.NixlPeer", request_id: str, src: torch.Tensor, dst: torch.Tensor,
                     num_tokens: Optional[int], layer_list: List[int]) -> KVSend:
         """``begin`` to a NIXL peer: the native agent's checks and messages, then the announcement."""
-        what = "KVAgent.send"
-        if not request_id or len(request_id) >= 96:
-            raise ValueError(f"{what}: request id '{request_id}' must be 1..95 characters")
-        bs, bd = self._geo["block_size"], peer.peer_bs
-        ntok = len(src) * bs if num_tokens is None or int(num_tokens) < 0 else int(num_tokens)
-        if len(src) != -(-ntok // bs) or len(dst) != -(-ntok // bd):
-            raise ValueError(f"{what}: request '{request_id}' of {ntok} tokens needs {-(-ntok // bs)} source blocks of "
-                             f"{bs} tokens and {-(-ntok // bd)} destination blocks of {bd} tokens; got {len(src)} and "
-                             f"{len(dst)}")
+        # The native agent's checks and messages (Note [kv request checks]).
+        ntok = _C.kv_check_request(request_id, src, dst, -1 if num_tokens is None else int(num_tokens),
+                                   self._geo["num_blocks"], self._geo["block_size"], peer.peer_blocks, peer.peer_bs,
+                                   layer_list, self.num_layers)
         s, d = src.numpy().astype("int64"), dst.numpy().astype("int64")
-        for ids, n, side in ((s, self._geo["num_blocks"], "source"), (d, peer.peer_blocks, "destination")):
-            bad = ((ids < 0) | (ids >= n)).nonzero()[0]
-            if len(bad):
-                raise ValueError(f"{what}: request '{request_id}': {side} block id {ids[bad[0]]} (position "
-                                 f"{bad[0]}) out of range; valid: 0..{n - 1}")
-        if len(d):
-            order = d.argsort(kind="stable")
-            twice = (d[order][1:] == d[order][:-1]).nonzero()[0]
-            if len(twice):
-                i, j = sorted((order[twice[0]], order[twice[0] + 1]))
-                raise ValueError(f"{what}: request '{request_id}': destination block {d[i]} appears twice (positions "
-                                 f"{i} and {j})")
-        announced = []
-        for l in layer_list or range(self.num_layers):
-            if l < 0 or l >= self.num_layers:
-                raise ValueError(f"{what}: layer {l} out of range; valid: 0..{self.num_layers - 1}")
-            if l in announced:
-                raise ValueError(f"{what}: layer {l} listed twice")
-            announced.append(l)
+        announced = list(layer_list or range(self.num_layers))
         send = kv_nixl.NixlSend(self, peer, request_id, s, d, ntok, announced)
         send.announce()
         key = id(send)

@@ -115,11 +115,15 @@ def merged_regions(planes: Sequence[int], span: int):
     return [(a, n) for a, n in out]
 
 
+def _chunk_rows(tokens: int, heads: int):
+    """(token, head) of every row of a chunk, token-major."""
+    return np.repeat(np.arange(tokens, dtype=np.int64), heads), np.tile(np.arange(heads, dtype=np.int64), tokens)
+
+
 def chunk_runs(src_strides, dst_strides, tokens: int, heads: int, row: int):
     """Runs of a chunk of `tokens` tokens x `heads` heads contiguous on both sides: (source offsets,
     destination offsets, lengths) relative to the chunk's first row; strides = (token, head) bytes."""
-    t = np.repeat(np.arange(tokens, dtype=np.int64), heads)
-    h = np.tile(np.arange(heads, dtype=np.int64), tokens)
+    t, h = _chunk_rows(tokens, heads)
     so = t * src_strides[0] + h * src_strides[1]
     do = t * dst_strides[0] + h * dst_strides[1]
     order = np.argsort(so, kind="stable")
@@ -134,8 +138,7 @@ def chunk_runs(src_strides, dst_strides, tokens: int, heads: int, row: int):
 def dst_runs(dst_strides, tokens: int, heads: int, row: int):
     """A chunk's rows in destination order and the runs contiguous at the destination: (token of each
     row, head of each row, run destination offsets, run lengths, run offsets in the staged chunk)."""
-    t = np.repeat(np.arange(tokens, dtype=np.int64), heads)
-    h = np.tile(np.arange(heads, dtype=np.int64), tokens)
+    t, h = _chunk_rows(tokens, heads)
     do = t * dst_strides[0] + h * dst_strides[1]
     order = np.argsort(do, kind="stable")
     t, h, do = t[order], h[order], do[order]

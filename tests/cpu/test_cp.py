@@ -209,6 +209,37 @@ def test_default_attention_cpu_matches_reference():
     assert (out - ref).abs().max() < 1e-10 and (lse.double() - ref_lse).abs().max() < 1e-5
 
 
+def test_cudnn_fit_rule():
+    """Note [cp attention backend]: cuDNN only for a dense batch it computes exactly."""
+    fits = cp.attention._cudnn_fits
+
+    def call(lens_q, lens_k, causal, dtype=torch.bfloat16, d=128):
+        q = torch.empty(sum(lens_q), 8, d, dtype=dtype)
+        k = torch.empty(sum(lens_k), 2, d, dtype=dtype)
+        cu = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32)
+        return fits(q, k, cu, max(lens_q), max(lens_k), causal)
+
+    assert call([64], [64], True) == 1                    # causal square
+    assert call([32, 32, 32], [64, 64, 64], False) == 3  # equal sequences, rectangular, non-causal
+    assert call([32], [64], True) == 0                    # rectangular causal: cuDNN's mask is top-left
+    assert call([40, 24], [64, 64], False) == 0           # unequal query counts (Tq != B * max_q)
+    assert call([32, 32], [64, 63], False) == 0           # unequal key counts
+    assert call([64], [64], True, dtype=torch.float32) == 0
+    assert call([64], [64], True, d=256) == 0 and call([64], [64], True, d=60) == 0
+
+
+def test_default_attention_backend_argument():
+    q = torch.randn(4, 2, 8, dtype=torch.float64)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="default_attention: backend 'fast' not supported; supported: auto, cudnn, "
+                                         "flash, efficient"):
+        cp.default_attention(q, q, q, cu, cu, 4, 4, True, 0.3, backend="fast")
+    # On the CPU every backend name runs the CPU path (the same numbers).
+    a = cp.default_attention(q, q, q, cu, cu, 4, 4, True, 0.3)
+    b = cp.default_attention(q, q, q, cu, cu, 4, 4, True, 0.3, backend="cudnn")
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
 # ---------------------------------------------------------------------------------------------
 # Ring attention, multi-process
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import RankFailure
-from kv_reference import barrier, case_dict, make_cache, request, run_case, two_requests
+from kv_reference import barrier, case_dict, layerwise, make_cache, request, run_case, two_requests
 
 NON_MLA = ("NHD", "HND", "flash_attn", "flashinfer_nhd", "flashinfer_hnd")
 DTYPE_CYCLE = ("bfloat16", "float16", "float8_e4m3fn")
@@ -92,40 +92,11 @@ def test_empty_single_block_and_layer_subsets(ranks):
     assert events["empty"][1] == [0, 1, 2] and events["some-layers"][1] == [0, 2]
 
 
-def _layerwise(ctx, tag, layout):
-    """Layer-wise streaming: layer 0 is usable while the prefill side has not sent layer 1."""
-    from commlib import kv
-    pre, dec = f"{tag}-p", f"{tag}-d"
-    if ctx.rank == 0:
-        agent = kv.KVAgent(ctx.store, pre, "prefill", device="cpu", timeout=timedelta(seconds=30))
-        caches, _ = make_cache(layout, 3, 8, 16, 2, 8, torch.bfloat16, 17, "cpu")
-        agent.register(caches, layout)
-        x = agent.begin(dec, "r", [1, 2], [5, 6])
-        x.send_layer(0)
-        ctx.store.get(f"{tag}/layer0-checked")
-        x.send_layers([1, 2])
-        x.wait()
-        sent = agent.poll()
-        barrier(ctx, f"{tag}/end")
-        agent.close()
-        return [(e.request_id, e.kind, e.state) for e in sent], x.done()
-    agent = kv.KVAgent(ctx.store, dec, "decode", device="cpu", timeout=timedelta(seconds=30))
-    caches, _ = make_cache(layout, 3, 8, 16, 2, 8, torch.bfloat16, 900, "cpu", kv.host_empty)
-    agent.register(caches, layout)
-    agent.wait_layer("r", 0)
-    seen = (agent.layer_ready("r", 0), agent.layer_ready("r", 1), agent.poll())
-    ctx.store.set(f"{tag}/layer0-checked", b"1")
-    event = agent.wait("r")
-    barrier(ctx, f"{tag}/end")
-    agent.close()
-    return seen, (event.state, event.layers_done)
-
-
 def test_layerwise_streaming(ranks):
-    (sent, done), (seen, final) = ranks(2).run(_layerwise, _tag("lw"), "NHD")
+    (sent, done, through), (seen, final) = ranks(2).run(layerwise, _tag("lw"), "NHD")
     assert seen == (True, False, [])  # layer 0 landed, layer 1 not, the request not finished
-    assert final == ("done", [0, 1, 2])
-    assert sent == [("r", "send", "done")] and done
+    assert final == ("done", [0, 1, 2], True)
+    assert sent == [("r", "send", "done")] and done and through.startswith("local: shared memory"), through
 
 
 def _out_of_order(ctx, tag):

@@ -14,7 +14,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from kv_reference import barrier, case_dict, make_cache, request, run_case, two_requests
+from kv_reference import barrier, case_dict, layerwise, make_cache, request, run_case, two_requests
 
 pytestmark = pytest.mark.skipif(not any(importlib.util.find_spec(m) for m in ("nixl_cu13", "nixl")),
                                 reason="NIXL not installed (pip install nixl-cu13)")
@@ -130,44 +130,15 @@ def test_cross_host_empty_single_block_and_layer_subsets(ranks):
 
 
 def _layerwise(ctx, tag):
-    """Layer 0 is usable on the decode side before the prefill side sends layer 1."""
-    from commlib import kv
-    pre, dec = f"{tag}-p", f"{tag}-d"
     with _OnHost(_host(ctx, 1)):
-        if ctx.rank == 0:
-            agent = kv.KVAgent(ctx.store, pre, "prefill", timeout=timedelta(seconds=30))
-            caches, _ = make_cache("NHD", 3, 8, 16, 2, 8, torch.bfloat16, 17, "cpu")
-            agent.register(caches, "NHD")
-            x = agent.begin(dec, "r", [1, 2], [5, 6])
-            x.send_layer(0)
-            ctx.store.get(f"{tag}/layer0-checked")
-            x.send_layers([1, 2])
-            x.wait()
-            sent = agent.poll()
-            through = agent.transport(dec)
-            barrier(ctx, f"{tag}/end")
-            agent.close()
-            return [(e.request_id, e.kind, e.state) for e in sent], x.done() and through.startswith("NIXL/UCX")
-        agent = kv.KVAgent(ctx.store, dec, "decode", timeout=timedelta(seconds=30))
-        caches, planes = make_cache("NHD", 3, 8, 16, 2, 8, torch.bfloat16, 900, "cpu", kv.host_empty)
-        agent.register(caches, "NHD")
-        agent.wait_layer("r", 0)
-        seen = (agent.layer_ready("r", 0), agent.layer_ready("r", 1), agent.poll())
-        ctx.store.set(f"{tag}/layer0-checked", b"1")
-        event = agent.wait("r")
-        src, _ = make_cache("NHD", 3, 8, 16, 2, 8, torch.bfloat16, 17, "cpu")
-        exact = all(torch.equal(planes[l][p][[5, 6]].view(torch.uint8), src[l][p][[1, 2]].view(torch.uint8))
-                    for l in range(3) for p in range(2))
-        barrier(ctx, f"{tag}/end")
-        agent.close()
-        return seen, (event.state, event.layers_done, exact)
+        return layerwise(ctx, tag)
 
 
 def test_cross_host_layerwise_streaming(ranks):
-    (sent, done), (seen, final) = ranks(2).run(_layerwise, _tag("nxlw"))
+    (sent, done, through), (seen, final) = ranks(2).run(_layerwise, _tag("nxlw"))
     assert seen == (True, False, [])  # layer 0 landed, layer 1 not, the request not finished
     assert final == ("done", [0, 1, 2], True)
-    assert sent == [("r", "send", "done")] and done
+    assert sent == [("r", "send", "done")] and done and through.startswith("NIXL/UCX"), through
 
 
 def _killed(ctx, tag, timeout_s):

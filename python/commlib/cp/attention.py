@@ -67,9 +67,9 @@ def _flash_varlen_ok(q: torch.Tensor) -> bool:
 # Note [cp attention backend]
 # PyTorch has three CUDA attention kernels that return the LSE a ring step needs: FlashAttention
 # (varlen, bottom-right causal), cuDNN (dense [B, H, L, D], native GQA, causal top-left aligned) and
-# efficient attention. On one H200 (bf16, 64 Q / 8 KV heads of 128; bench/results/cp.md) cuDNN
-# took 0.50-0.55x FlashAttention's time on every ring-step shape measured (1K-32K queries, causal
-# square and non-causal rectangles: 550-670 TFLOP/s against 280-360), efficient attention 2x
+# efficient attention. On one H200 (bf16, 64 Q / 8 KV heads of 128) cuDNN took 0.52-0.59x
+# FlashAttention's time on every ring-step shape measured (1K-32K queries, causal square and
+# non-causal rectangles: 390-670 TFLOP/s against 210-360), efficient attention about 2x
 # FlashAttention's; cuDNN's varlen entry (cum_seq_q) took 40-90 ms at any shape, so it is never used.
 # So "auto" takes cuDNN where a call is a dense batch it computes exactly: every sequence of the
 # call has the same query count and the same key count (Tq == B * max_q: no host read needed), a
@@ -77,8 +77,7 @@ def _flash_varlen_ok(q: torch.Tensor) -> bool:
 # up to 128, compute capability >= 9.0 (where it was measured); FlashAttention otherwise. With the
 # balanced layout every step of a pass-KV ring over whole sequences of equal length is such a call
 # (Note [block pairs]); decode and partial prefill (rectangular causal) take FlashAttention.
-# commlib-tune --cp times both on this machine and its record's "attention" overrides the rule;
-# default_attention(..., backend=...) (through attn_fn) overrides both.
+# default_attention(..., backend=...) (through attn_fn) overrides the rule.
 
 ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient")
 _auto_rule: dict = {}
@@ -97,21 +96,12 @@ def _cudnn_fits(q, k, cu_seqlens_q, max_q: int, max_k: int, causal: bool) -> int
 
 
 def _auto_backend(device: torch.device) -> str:
-    """"cudnn" or "flash" for this device: the tune file's measurement, else the rule."""
+    """"cudnn" or "flash" for this device (the rule of Note [cp attention backend])."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _auto_rule:
-        choice = None
-        try:
-            from ..tuned import load_cp
-            record = load_cp("cuda", 1)
-            choice = (record or {}).get("attention")
-        except Exception:  # noqa: BLE001 - an unreadable tune file means the rule
-            choice = None
-        if choice not in ("cudnn", "flash"):
-            ok = hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention") and \
-                torch.backends.cudnn.is_available() and torch.cuda.get_device_capability(index) >= (9, 0)
-            choice = "cudnn" if ok else "flash"
-        _auto_rule[index] = choice
+        ok = hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention") and \
+            torch.backends.cudnn.is_available() and torch.cuda.get_device_capability(index) >= (9, 0)
+        _auto_rule[index] = "cudnn" if ok else "flash"
     return _auto_rule[index]
 
 
@@ -138,7 +128,7 @@ def default_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     device, ``causal`` bottom-right aligned; returns ``(out [Tq, H, D] in q's dtype, lse [H, Tq]
     float32)``. Every sequence has at least one query and one key. CUDA fp16/bf16: ``backend``
     "auto" (Note [cp attention backend]: cuDNN where the call is a dense batch it computes exactly
-    and it is this machine's faster kernel, else ``aten._flash_attention_forward``, varlen with
+    on a GPU of compute capability 9.0+, else ``aten._flash_attention_forward``, varlen with
     native GQA), "cudnn" (where it fits, else FlashAttention), "flash" or "efficient"; other CUDA
     dtypes: the efficient-attention op per sequence; CPU: ``aten._scaled_dot_product_flash_attention_for_cpu``
     per sequence (KV heads repeated for GQA). Override with ``functools.partial(default_attention,
