@@ -267,3 +267,35 @@ def layerwise(ctx, tag, layout="NHD"):
     agent.close()
     return seen, (event.state, event.layers_done, exact)
 
+
+# Bad requests for an agent with 2 layers of 8 blocks of 16 tokens sending to 12 destination blocks,
+# and what the error says (None: a TypeError whose text is not checked). Every path of KVAgent.send
+# (one host, NIXL) raises these before anything moves (Note [kv request checks]).
+BAD_REQUESTS = [
+    (dict(src_blocks=[8], dst_blocks=[0]), "source block id 8 (position 0) out of range; valid: 0..7"),
+    (dict(src_blocks=[-1], dst_blocks=[0]), "source block id -1"),
+    (dict(src_blocks=[0], dst_blocks=[12]), "destination block id 12 (position 0) out of range; valid: 0..11"),
+    (dict(src_blocks=[0, 1], dst_blocks=[3, 3]), "destination block 3 appears twice (positions 0 and 1)"),
+    (dict(src_blocks=[0, 1], dst_blocks=[3]), "needs 2 source blocks of 16 tokens and 2 destination blocks"),
+    (dict(src_blocks=[0], dst_blocks=[3], num_tokens=17), "of 17 tokens needs 2 source blocks"),
+    (dict(src_blocks=[0], dst_blocks=[3], layers=[2]), "layer 2 out of range; valid: 0..1"),
+    (dict(src_blocks=[0], dst_blocks=[3], layers=[1, 1]), "layer 1 listed twice"),
+    (dict(src_blocks=[0.5], dst_blocks=[3]), None),
+]
+
+
+def bad_request_errors(agent, peer) -> list:
+    """What went wrong sending BAD_REQUESTS from ``agent`` to ``peer`` (empty: each raised as it should)."""
+    errors = []
+    for kwargs, text in BAD_REQUESTS:
+        try:
+            agent.send(peer, "bad", **kwargs)
+            errors.append(f"no error for {kwargs}")
+        except ValueError as e:
+            if text is None or text not in str(e):
+                errors.append(f"{kwargs}: {e}")
+        except TypeError as e:
+            if text is not None:
+                errors.append(f"{kwargs}: {e}")
+    return errors
+

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from conftest import RankFailure
-from kv_reference import barrier, case_dict, layerwise, make_cache, request, run_case, two_requests
+from kv_reference import (bad_request_errors, barrier, case_dict, layerwise, make_cache, request, run_case,
+                          two_requests)
 
 NON_MLA = ("NHD", "HND", "flash_attn", "flashinfer_nhd", "flashinfer_hnd")
 DTYPE_CYCLE = ("bfloat16", "float16", "float8_e4m3fn")
@@ -192,24 +193,7 @@ def _bad_input(ctx, tag):
         agent = kv.KVAgent(ctx.store, pre, "prefill", timeout=timedelta(seconds=30))
         caches, _ = make_cache("NHD", 2, 8, 16, 2, 8, torch.bfloat16, 17, "cpu")
         agent.register(caches, "NHD")
-        bad = [
-            (dict(src_blocks=[8], dst_blocks=[0]), "source block id 8 (position 0) out of range; valid: 0..7"),
-            (dict(src_blocks=[-1], dst_blocks=[0]), "source block id -1"),
-            (dict(src_blocks=[0], dst_blocks=[12]), "destination block id 12 (position 0) out of range; valid: 0..11"),
-            (dict(src_blocks=[0, 1], dst_blocks=[3, 3]), "destination block 3 appears twice (positions 0 and 1)"),
-            (dict(src_blocks=[0, 1], dst_blocks=[3]), "needs 2 source blocks of 16 tokens and 2 destination blocks"),
-            (dict(src_blocks=[0], dst_blocks=[3], num_tokens=17), "of 17 tokens needs 2 source blocks"),
-            (dict(src_blocks=[0], dst_blocks=[3], layers=[2]), "layer 2 out of range; valid: 0..1"),
-            (dict(src_blocks=[0], dst_blocks=[3], layers=[1, 1]), "layer 1 listed twice"),
-            (dict(src_blocks=[0.5], dst_blocks=[3]), None),
-        ]
-        for kwargs, text in bad:
-            try:
-                agent.send(dec, "bad", **kwargs)
-                errors.append(f"no error for {kwargs}")
-            except (ValueError, TypeError) as e:
-                if text is not None and text not in str(e):
-                    errors.append(f"{kwargs}: {e}")
+        errors += bad_request_errors(agent, dec)
         try:
             agent.send(dec, "x" * 200, [0], [3])
             errors.append("no error for a long request id")

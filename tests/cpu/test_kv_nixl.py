@@ -7,14 +7,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import time
 import uuid
 from datetime import timedelta
 
 import pytest
 import torch
 
-from kv_reference import barrier, case_dict, layerwise, make_cache, request, run_case, two_requests
+from kv_reference import (bad_request_errors, barrier, case_dict, layerwise, make_cache, request, run_case,
+                          two_requests)
 
 pytestmark = pytest.mark.skipif(not any(importlib.util.find_spec(m) for m in ("nixl_cu13", "nixl")),
                                 reason="NIXL not installed (pip install nixl-cu13)")
@@ -198,22 +198,7 @@ def _refusals(ctx, tag):
             agent = kv.KVAgent(ctx.store, pre, "prefill", timeout=timedelta(seconds=30))
             caches, _ = make_cache("NHD", 2, 8, 16, 2, 8, torch.bfloat16, 17, "cpu")
             agent.register(caches, "NHD")
-            bad = [
-                (dict(src_blocks=[8], dst_blocks=[0]), "source block id 8 (position 0) out of range; valid: 0..7"),
-                (dict(src_blocks=[0], dst_blocks=[12]), "destination block id 12 (position 0) out of range; valid: "
-                                                        "0..11"),
-                (dict(src_blocks=[0, 1], dst_blocks=[3, 3]), "destination block 3 appears twice (positions 0 and 1)"),
-                (dict(src_blocks=[0, 1], dst_blocks=[3]), "needs 2 source blocks of 16 tokens and 2 destination"),
-                (dict(src_blocks=[0], dst_blocks=[3], layers=[2]), "layer 2 out of range; valid: 0..1"),
-                (dict(src_blocks=[0], dst_blocks=[3], layers=[1, 1]), "layer 1 listed twice"),
-            ]
-            for kwargs, text in bad:
-                try:
-                    agent.send(dec, "bad", **kwargs)
-                    errors.append(f"no error for {kwargs}")
-                except ValueError as e:
-                    if text not in str(e):
-                        errors.append(f"{kwargs}: {e}")
+            errors += bad_request_errors(agent, dec)
             x = agent.begin(dec, "good", [0], [3])
             x.send_layer(0)
             for layer, text in ((0, "sent already"), (5, "out of range")):
