@@ -253,8 +253,7 @@ void EPBufferGpu::dispatch(const void* x, int64_t num_tokens, const int64_t* top
   if (s.transport == EPTransport::kNvshmem) {
     launch_nvshmem(s, p, /*dispatch=*/true, mode_of(phase), stream, what);
   } else {
-    throw_if_error(p.path == kernels::EPPath::kLL ? kernels::launch_ep_dispatch_ll(p, mode_of(phase), stream)
-                                                  : kernels::launch_ep_dispatch(p, mode_of(phase), stream));
+    throw_if_error(kernels::launch_ep(p, kernels::EPOp::kDispatch, mode_of(phase), stream));
   }
   end_call(s, stream, what);
   s.next = phase == EPPhase::kSend ? Impl::Next::kDispatchRecv : Impl::Next::kCombine;
@@ -276,8 +275,7 @@ void EPBufferGpu::combine(const void* expert_out, void* out, EPPhase phase, GpuS
   if (s.transport == EPTransport::kNvshmem) {
     launch_nvshmem(s, p, /*dispatch=*/false, mode_of(phase), stream, what);
   } else {
-    throw_if_error(p.path == kernels::EPPath::kLL ? kernels::launch_ep_combine_ll(p, mode_of(phase), stream)
-                                                  : kernels::launch_ep_combine(p, mode_of(phase), stream));
+    throw_if_error(kernels::launch_ep(p, kernels::EPOp::kCombine, mode_of(phase), stream));
   }
   end_call(s, stream, what);
   s.next = phase == EPPhase::kSend ? Impl::Next::kCombineRecv : Impl::Next::kDispatch;

@@ -4,6 +4,7 @@
 // latency instead of a write + barrier round trip + read.
 #include "commlib/device/barrier.cuh"
 #include "commlib/device/dispatch.cuh"
+#include "commlib/device/ll.cuh"
 #include "kernels/all_reduce_common.cuh"
 #include "kernels/launch.cuh"
 
@@ -43,12 +44,9 @@ __global__ void __launch_bounds__(kLLThreads) all_reduce_flat_ll_kernel(AllReduc
   for (size_t v = first; v < num_packs; v += stride) {
     const Pack<T> x = own_pack(v);
     const uint4 raw = *reinterpret_cast<const uint4*>(&x);
-    const uint4 line0{raw.x, flag, raw.y, flag}, line1{raw.z, flag, raw.w, flag};
     for (int i = 1; i < world; ++i) {
       const int q = (rank + i) % world;
-      uint4* dst = reinterpret_cast<uint4*>(p.lines.peer<char>(q) + parity + rank * slot_bytes) + 2 * v;
-      device::st_volatile_v4_u32(dst, line0);
-      device::st_volatile_v4_u32(dst + 1, line1);
+      device::ll_store(reinterpret_cast<uint4*>(p.lines.peer<char>(q) + parity + rank * slot_bytes) + 2 * v, raw, flag);
     }
   }
 
@@ -63,21 +61,11 @@ __global__ void __launch_bounds__(kLLThreads) all_reduce_flat_ll_kernel(AllReduc
         continue;
       }
       const uint4* src = reinterpret_cast<const uint4*>(p.lines.local<char>() + parity + r * slot_bytes) + 2 * v;
-      uint4 a = device::ld_volatile_v4_u32(src), b = device::ld_volatile_v4_u32(src + 1);
-      if (a.y != flag || a.w != flag || b.y != flag || b.w != flag) {
-        const uint64_t start = device::globaltimer_ns();
-        while (a.y != flag || a.w != flag || b.y != flag || b.w != flag) {
-          a = device::ld_volatile_v4_u32(src);
-          b = device::ld_volatile_v4_u32(src + 1);
-          const uint64_t elapsed = device::globaltimer_ns() - start;
-          if (elapsed > p.barrier.timeout_ns) {
-            device::record_timeout(p.barrier, r, static_cast<int>(Phase::kLLData), elapsed, call.call);
-            failed = 1;
-            break;
-          }
-        }
+      uint4 raw{};
+      if (!device::ll_receive(src, flag, p.barrier, r, static_cast<int>(Phase::kLLData), call.call, &raw)) {
+        failed = 1;
+        break;
       }
-      const uint4 raw{a.x, a.z, b.x, b.z};
       xs[r] = *reinterpret_cast<const Pack<T>*>(&raw);
     }
     if (failed) break;

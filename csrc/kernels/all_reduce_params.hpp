@@ -78,6 +78,8 @@ constexpr int64_t kTreeMaxMinPacksPerBlock = int64_t{1} << 24;
 // the buffer's initial value; the other parity's stale lines carry call - 1). Block-local, no
 // barrier: a rank that starts call k + 2 has finished call k + 1, which needed every peer's call
 // k + 1 data, which each peer wrote after finishing its call k reads: so reusing a parity is safe.
+// Every LL kernel (all-reduce, exchange, reduce_scatter, fused, EP) stores and receives lines through
+// include/commlib/device/ll.cuh only (ll_store, ll_receive, ll_wait_all).
 struct AllReduceFlatLLParams {
   const void* input = nullptr;
   void* output = nullptr;

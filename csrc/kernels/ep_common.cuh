@@ -24,8 +24,16 @@
 
 namespace commlib::kernels {
 
-// Validates the params of every EP launcher (ep_dispatch_combine.cu).
+// Validates the params of launch_ep (ep_dispatch_combine.cu).
 Status check_ep_params(const EPParams& p, const char* what);
+
+// Every peer-memory EP kernel has this signature; launch_ep picks one by path, op, element type T
+// (float, __half, __nv_bfloat16) and, on the flag path, the grid's column split.
+using EPKernel = void (*)(EPParams, EPMode, LaunchOrder);
+template <typename T>
+EPKernel ep_flags_kernel(EPOp op, bool column_parts);  // ep_dispatch_combine.cu
+template <typename T>
+EPKernel ep_ll_kernel(EPOp op);  // ep_ll.cu
 
 namespace {
 

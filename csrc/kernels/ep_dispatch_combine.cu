@@ -362,32 +362,25 @@ EPSymmetricLayout ep_symmetric_layout(const EPConfig& c, int world_size, const E
   return l;
 }
 
-Status launch_ep_dispatch(const EPParams& p, EPMode mode, Stream stream) {
-  const char* what = has(mode, EPMode::kSend) ? "EPBuffer.dispatch" : "EPBuffer.dispatch_recv";
-  Status status = check_ep_params(p, what);
-  if (!status.is_ok()) return status;
-  if (p.path != EPPath::kFlags) {
-    return Status(StatusCode::kInvalidArgument, detail::concat(what, ": params for the LL path; use launch_ep_dispatch_ll"));
-  }
-  const size_t smem = 2 * static_cast<size_t>(p.config.num_experts) * sizeof(int32_t);
-  COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, what, [&] {
-    status = launch_kernel(what, ep_dispatch_kernel<T>, {dim3(p.grid.num_blocks()), dim3(kThreads), smem}, stream,
-                           p.order, p, mode, p.order);
-  });
-  return status;
+template <typename T>
+EPKernel ep_flags_kernel(EPOp op, bool column_parts) {
+  // Rows split into column parts (decode sizes): a combine lane holds about one pack of a row.
+  if (op == EPOp::kDispatch) return ep_dispatch_kernel<T>;
+  return column_parts ? ep_combine_kernel<T, true> : ep_combine_kernel<T, false>;
 }
 
-Status launch_ep_combine(const EPParams& p, EPMode mode, Stream stream) {
-  const char* what = has(mode, EPMode::kSend) ? "EPBuffer.combine" : "EPBuffer.combine_recv";
+Status launch_ep(const EPParams& p, EPOp op, EPMode mode, Stream stream) {
+  const bool send = has(mode, EPMode::kSend);
+  const char* what = op == EPOp::kDispatch ? (send ? "EPBuffer.dispatch" : "EPBuffer.dispatch_recv")
+                                           : (send ? "EPBuffer.combine" : "EPBuffer.combine_recv");
   Status status = check_ep_params(p, what);
   if (!status.is_ok()) return status;
-  if (p.path != EPPath::kFlags) {
-    return Status(StatusCode::kInvalidArgument, detail::concat(what, ": params for the LL path; use launch_ep_combine_ll"));
-  }
+  // Dispatch keeps two per-expert counters in shared memory.
+  const size_t smem = op == EPOp::kDispatch ? 2 * static_cast<size_t>(p.config.num_experts) * sizeof(int32_t) : 0;
   COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, what, [&] {
-    // Rows split into column parts (decode sizes): a lane holds about one pack of a row.
-    auto* kernel = p.grid.num_parts > 1 ? ep_combine_kernel<T, true> : ep_combine_kernel<T, false>;
-    status = launch_kernel(what, kernel, {dim3(p.grid.num_blocks()), dim3(kThreads)}, stream, p.order, p, mode, p.order);
+    const EPKernel kernel = p.path == EPPath::kLL ? ep_ll_kernel<T>(op) : ep_flags_kernel<T>(op, p.grid.num_parts > 1);
+    status = launch_kernel(what, kernel, {dim3(p.grid.num_blocks()), dim3(kThreads), smem}, stream, p.order, p, mode,
+                           p.order);
   });
   return status;
 }

@@ -493,33 +493,12 @@ EPLLGeometry ep_ll_geometry(const EPConfig& c, int world_size, const EPGrid& gri
   return g;
 }
 
-Status launch_ep_dispatch_ll(const EPParams& p, EPMode mode, Stream stream) {
-  const char* what = has(mode, EPMode::kSend) ? "EPBuffer.dispatch" : "EPBuffer.dispatch_recv";
-  Status status = check_ep_params(p, what);
-  if (!status.is_ok()) return status;
-  if (p.path != EPPath::kLL) {
-    return Status(StatusCode::kInvalidArgument, detail::concat(what, ": params for the flag path; use launch_ep_dispatch"));
-  }
-  const size_t smem = 2 * static_cast<size_t>(p.config.num_experts) * sizeof(int32_t);
-  COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, what, [&] {
-    status = launch_kernel(what, ep_dispatch_ll_kernel<T>, {dim3(p.grid.num_blocks()), dim3(kThreads), smem}, stream,
-                           p.order, p, mode, p.order);
-  });
-  return status;
+template <typename T>
+EPKernel ep_ll_kernel(EPOp op) {
+  return op == EPOp::kDispatch ? ep_dispatch_ll_kernel<T> : ep_combine_ll_kernel<T>;
 }
-
-Status launch_ep_combine_ll(const EPParams& p, EPMode mode, Stream stream) {
-  const char* what = has(mode, EPMode::kSend) ? "EPBuffer.combine" : "EPBuffer.combine_recv";
-  Status status = check_ep_params(p, what);
-  if (!status.is_ok()) return status;
-  if (p.path != EPPath::kLL) {
-    return Status(StatusCode::kInvalidArgument, detail::concat(what, ": params for the flag path; use launch_ep_combine"));
-  }
-  COMMLIB_DISPATCH_FLOAT_DTYPE(p.config.dtype, T, what, [&] {
-    status = launch_kernel(what, ep_combine_ll_kernel<T>, {dim3(p.grid.num_blocks()), dim3(kThreads)}, stream, p.order,
-                           p, mode, p.order);
-  });
-  return status;
-}
+template EPKernel ep_ll_kernel<float>(EPOp);
+template EPKernel ep_ll_kernel<__half>(EPOp);
+template EPKernel ep_ll_kernel<__nv_bfloat16>(EPOp);
 
 }  // namespace commlib::kernels

@@ -200,7 +200,7 @@ struct EPParams {
   int rank = 0;
   int world_size = 1;
   EPGrid grid{};
-  EPPath path = EPPath::kFlags;  // which launcher the core calls: launch_ep_* or launch_ep_*_ll
+  EPPath path = EPPath::kFlags;  // which kernels launch_ep runs: the flag ones or the LL ones
   LaunchOrder order = LaunchOrder::kStream;  // COMMLIB_PDL, resolved by the core
   EPLLGeometry ll{};
   SymmetricBufferDevice sym{};  // every rank's piece (EPSymmetricLayout)
@@ -231,10 +231,10 @@ constexpr int kEPTracePoints = 12;
 std::vector<int64_t> ep_trace_snapshot();
 std::vector<int64_t> ep_ll_trace_snapshot();  // the LL kernels' (ep_trace_snapshot picks the later call)
 
-Status launch_ep_dispatch(const EPParams& params, EPMode mode, Stream stream);
-Status launch_ep_combine(const EPParams& params, EPMode mode, Stream stream);
-// The LL path's kernels, for params.path == kLL (the flag launchers above refuse it).
-Status launch_ep_dispatch_ll(const EPParams& params, EPMode mode, Stream stream);
-Status launch_ep_combine_ll(const EPParams& params, EPMode mode, Stream stream);
+enum class EPOp : int { kDispatch, kCombine };
+// The one launcher of the peer-memory EP kernels: `op` on the path params.path names (the flag
+// kernels or the LL ones), with the params' grid and launch order. The NVSHMEM kernels have their
+// own (csrc/nvshmem).
+Status launch_ep(const EPParams& params, EPOp op, EPMode mode, Stream stream);
 
 }  // namespace commlib::kernels

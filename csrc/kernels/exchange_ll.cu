@@ -17,27 +17,6 @@ namespace {
 constexpr int kLLThreads = 128;
 constexpr int kLLMaxBlocks = 64;
 
-// Pack v of slot `source` of this rank's lines of this call, once both of its lines carry `flag`.
-// Bounded: false (the timeout recorded) when the peer's lines do not arrive in time.
-__device__ __forceinline__ bool ll_receive(const BarrierDevice& bar, const uint4* src, uint32_t flag, int source,
-                                           uint64_t call, uint4* payload) {
-  uint4 a = device::ld_volatile_v4_u32(src), b = device::ld_volatile_v4_u32(src + 1);
-  if (!device::ll_ready(a, b, flag)) {
-    const uint64_t start = device::globaltimer_ns();
-    while (!device::ll_ready(a, b, flag)) {
-      a = device::ld_volatile_v4_u32(src);
-      b = device::ld_volatile_v4_u32(src + 1);
-      const uint64_t elapsed = device::globaltimer_ns() - start;
-      if (elapsed > bar.timeout_ns) {
-        device::record_timeout(bar, source, static_cast<int>(Phase::kLLData), elapsed, call);
-        return false;
-      }
-    }
-  }
-  *payload = device::ll_payload(a, b);
-  return true;
-}
-
 struct LLCall {
   size_t offset;  // bytes (exchange) or elements (reduce_scatter) into each block
   size_t size;    // bytes (exchange) or elements (reduce_scatter) of each block in this call
@@ -76,8 +55,8 @@ __global__ void __launch_bounds__(kLLThreads) exchange_ll_kernel(ExchangeParams 
     for (int i = 1; i < world && !failed; ++i) {
       const int s = exchange_peer_after(rank, i, world);
       uint4 raw;
-      if (!ll_receive(p.barrier, reinterpret_cast<const uint4*>(mine + s * slot_bytes) + 2 * v, flag, s, call.call,
-                      &raw)) {
+      if (!device::ll_receive(reinterpret_cast<const uint4*>(mine + s * slot_bytes) + 2 * v, flag, p.barrier, s,
+                              static_cast<int>(Phase::kLLData), call.call, &raw)) {
         failed = 1;
         break;
       }
@@ -130,8 +109,8 @@ __global__ void __launch_bounds__(kLLThreads) reduce_scatter_ll_kernel(ReduceSca
         continue;
       }
       uint4 raw{};
-      if (!failed && !ll_receive(p.barrier, reinterpret_cast<const uint4*>(mine + r * slot_bytes) + 2 * v, flag, r,
-                                 call.call, &raw)) {
+      if (!failed && !device::ll_receive(reinterpret_cast<const uint4*>(mine + r * slot_bytes) + 2 * v, flag,
+                                         p.barrier, r, static_cast<int>(Phase::kLLData), call.call, &raw)) {
         failed = 1;
       }
       xs[r] = *reinterpret_cast<const Pack<T>*>(&raw);

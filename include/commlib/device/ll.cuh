@@ -1,7 +1,8 @@
 // Flag-carrying 16-byte lines ("LL", Note [LL lines] in csrc/kernels/all_reduce_params.hpp): a
 // 16-byte pack travels as two lines {word 0, flag, word 1, flag}, {word 2, flag, word 3, flag}; the
 // reader polls the lines themselves, so no release fence or separate flag is needed. flag is never 0
-// (the value of a zeroed buffer).
+// (the value of a zeroed buffer). Every LL kernel stores and receives through these functions (one
+// protocol; a receive is bounded and names rank, peer and phase on timeout).
 #pragma once
 
 #include <cstdint>
@@ -23,6 +24,28 @@ __device__ __forceinline__ bool ll_ready(const uint4& lo, const uint4& hi, uint3
 
 // The payload (a raw pack) of the two lines lo, hi.
 __device__ __forceinline__ uint4 ll_payload(const uint4& lo, const uint4& hi) { return uint4{lo.x, lo.z, hi.x, hi.z}; }
+
+// Waits until the two lines at src carry `flag` and leaves their payload in *payload: the one-source
+// form of ll_wait_all, for kernels that take one peer's pack at a time. On timeout it records
+// (rank, peer, phase) in the error word and returns false (*payload untouched).
+__device__ __forceinline__ bool ll_receive(const uint4* src, uint32_t flag, const BarrierDevice& bar, int peer,
+                                           int phase, uint64_t call, uint4* payload) {
+  uint4 lo = ld_volatile_v4_u32(src), hi = ld_volatile_v4_u32(src + 1);
+  if (!ll_ready(lo, hi, flag)) {
+    const uint64_t start = globaltimer_ns();
+    while (!ll_ready(lo, hi, flag)) {
+      lo = ld_volatile_v4_u32(src);
+      hi = ld_volatile_v4_u32(src + 1);
+      const uint64_t elapsed = globaltimer_ns() - start;
+      if (elapsed > bar.timeout_ns) {
+        record_timeout(bar, peer, phase, elapsed, call);
+        return false;
+      }
+    }
+  }
+  *payload = ll_payload(lo, hi);
+  return true;
+}
 
 // Waits until the two lines at src[u] carry `flag`, for every u with src[u] != nullptr, polling
 // all of them at once (one round trip when they have all landed, not one per pack), and leaves
