@@ -1,8 +1,6 @@
 // Note [cuda p2p] (cuda_p2p.hpp).
 #include "cuda/cuda_p2p.hpp"
 
-#include <cuda.h>
-
 #include <atomic>
 #include <cstring>
 #include <mutex>
@@ -10,7 +8,7 @@
 #include "commlib/communicator.hpp"
 #include "commlib/errors.hpp"
 #include "cuda/cuda_comm.hpp"
-#include "transport/cuda_driver.hpp"
+#include "cuda/cuda_copy_engine.hpp"
 #include "transport/cuda_ipc.hpp"
 
 namespace commlib {
@@ -34,11 +32,6 @@ size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 int lane_of(int64_t tag) {
   const int64_t l = tag % CudaP2p::kLanes;
   return static_cast<int>(l < 0 ? l + CudaP2p::kLanes : l);
-}
-
-void write_word(cudaStream_t stream, const void* address, uint32_t value, unsigned flags, const char* what) {
-  cuda::stream_write_value32(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(address), value, flags,
-                             what);
 }
 
 }  // namespace
@@ -145,13 +138,9 @@ void CudaP2p::send(const void* src, size_t bytes, uint32_t dtype, int dst, int64
     kernels::P2pSlotHeader* h = header(dst, rank_, lane, slot);
     if (offset == 0) p.fill = h;  // the message's header, written by the wait kernel
     throw_if_error(kernels::launch_p2p_wait(p, stream));
-    if (n != 0) {
-      cuda_check(cudaMemcpyAsync(data(dst, rank_, lane, slot), static_cast<const uint8_t*>(src) + offset, n,
-                                 cudaMemcpyDeviceToDevice, stream),
-                 what, "cudaMemcpyAsync");
-    }
-    // The memory barrier of this write: the chunk and the header land at the receiver first.
-    write_word(stream, &h->ready, 1, 0, what);
+    // The chunk and the header land at the receiver before `ready` (Note [copy-engine slots]).
+    ce::put_and_signal(data(dst, rank_, lane, slot), static_cast<const uint8_t*>(src) + offset, n, &h->ready, 1, stream,
+                       what);
     ++count;
     offset += n;
   } while (offset < bytes);
@@ -185,7 +174,7 @@ void CudaP2p::recv(void* dst, size_t bytes, uint32_t dtype, int src, int64_t tag
                  what, "cudaMemcpyAsync");
     }
     // With the memory barrier, after the copy above has read the slot: the sender may refill it.
-    write_word(stream, busy(src, rank_, lane, slot), 0, 0, what);
+    ce::signal(busy(src, rank_, lane, slot), 0, stream, what);
     ++count;
     offset += n;
   } while (offset < bytes);

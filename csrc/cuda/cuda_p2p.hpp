@@ -29,7 +29,8 @@
 // kernel, which gives up after the communicator's timeout (read at enqueue time), records rank,
 // peer, lane and what it waited for in a host-mapped P2pErrorWord and poisons the channels: every
 // later wait returns at once, so queued work drains instead of hanging, and check_error() raises.
-// The data never goes through an SM; the waits hold one thread each while they spin.
+// The data never goes through an SM; the waits hold one thread each while they spin. The copies and
+// the signals are the copy-engine mechanism CopyEngineRing also runs on (Note [copy-engine slots]).
 // Streams: sends run on send_stream(), receives on recv_stream() (so a rank blocked sending to a
 // peer still drains what that peer sends it); callers order them after their own stream. They are
 // this channel's own, not a pool's: a wait parks on its stream until the peer arrives, and work of

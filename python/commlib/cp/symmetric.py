@@ -12,7 +12,10 @@ Note [cp copy-engine ring]
     lands before the flag). Receiver, on the current stream: wait ready[X] == 1, write ready[X] = 0,
     compute, then write free[X] = 1 at the sender. The flags return to their initial values after
     every use (no sequence numbers), so a captured CUDA graph replays the same operations. A
-    stream wait has no timeout on the device: Note [cp ring watchdog] bounds it from the host.
+    stream wait has no timeout on the device: Note [cp ring watchdog] bounds it from the host. The
+    slot protocol runs in C++ (commlib._C.CopyEngineRing, Note [copy-engine slots] in
+    csrc/cuda/cuda_copy_engine.hpp, the mechanism the GPU send / recv also runs on); this module
+    lays out the slots, owns the streams and watches the calls.
 
 Note [cp ring watchdog]
     cuStreamWaitValue32 cannot time out, and an SM-side bounded wait would cost the SMs the ring
@@ -54,14 +57,14 @@ class SymmetricTransport(RingTransport):
     ring]). Needs a CUDA build of commlib and a ``commlib.Communicator``."""
 
     _ALIGN = 256
-    _MAX_SLOTS = 64
-    _FLAGS_BYTES = 2 * 4 * _MAX_SLOTS  # ready[64], free[64] (int32), then the slots
 
     def __init__(self, comm, timeout_s: Optional[float] = None):
         from .. import _C
         if not hasattr(_C, "cp_symmetric_peer_views"):
             raise TypeError("SymmetricTransport: this commlib build has no CUDA; supported: a CUDA build")
         self._C = _C
+        self._max_slots = _C.CopyEngineRing.MAX_SLOTS
+        self._flags_bytes = _C.CopyEngineRing.FLAGS_BYTES  # ready[], free[] (int32), then the slots
         self._comm = weakref.ref(comm)  # the communicator owns this transport, not the reverse
         self.rank = comm.rank
         self.world_size = comm.world_size
@@ -83,7 +86,7 @@ class SymmetricTransport(RingTransport):
         key = (tuple(sorted((k, tuple(v[0]), v[1]) for k, v in specs.items())), device)
         if key == self._key:
             return  # the same layout: the flags' protocol covers reuse across calls
-        offsets, off = {}, self._FLAGS_BYTES
+        offsets, off = {}, self._flags_bytes
         for name in sorted(specs):
             shape, dtype = specs[name]
             nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
@@ -99,31 +102,29 @@ class SymmetricTransport(RingTransport):
             capacity = max(off, int(1.5 * self._buf.numel())) if self._key is not None else off
             buf = self.comm.symmetric_empty((capacity,), dtype=torch.uint8, device=device)
             views = self._C.cp_symmetric_peer_views(self.comm.native, buf)
-            flags = buf[:self._FLAGS_BYTES].view(torch.int32).view(2, self._MAX_SLOTS)
+            flags = buf[:self._flags_bytes].view(torch.int32).view(2, self._max_slots)
             flags[0].zero_()   # ready[X]: this rank's slot X holds a message (written by its sender)
             flags[1].fill_(1)  # free[X]: the receiver of this rank's slot-X messages may take one
             torch.cuda.synchronize(device)
             self.comm.barrier()  # every rank's flags are initialised before any peer writes them
             self._buf, self._views = buf, views
-            base = [v.data_ptr() for v in views]
-            self._ready = lambda r, x: base[r] + 4 * x
-            self._free = lambda r, x: base[r] + 4 * (self._MAX_SLOTS + x)
+            self._ring = self._C.CopyEngineRing(self.comm.native, buf)
         self._key = key
         self._slots = {}
+        self._offsets = {name: o for name, (o, _) in offsets.items()}
         for name, (o, nbytes) in offsets.items():
             shape, dtype = specs[name]
             self._slots[name] = [v[o:o + nbytes].view(dtype).view(shape) for v in self._views]
         if self._copy_stream is None or self._copy_stream.device != device:
             self._copy_stream = torch.cuda.Stream(device)
 
-    @classmethod
-    def _slot_index(cls, name: str) -> int:
+    def _slot_index(self, name: str) -> int:
         """Fixed flag index per slot name: kv0, kv1, q0, q1, then p1, p2, ..."""
         fixed = {"kv0": 0, "kv1": 1, "q0": 2, "q1": 3}
         x = fixed[name] if name in fixed else 3 + int(name[1:])
-        if x >= cls._MAX_SLOTS:
+        if x >= self._max_slots:
             raise ValueError(f"ring_attention: the copy-engine ring supports world sizes up to "
-                             f"{cls._MAX_SLOTS - 3}; slot {name} is past it")
+                             f"{self._max_slots - 3}; slot {name} is past it")
         return x
 
     def slot(self, name: str) -> torch.Tensor:
@@ -131,18 +132,12 @@ class SymmetricTransport(RingTransport):
 
     def start(self, sends, recvs):
         cur = torch.cuda.current_stream()
+        sends = [(peer, name, self._message(name, src)) for peer, name, src in sends]
         cs = self._copy_stream
         cs.wait_stream(cur)  # the sources are written
-        me = self.rank
         for peer, name, src in sends:
-            x = self._slot_index(name)
-            dst = self._slots[name][peer]
-            self._C.cp_stream_wait_value32(self._free(me, x), 1, cs.cuda_stream)
-            self._C.cp_stream_write_value32(self._free(me, x), 0, cs.cuda_stream)
-            with torch.cuda.stream(cs):
-                dst.copy_(src)  # contiguous, same dtype: one cudaMemcpyAsync into the peer's slot
-            # Default write: a fence first, so the copy lands before the flag is seen.
-            self._C.cp_stream_write_value32(self._ready(peer, x), 1, cs.cuda_stream)
+            # Wait for the peer's release, one copy-engine transfer into its slot, signal it there.
+            self._ring.send(peer, self._slot_index(name), self._offsets[name], src, cs.cuda_stream)
             src.record_stream(cs)
             self._progress(cs, f"rank {peer} to release slot {name} (this rank sends into it)")
         for peer, name in recvs:
@@ -151,22 +146,27 @@ class SymmetricTransport(RingTransport):
         done.record(cs)
         return done, [name for _, name in recvs]
 
+    def _message(self, name: str, src: torch.Tensor) -> torch.Tensor:
+        """``src`` as the bytes of slot ``name`` (contiguous, on the current stream)."""
+        slot = self._slots[name][self.rank]
+        if src.dtype != slot.dtype or src.shape != slot.shape:
+            raise ValueError(f"ring_attention: a message for slot {name} must be a {slot.dtype} tensor of "
+                             f"shape {tuple(slot.shape)}; got {src.dtype} {tuple(src.shape)}")
+        return src.contiguous()
+
     def wait(self, token) -> None:
         done, names = token
         self._last_wait = names
         cur = torch.cuda.current_stream()
         cur.wait_event(done)  # this step's sends no longer read their sources
         for name in names:
-            x = self._slot_index(name)
-            self._C.cp_stream_wait_value32(self._ready(self.rank, x), 1, cur.cuda_stream)
-            self._C.cp_stream_write_value32(self._ready(self.rank, x), 0, cur.cuda_stream)
+            self._ring.receive(self._slot_index(name), cur.cuda_stream)
             self._progress(cur, f"slot {name} from rank {self._sender.get(name)}")
 
     def release(self, names) -> None:
         cur = torch.cuda.current_stream()
         for name in names:
-            x = self._slot_index(name)
-            self._C.cp_stream_write_value32(self._free(self._sender[name], x), 1, cur.cuda_stream)
+            self._ring.release(self._sender[name], self._slot_index(name), cur.cuda_stream)
 
     # ---- Note [cp ring watchdog] ----
     def check(self) -> None:
@@ -223,7 +223,7 @@ class SymmetricTransport(RingTransport):
                 slot = self._slots[name][self.rank]
                 if slot.dtype.is_floating_point:
                     slot.fill_(float("nan"))
-            self._buf[:self._FLAGS_BYTES].view(torch.int32).fill_(1)
+            self._buf[:self._flags_bytes].view(torch.int32).fill_(1)
 
     def synchronize(self, timeout_s: Optional[float] = None) -> None:
         """Waits for the current stream, at most ``timeout_s`` (default: the transport's timeout);
@@ -243,7 +243,7 @@ class SymmetricTransport(RingTransport):
         """Which flags block, read on a side stream (the blocked stream cannot run a copy)."""
         side = torch.cuda.Stream(self._buf.device)
         with torch.cuda.stream(side):
-            flags = self._buf[:self._FLAGS_BYTES].view(torch.int32).view(2, -1).to("cpu", non_blocking=False)
+            flags = self._buf[:self._flags_bytes].view(torch.int32).view(2, -1).to("cpu", non_blocking=False)
         waits = [f"slot {name} from rank {self._sender[name]}" for name in self._last_wait
                  if flags[0, self._slot_index(name)] == 0]
         return ("the last step waits for " + ", ".join(waits)) if waits else \
