@@ -135,6 +135,45 @@ KvCacheLayout read_layout(Reader& r) {
 // Heads of `rank` of a TP `size` split of `total` heads: [first, first + count).
 std::pair<int, int> head_range(int total, int rank, int size) { return {rank * (total / size), total / size}; }
 
+}  // namespace
+
+std::vector<KvRoute> kv_routes(int heads, bool mla, int tp_rank, int tp_size, int tp_dest) {
+  std::vector<KvRoute> routes;
+  // Whether sending rank s writes to destination d, and the heads they share.
+  auto shared = [&](int s, int d, int* lo, int* hi) {
+    if (mla) {
+      *lo = 0;
+      *hi = 1;
+      return d % tp_size == s;
+    }
+    const auto [s0, sn] = head_range(heads, s, tp_size);
+    const auto [d0, dn] = head_range(heads, d, tp_dest);
+    *lo = std::max(s0, d0);
+    *hi = std::min(s0 + sn, d0 + dn);
+    return *lo < *hi;
+  };
+  for (int d = 0; d < tp_dest; ++d) {
+    int lo = 0, hi = 0;
+    if (!shared(tp_rank, d, &lo, &hi)) continue;
+    KvRoute r;
+    r.rank = d;
+    r.src_head = mla ? 0 : lo - head_range(heads, tp_rank, tp_size).first;
+    r.dst_head = mla ? 0 : lo - head_range(heads, d, tp_dest).first;
+    r.heads = hi - lo;
+    for (int s = 0; s < tp_size; ++s) {
+      int l2 = 0, h2 = 0;
+      if (!shared(s, d, &l2, &h2)) continue;
+      if (r.num_contributors == 0) r.first_sender = s;
+      if (s == tp_rank) r.contributor = r.num_contributors;
+      ++r.num_contributors;
+    }
+    routes.push_back(r);
+  }
+  return routes;
+}
+
+namespace {
+
 // Merges dimensions that are contiguous on both sides into the row (Note [kv copy geometry]): fewer
 // index computations per byte, longer runs.
 void coalesce(KvCopyParams& p) {
@@ -432,25 +471,10 @@ void KvAgent::connect(const std::string& peer_name) {
   }
   // Destinations and heads (Note [kv tensor parallelism]).
   const int tp_d = first.tp_size;
-  std::vector<std::pair<int, int>> heads_of;  // per destination: (src head0, dst head0)
-  int copy_heads = 0;
+  const std::vector<KvRoute> routes = kv_routes(heads, mine.mla, options_.tp_rank, options_.tp_size, tp_d);
   std::vector<int> dest_ranks;
-  for (int d = 0; d < tp_d; ++d) {
-    if (mine.mla) {
-      if (d % options_.tp_size != options_.tp_rank) continue;
-      dest_ranks.push_back(d);
-      heads_of.emplace_back(0, 0);
-      copy_heads = 1;
-      continue;
-    }
-    const auto [s0, sn] = head_range(heads, options_.tp_rank, options_.tp_size);
-    const auto [d0, dn] = head_range(heads, d, tp_d);
-    const int lo = std::max(s0, d0), hi = std::min(s0 + sn, d0 + dn);
-    if (lo >= hi) continue;
-    dest_ranks.push_back(d);
-    heads_of.emplace_back(lo - s0, lo - d0);
-    copy_heads = hi - lo;
-  }
+  for (const KvRoute& r : routes) dest_ranks.push_back(r.rank);
+  const int copy_heads = routes.empty() ? 0 : routes.front().heads;
   COMMLIB_CHECK(static_cast<int>(dest_ranks.size()) <= kernels::kKvMaxDests, InvalidArgument, what, ": rank ",
                 options_.tp_rank, " would write to ", dest_ranks.size(), " ranks of instance '", peer_name,
                 "'; at most ", kernels::kKvMaxDests, " (TP ratio up to 1:", kernels::kKvMaxDests, ")");
@@ -519,25 +543,14 @@ void KvAgent::connect(const std::string& peer_name) {
       throw;
     }
     for (int fd : reply.fds) ::close(fd);
-    // Contributors of this destination: the ranks of this instance that write to it.
-    for (int s = 0; s < options_.tp_size; ++s) {
-      bool writes = false;
-      if (mine.mla) {
-        writes = d.tp_rank % options_.tp_size == s;
-      } else {
-        const auto [s0, sn] = head_range(heads, s, options_.tp_size);
-        const auto [d0, dn] = head_range(heads, d.tp_rank, tp_d);
-        writes = std::max(s0, d0) < std::min(s0 + sn, d0 + dn);
-      }
-      if (!writes) continue;
-      if (dest.num_contributors == 0) dest.first_sender = s;
-      if (s == options_.tp_rank) dest.contributor = dest.num_contributors;
-      ++dest.num_contributors;
-    }
-    b.src_head0[j] = heads_of[j].first;
-    b.dst_head0[j] = heads_of[j].second;
-    g = std::gcd(g, static_cast<uint64_t>(heads_of[j].first) * static_cast<uint64_t>(mine.head_stride));
-    g = std::gcd(g, static_cast<uint64_t>(heads_of[j].second) * static_cast<uint64_t>(theirs.head_stride));
+    const KvRoute& route = routes[j];
+    dest.first_sender = route.first_sender;
+    dest.num_contributors = static_cast<uint32_t>(route.num_contributors);
+    dest.contributor = static_cast<uint32_t>(route.contributor);
+    b.src_head0[j] = route.src_head;
+    b.dst_head0[j] = route.dst_head;
+    g = std::gcd(g, static_cast<uint64_t>(route.src_head) * static_cast<uint64_t>(mine.head_stride));
+    g = std::gcd(g, static_cast<uint64_t>(route.dst_head) * static_cast<uint64_t>(theirs.head_stride));
     b.flags[j] = nullptr;  // per request
     p->dests.push_back(std::move(dest));
   }

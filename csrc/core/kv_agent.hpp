@@ -232,6 +232,24 @@ class KvAgent {
   std::vector<KvEvent> finished_;                         // reported by the next poll
 };
 
+// One destination rank of a sending rank (Note [kv tensor parallelism]): the heads they have in
+// common (from src_head of the sender's heads, to dst_head of the destination's) and the senders
+// of that destination (ranks first_sender .. first_sender + num_contributors - 1 of the sending
+// instance; this rank is number `contributor` of them).
+struct KvRoute {
+  int rank = 0;
+  int src_head = 0;
+  int dst_head = 0;
+  int heads = 0;
+  int first_sender = 0;
+  int num_contributors = 0;
+  int contributor = 0;
+};
+// The destinations of rank `tp_rank` of a TP `tp_size` instance holding `heads` global KV heads
+// (MLA: one latent "head" every rank holds) in a TP `tp_dest` instance, in rank order. The one
+// mapping of both paths (KvAgent::connect, the NIXL path); the caller checks divisibility.
+std::vector<KvRoute> kv_routes(int heads, bool mla, int tp_rank, int tp_size, int tp_dest);
+
 // 64-bit FNV-1a of a request id (records carry it; ids are compared in full as well).
 uint64_t kv_request_hash(const std::string& request_id);
 

@@ -141,6 +141,21 @@ void bind_kv(py::module_& m) {
       .def("close", &KvAgent::close, py::call_guard<py::gil_scoped_release>());
 
   m.def(
+      "kv_routes",
+      [](int heads, bool mla, int tp_rank, int tp_size, int tp_dest) {
+        py::list out;
+        for (const commlib::KvRoute& r : commlib::kv_routes(heads, mla, tp_rank, tp_size, tp_dest)) {
+          out.append(py::dict(py::arg("rank") = r.rank, py::arg("src_head") = r.src_head,
+                              py::arg("dst_head") = r.dst_head, py::arg("heads") = r.heads,
+                              py::arg("first_sender") = r.first_sender,
+                              py::arg("num_contributors") = r.num_contributors,
+                              py::arg("contributor") = r.contributor));
+        }
+        return out;
+      },
+      py::arg("heads"), py::arg("mla"), py::arg("tp_rank"), py::arg("tp_size"), py::arg("tp_dest"),
+      "A sending rank's destinations (Note [kv tensor parallelism]): a list of dicts.");
+  m.def(
       "kv_check_request",
       [](const std::string& request_id, const at::Tensor& src, const at::Tensor& dst, int64_t num_tokens,
          int64_t src_num_blocks, int64_t block_size, int64_t dst_num_blocks, int64_t dst_block_size,

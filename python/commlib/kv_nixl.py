@@ -168,26 +168,11 @@ def mask_layers(mask: int) -> List[int]:
 
 
 def plan_destinations(mine: dict, rank: int, tp: int, tp_d: int) -> List[dict]:
-    """Destination ranks of `rank` (Note [kv tensor parallelism]): rank, first source / destination
-    head, heads, and the contributors of that destination (first sender, count, this rank's index)."""
-    heads = mine["heads"] * tp
-    out = []
-    for d in range(tp_d):
-        if mine["mla"]:
-            if d % tp != rank:
-                continue
-            entry = dict(rank=d, src_head=0, dst_head=0, heads=1, first_sender=d % tp, num_contributors=1,
-                         contributor=0)
-            out.append(entry)
-            continue
-        hp, hd = heads // tp, heads // tp_d
-        lo, hi = max(rank * hp, d * hd), min((rank + 1) * hp, (d + 1) * hd)
-        if lo >= hi:
-            continue
-        senders = [s for s in range(tp) if max(s * hp, d * hd) < min((s + 1) * hp, (d + 1) * hd)]
-        out.append(dict(rank=d, src_head=lo - rank * hp, dst_head=lo - d * hd, heads=hi - lo, first_sender=senders[0],
-                        num_contributors=len(senders), contributor=senders.index(rank)))
-    return out
+    """Destination ranks of `rank` (Note [kv tensor parallelism]; the mapping of the native path):
+    rank, first source / destination head, heads, and the contributors of that destination (first
+    sender, count, this rank's index)."""
+    from . import _C
+    return _C.kv_routes(mine["heads"] * tp, bool(mine["mla"]), rank, tp, tp_d)
 
 
 def peer_name(instance: str, rank: int, pid: int, host: str) -> str:

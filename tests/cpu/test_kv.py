@@ -72,6 +72,33 @@ def test_mla_replicated_latent(ranks, P, D):
     _check_done(results, P + D, P)
 
 
+@pytest.mark.parametrize("heads", [8, 16])
+def test_tp_routes_against_head_sets(heads):
+    # The one TP mapping of both paths (kv_routes, Note [kv tensor parallelism]) against sets of
+    # global heads: every destination a sending rank meets, the shared heads as offsets into each
+    # side's range, and that destination's senders (consecutive ranks, this one among them).
+    from commlib import _C
+    for tp in (1, 2, 4, 8):
+        for tp_d in (1, 2, 4, 8):
+            held = lambda r, t: set(range(r * heads // t, (r + 1) * heads // t))  # noqa: E731
+            for rank in range(tp):
+                routes = _C.kv_routes(heads, False, rank, tp, tp_d)
+                want = [d for d in range(tp_d) if held(rank, tp) & held(d, tp_d)]
+                assert [r["rank"] for r in routes] == want, (tp, tp_d, rank)
+                for r in routes:
+                    common = sorted(held(rank, tp) & held(r["rank"], tp_d))
+                    assert r["heads"] == len(common)
+                    assert r["src_head"] == common[0] - rank * heads // tp
+                    assert r["dst_head"] == common[0] - r["rank"] * heads // tp_d
+                    senders = [s for s in range(tp) if held(s, tp) & held(r["rank"], tp_d)]
+                    assert senders == list(range(r["first_sender"], r["first_sender"] + r["num_contributors"]))
+                    assert senders[r["contributor"]] == rank
+            for rank in range(tp):  # MLA: decode rank d is served by prefill rank d mod tp alone
+                routes = _C.kv_routes(1, True, rank, tp, tp_d)
+                assert [r["rank"] for r in routes] == [d for d in range(tp_d) if d % tp == rank]
+                assert all((r["heads"], r["first_sender"], r["num_contributors"]) == (1, rank, 1) for r in routes)
+
+
 @pytest.mark.parametrize("src_bs,dst_bs", [(16, 32), (32, 16), (64, 16), (16, 64)])
 def test_block_size_ratios(ranks, src_bs, dst_bs):
     case = case_dict(_tag(f"bs{src_bs}-{dst_bs}"), src_layout="NHD", dst_layout="NHD", src_bs=src_bs, dst_bs=dst_bs,
