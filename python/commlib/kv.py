@@ -138,9 +138,7 @@ class _NixlKVSend(KVSend):
                                  "send/begin")
             if l in self._send.sent or l in layers[:i]:
                 raise ValueError(f"KVAgent.send_layer: request '{self.request_id}': layer {l} sent already")
-        if self._agent.device.type == "cuda":  # NIXL reads memory, not a stream: the layers must be written
-            torch.cuda.current_stream(self._agent.device).synchronize()
-        self._send.send_layers(layers)
+        self._send.send_layers(layers)  # posted once the current stream has written them (Note [kv over nixl])
 
     def done(self) -> bool:
         return self._send.check()
@@ -222,6 +220,7 @@ class KVAgent:
         self._store = store
         self._geo = None          # this rank's geometry, as published (Note [kv over nixl])
         self._nixl = None         # the NIXL agent it sends through, made at the first remote connect
+        self._sending = None      # its kv_nixl.SendProgress, made with the first NIXL send
         self._inbox = None        # receivers with NIXL: their own NIXL agent (made at register) and what arrives
         self._local_peers = set()  # peers reached through the native agent
         self._remote = {}          # peer -> kv_nixl.NixlPeer
@@ -369,15 +368,21 @@ class KVAgent:
         if self._nixl is None:
             if self._geo is None or self._closed:
                 raise ValueError(f"KVAgent: the KV agent of instance '{self.instance}' is closed or not registered")
-            self._nixl = self._make_nixl()
+            self._nixl = self._make_nixl(threads=2)  # this thread and its SendProgress
         return self._nixl
 
-    def _make_nixl(self):
+    def send_progress(self) -> "kv_nixl.SendProgress":
+        """The thread that posts and drives this rank's NIXL sends (made with the first one)."""
+        if self._sending is None:
+            self._sending = kv_nixl.SendProgress(self.nixl_agent())
+        return self._sending
+
+    def _make_nixl(self, threads: int = 1):
         g = self._geo
         return kv_nixl.make_agent(kv_nixl.new_agent_name(self.instance, self.tp_rank),
                                   regions=kv_nixl.merged_regions(g["planes"], g["span"]),
                                   mem="DRAM" if self.device.type == "cpu" else "VRAM", device=max(0, g["device_index"]),
-                                  only_rdma=self.require_rdma and bool(g["rdma"]))
+                                  only_rdma=self.require_rdma and bool(g["rdma"]), threads=threads)
 
     def transport_description(self) -> str:
         devices = self._geo["rdma"]
@@ -610,9 +615,12 @@ class KVAgent:
     def close(self) -> None:
         """Releases the agent's memory, mappings and server; peers' later sends to it fail."""
         self._closed = True
+        if self._sending is not None:
+            self._sending.close()  # nothing posts or polls from here on
+            self._sending = None
         if self._nixl is not None:
             for send in self._nixl_sends.values():
-                for _, h in send.handles:
+                for _, h, _, _ in send.handles:
                     try:
                         self._nixl.release_xfer_handle(h)
                     except Exception:  # noqa: BLE001 - closing: a transfer still in flight stays NIXL's

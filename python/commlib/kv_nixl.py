@@ -27,8 +27,9 @@ when a destination rank runs on another host; docs/kv.md says what it does, the 
 # staging buffer in destination order, so one descriptor covers each run contiguous at the
 # destination (NHD -> HND: a head's tokens). The sender's list then covers the staging buffer's
 # (slot, run) entries and the destination's covers (layer, plane, block, chunk, destination run).
-# The buffer grows by doubling to the largest send_layers() call; it is free again when the call
-# returns (its transfers completed). Partial last chunks are not staged. STAGE = False turns it off.
+# The buffer grows by doubling to the largest send_layers() call; a staged call first waits for the
+# transfers of the last one that still read it (so one staged call is in flight per peer while the
+# caller computes the next layer). Partial last chunks are not staged. STAGE = False turns it off.
 # Completion: each transfer carries a notification (JSON, prefix MAGIC) with the request's header
 # (id, sequence number, sender, contributors, announced layers, destination blocks) and the layers
 # it completes; NIXL delivers it after the transfer's data. A request is announced by a standalone
@@ -37,12 +38,20 @@ when a destination rank runs on another host; docs/kv.md says what it does, the 
 # records are reported (Note [kv protocol]): done when every contributor's every announced layer
 # landed; failed when a sender reports a failure (CommError) or nothing progresses for the agent's
 # timeout (CommTimeoutError: the sender may have died; across hosts there is no pid to look at).
-# Progress: NIXL agents run without NIXL's progress thread (it spins a core). send_layer() drives
-# its transfers until NIXL reports them done (so, as on the CPU path, a layer has landed when it
-# returns). A receiving agent runs a thread of its own (_progress) that is the only caller of its
-# NIXL agent after registration: it asks for notifications (which progresses UCX: connection
-# setup, TCP) every 0.1 ms while they come, every 1 ms when idle, and queues them for poll / wait.
-# A rank that both sends and receives has two NIXL agents, so no NIXL agent is called by two threads.
+# Progress: NIXL agents run without NIXL's progress thread (it spins a core). send_layer() only
+# prepares the layer's index lists (and the staging gather, on the current stream) and returns: the
+# sending agent's thread of its own (SendProgress) posts the transfers once the layer is written
+# (CUDA: an event recorded on the current stream at send_layer, so the GPU keeps computing the next
+# layers meanwhile) and polls them until NIXL reports them done, so a layer moves while
+# the caller computes the next one, as the native path's copy kernel does. Its failures (a post
+# NIXL refuses, a transfer NIXL fails or that runs past the agent's timeout) reach the receivers
+# at once (a failure notification) and the sender at its next call of that request (send_layer,
+# done, wait, poll). The sending agent runs in NIXL's strict sync mode (the caller's thread
+# registers and announces, the progress thread posts and polls). A receiving agent runs a thread
+# of its own (_progress) that is the only caller of its NIXL agent after registration: it asks for
+# notifications (which progresses UCX: connection setup, TCP) every 0.1 ms while they come, every
+# 1 ms when idle, and queues them for poll / wait. A rank that both sends and receives has two
+# NIXL agents.
 from __future__ import annotations
 
 import collections
@@ -71,7 +80,7 @@ def nixl_api():
             api = importlib.import_module(module)
         except Exception:  # not installed, or a build that cannot load here
             continue
-        return api.nixl_agent, api.nixl_agent_config
+        return api.nixl_agent, api.nixl_agent_config, api.nixl_thread_sync_t
     return None
 
 
@@ -89,12 +98,14 @@ def rdma_devices() -> List[str]:
 
 
 def make_agent(name: str, regions=None, tensors=None, mem: str = "DRAM", device: int = 0,
-               only_rdma: bool = False, progress_thread: bool = False):
+               only_rdma: bool = False, progress_thread: bool = False, threads: int = 1):
     """A NIXL agent with the UCX backend, `regions` ((address, bytes) pairs) or `tensors` registered.
     only_rdma: UCX may use this host's RDMA ports only (no TCP across hosts). progress_thread: NIXL's
-    own (it spins a core; commlib.kv does without, Note [kv over nixl])."""
-    nixl_agent, nixl_agent_config = nixl_api()
-    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[]))
+    own (it spins a core; commlib.kv does without, Note [kv over nixl]). threads > 1: the agent
+    serialises calls from several threads (NIXL's strict sync mode)."""
+    nixl_agent, nixl_agent_config, sync_t = nixl_api()
+    sync = sync_t.NIXL_THREAD_SYNC_STRICT if threads > 1 else None
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[], sync_mode=sync))
     params = {"ucx_devices": ",".join(rdma_devices())} if only_rdma else {}
     agent.create_backend("UCX", params)
     if tensors:
@@ -221,6 +232,7 @@ class NixlPeer:
             self.staged = staged
         self.stage_buf = self.stage_reg = self.stage_list = None
         self.stage_slots = 0
+        self.stage_users = 0  # staged posts not yet ended (SendProgress.lock)
         agent = owner.nixl_agent()
         for d in self.dests:
             meta = owner.store_get(f"kv/{name}/{d.rank}/nixl", f"instance '{name}' rank {d.rank}")
@@ -249,7 +261,7 @@ class NixlPeer:
 
     def stage(self, slots: int):
         """The staging buffer (registered, its list of (slot, run) prepared) for at least `slots`
-        chunks; grown by doubling. Every transfer from it has completed when send_layers returns."""
+        chunks; grown by doubling. The caller has waited for every transfer from it (stage_users 0)."""
         if slots > self.stage_slots:
             import torch
             agent = self.owner.nixl_agent()
@@ -313,7 +325,9 @@ class NixlSend:
         self.agent, self.peer, self.request_id = agent, peer, request_id
         self.announced, self.sent = announced, set()
         self.num_tokens, self.num_dst = num_tokens, len(dst)
-        self.handles: List[tuple] = []  # (dest index, handle)
+        self.progress: SendProgress = agent.send_progress()
+        self.handles: List[list] = []  # [dest index, handle, post, posted at] in flight (the progress thread's)
+        self.queued = 0                 # posts not yet started (progress.lock)
         self.failed: Optional[str] = None
         self.done_flag = False
         self.reported = False
@@ -356,12 +370,16 @@ class NixlSend:
         return (planes[:, None, None] + chunk[None, :, None] + offs[None, None, :]).reshape(-1)
 
     def send_layers(self, layers: List[int]) -> None:
-        """Posts `layers` (checked by the caller) to every destination: one prepared transfer and,
-        with a partial last chunk, one explicit one, each carrying the notification."""
+        """Posts `layers` (checked by the caller) to every destination, without waiting: one prepared
+        transfer and, with a partial last chunk, one explicit one, each carrying the notification.
+        The sending agent's progress thread posts them once the data is written (CUDA: an event
+        recorded on the current stream) and drives them (SendProgress); a failure is raised by the
+        next call of this request."""
+        self.check()
         self.sent.update(layers)
         if self.empty:
             return
-        peer, nixl = self.peer, self.agent.nixl_agent()
+        peer = self.peer
         self.post += 1
         mask = 0
         for l in layers:
@@ -370,7 +388,11 @@ class NixlSend:
         R = len(peer.runs[0])
         staged = peer.staged is not None and len(self.src_chunk) > 0
         if staged:
+            # The staging buffer is the peer's: the transfers still reading it go first.
+            self.progress.wait_until(lambda: peer.stage_users == 0, self.agent.timeout.total_seconds(),
+                                     f"the staged transfers to instance '{peer.name}'", self)
             rows = self._gather(layers)
+        jobs = []
         for j, d in enumerate(peer.dests):
             parts = []
             if staged:
@@ -404,33 +426,46 @@ class NixlSend:
                                      d.plan["dst_head"], do)
                 parts.append(("explicit", d, sa, da, np.tile(ln, len(sa) // len(so))))
             note = _message(self.headers[j], t="d", l=mask, q=self.post, c=len(parts))
-            for part in parts:
-                try:
-                    if part[0] == "prepped":
-                        h = nixl.make_prepped_xfer("WRITE", d.local, part[2], d.remote, part[3], note)
-                    elif part[0] == "staged":
-                        h = nixl.make_prepped_xfer("WRITE", peer.stage_list, part[2], d.remote, part[3], note)
-                    else:
-                        n = len(part[2])
-                        local = np.stack([part[2].astype(np.uint64), part[4].astype(np.uint64),
-                                          np.full(n, peer.dev, dtype=np.uint64)], 1)
-                        remote = np.stack([part[3].astype(np.uint64), part[4].astype(np.uint64),
-                                           np.full(n, d.dev, dtype=np.uint64)], 1)
-                        h = nixl.initialize_xfer("WRITE", nixl.get_xfer_descs(local, peer.mem),
-                                                 nixl.get_xfer_descs(remote, peer.mem), d.agent_name, note)
-                    state = nixl.transfer(h)
-                except Exception as e:  # noqa: BLE001 - reported to the receiver, then raised
-                    state, h = f"ERR ({type(e).__name__}: {e})", None
-                if state.startswith("ERR"):
-                    self.fail(f"NIXL could not post the transfer to {d.name}: {state}")
-                    from .errors import CommError
-                    raise CommError(f"KVAgent.send_layer: request '{self.request_id}' to {d.name}: {self.failed}")
-                self.handles.append((j, h))
-        self.drain()
+            jobs += [(j, part, note) for part in parts]
+        self.progress.submit(self, _written(self.agent.device), jobs, staged)
+
+    def _post(self, jobs, staged: bool, ended: list) -> None:
+        """On the progress thread, the data written: creates and starts the transfers of one
+        send_layers call; a post none of whose transfers started goes to `ended`."""
+        nixl, peer = self.progress.nixl, self.peer
+        post = _Post(peer if staged else None)
+        for j, part, note in jobs:
+            d = part[1]
+            if self.failed is not None:
+                break
+            try:
+                if part[0] == "prepped":
+                    h = nixl.make_prepped_xfer("WRITE", d.local, part[2], d.remote, part[3], note)
+                elif part[0] == "staged":
+                    h = nixl.make_prepped_xfer("WRITE", peer.stage_list, part[2], d.remote, part[3], note)
+                else:
+                    n = len(part[2])
+                    local = np.stack([part[2].astype(np.uint64), part[4].astype(np.uint64),
+                                      np.full(n, peer.dev, dtype=np.uint64)], 1)
+                    remote = np.stack([part[3].astype(np.uint64), part[4].astype(np.uint64),
+                                       np.full(n, d.dev, dtype=np.uint64)], 1)
+                    h = nixl.initialize_xfer("WRITE", nixl.get_xfer_descs(local, peer.mem),
+                                             nixl.get_xfer_descs(remote, peer.mem), d.agent_name, note)
+                state = nixl.transfer(h)
+            except Exception as e:  # noqa: BLE001 - reported to the receiver and to the next call
+                state, h = f"ERR ({type(e).__name__}: {e})", None
+            if state.startswith("ERR"):
+                self.fail(f"NIXL could not post the transfer to {d.name}: {state}")
+                break
+            post.remaining += 1
+            self.handles.append([j, h, post, time.monotonic()])
+        if post.remaining == 0:
+            ended.append(post)
 
     def _gather(self, layers: List[int]) -> int:
         """Copies the full chunks of `layers` for every destination into the staging buffer, rows in
-        destination order (slot (dest, layer, plane, chunk)); returns the slots per destination."""
+        destination order (slot (dest, layer, plane, chunk)), on the current stream; returns the
+        slots per destination."""
         import torch
         peer = self.peer
         t, h = peer.staged[0], peer.staged[1]
@@ -450,30 +485,46 @@ class NixlSend:
                 for p in range(peer.planes):
                     buf[slot:slot + nch] = peer.owner._canon[l][p][self._blk, self._tok, head]
                     slot += nch
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
         return rows
 
-    def drain(self) -> None:
-        """Drives the posted transfers until they completed (Note [kv over nixl]: no progress thread,
-        so a transfer moves while this thread drives it); CommTimeoutError after the agent's timeout."""
-        deadline = time.monotonic() + self.agent.timeout.total_seconds()
-        for round in range(1 << 62):
-            self.check()
-            if not self.handles:
-                return
-            if time.monotonic() >= deadline:
-                from .errors import CommTimeoutError
+    def poll(self, now: float, ended: list) -> int:
+        """On the progress thread: retires the transfers NIXL reports done (a post whose last one
+        ended goes to `ended`); fails the request on an error or on a transfer older than the
+        agent's timeout. Returns how many transfers ended."""
+        nixl, pending = self.progress.nixl, []
+        limit = self.agent.timeout.total_seconds()
+        for entry in self.handles:
+            j, h, post, posted = entry
+            try:
+                state = nixl.check_xfer_state(h)
+            except Exception as e:  # noqa: BLE001
+                state = f"ERR ({type(e).__name__}: {e})"
+            if state == "PROC" and now - posted <= limit:
+                pending.append(entry)
+                continue
+            if state == "DONE":
+                nixl.release_xfer_handle(h)
+            elif state == "PROC":
                 self.fail(f"the transfers to instance '{self.peer.name}' did not complete within "
-                          f"{int(self.agent.timeout.total_seconds() * 1000)} ms")
-                raise CommTimeoutError(f"KVAgent.send_layer: request '{self.request_id}': {self.failed}")
-            if round >= 64:
-                time.sleep(0.00005)
+                          f"{int(limit * 1000)} ms")
+                pending.append(entry)  # still NIXL's: released at close
+                continue
+            else:
+                self.fail(f"NIXL reported the transfer to {self.peer.dests[j].name} failed ({state})")
+            post.remaining -= 1
+            if post.remaining == 0:
+                ended.append(post)
+        count = len(self.handles) - len(pending)
+        self.handles = pending
+        return count
+
+    def busy(self) -> bool:
+        return bool(self.queued or (self.handles and self.failed is None))
 
     def fail(self, reason: str) -> None:
         if self.failed is None:
             self.failed = reason
-            nixl = self.agent.nixl_agent()
+            nixl = self.progress.nixl
             for d, header in zip(self.peer.dests, self.headers):
                 try:
                     nixl.send_notif(d.agent_name, _message(header, t="f", e=reason[:240]))
@@ -483,25 +534,122 @@ class NixlSend:
     def check(self) -> bool:
         """Whether every announced layer landed at every destination; raises CommError if one failed."""
         from .errors import CommError
-        if self.failed is not None:
+        with self.progress.lock:
+            failed, busy = self.failed, bool(self.queued or self.handles)
+        if failed is not None:
             raise CommError(f"KVAgent.send: request '{self.request_id}' to instance '{self.peer.name}' failed: "
-                            f"{self.failed}")
-        if self.done_flag:
-            return True
-        nixl = self.agent.nixl_agent()
-        pending = []
-        for j, h in self.handles:
-            state = nixl.check_xfer_state(h)
-            if state == "PROC":
-                pending.append((j, h))
-            elif state == "DONE":
-                nixl.release_xfer_handle(h)
-            else:
-                self.fail(f"NIXL reported the transfer to {self.peer.dests[j].name} failed")
-                return self.check()
-        self.handles = pending
-        self.done_flag = not pending and len(self.sent) == len(self.announced)
+                            f"{failed}")
+        self.done_flag = self.done_flag or (not busy and len(self.sent) == len(self.announced))
+        if busy:
+            time.sleep(0)  # a caller polling done() in a loop must not starve the progress thread of the GIL
         return self.done_flag
+
+
+class _Post:
+    """The transfers of one send_layers call: when they all ended, a staged post frees its peer's
+    staging buffer."""
+
+    def __init__(self, staging_peer):
+        self.remaining = 0
+        self.staging_peer = staging_peer  # counted in its stage_users by SendProgress.submit
+
+    def finish(self) -> None:
+        """SendProgress.lock held."""
+        if self.staging_peer is not None:
+            self.staging_peer.stage_users -= 1
+            self.staging_peer = None
+
+
+def _written(device):
+    """When the data written so far on `device`'s current stream is in memory: a predicate."""
+    if device.type != "cuda":
+        return lambda: True
+    import torch
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event.query
+
+
+class SendProgress:
+    """The sending side's progress (Note [kv over nixl]): one daemon thread per sending NIXL agent
+    posts each send_layers call once its data is written and polls the transfers in flight (back to
+    back for _SPIN polls after a post or a completion, yielding the GIL between polls, then every
+    50 µs; asleep when none are in flight), so transfers move while the caller computes the next
+    layers. The agent runs in NIXL's strict sync mode: the caller's thread registers and
+    announces, this thread posts and polls."""
+
+    _POLL_S = 0.00005
+    _SPIN = 256  # polls without a pause after each post or completion (UCX over TCP moves only when polled)
+
+    def __init__(self, nixl):
+        self.nixl = nixl
+        self.lock = threading.Condition()
+        self.jobs = collections.deque()  # (send, ready, jobs, staged), in submission order
+        self.active: List[NixlSend] = []
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, name="commlib-kv-nixl-send", daemon=True)
+        self.thread.start()
+
+    def submit(self, send: NixlSend, ready, jobs, staged: bool) -> None:
+        with self.lock:
+            send.queued += 1
+            if staged:  # the staging buffer is busy from now until the post's transfers ended
+                send.peer.stage_users += 1
+            self.jobs.append((send, ready, jobs, staged))
+            if send not in self.active:
+                self.active.append(send)
+            self.lock.notify_all()
+
+    def wait_until(self, done, seconds: float, what: str, send: NixlSend) -> None:
+        """Waits (caller's thread) until done() holds under the lock; CommTimeoutError after `seconds`."""
+        deadline = time.monotonic() + seconds
+        with self.lock:
+            while not done():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    from .errors import CommTimeoutError
+                    raise CommTimeoutError(f"KVAgent.send_layer: request '{send.request_id}': {what} did not "
+                                           f"complete within {int(seconds * 1000)} ms")
+                self.lock.wait(min(left, 0.001))
+
+    def _run(self) -> None:
+        spin = 0
+        while True:
+            with self.lock:
+                while not self.stopped and not self.jobs and not self.active:
+                    self.lock.wait()
+                if self.stopped:
+                    return
+                ready = []
+                while self.jobs and self.jobs[0][1]():
+                    ready.append(self.jobs.popleft())
+                active = list(self.active)
+            # NIXL is called without the lock, which only guards the queues and counters.
+            ended: List[_Post] = []
+            for send, _, jobs, staged in ready:
+                try:
+                    send._post(jobs, staged, ended)
+                except Exception as e:  # noqa: BLE001 - reported by the request's next call
+                    send.fail(f"posting failed: {type(e).__name__}: {e}")
+            now = time.monotonic()
+            moved = len(ready) + sum(send.poll(now, ended) for send in active)
+            with self.lock:
+                for send, _, _, _ in ready:
+                    send.queued -= 1  # after its transfers joined send.handles
+                    if send not in self.active:
+                        self.active.append(send)
+                for post in ended:
+                    post.finish()
+                self.active = [s for s in self.active if s.busy()]
+                self.lock.notify_all()
+            spin = 0 if moved else spin + 1
+            time.sleep(0 if spin < self._SPIN else self._POLL_S)  # 0: only lets other threads run
+
+    def close(self) -> None:
+        with self.lock:
+            self.stopped = True
+            self.lock.notify_all()
+        self.thread.join()
 
 
 class _Contributor:

@@ -13,8 +13,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from kv_reference import (bad_request_errors, barrier, case_dict, layerwise, make_cache, request, run_case,
-                          two_requests)
+from kv_reference import (bad_request_errors, barrier, canonical_bytes, case_dict, layerwise, make_cache, request,
+                          run_case, two_requests)
 
 pytestmark = pytest.mark.skipif(not any(importlib.util.find_spec(m) for m in ("nixl_cu13", "nixl")),
                                 reason="NIXL not installed (pip install nixl-cu13)")
@@ -139,6 +139,47 @@ def test_cross_host_layerwise_streaming(ranks):
     assert seen == (True, False, [])  # layer 0 landed, layer 1 not, the request not finished
     assert final == ("done", [0, 1, 2], True)
     assert sent == [("r", "send", "done")] and done and through.startswith("NIXL/UCX"), through
+
+
+def _unattended(ctx, tag, dst_layout):
+    """Rank 0 posts three layers back to back (a staged post waits for the last one's transfers)
+    and then makes no call into commlib until rank 1 saw the request land: the sending agent's own
+    thread must post and drive the transfers (Note [kv over nixl])."""
+    from commlib import kv
+    pre, dec = f"{tag}-p", f"{tag}-d"
+    with _OnHost(_host(ctx, 1)):
+        if ctx.rank == 0:
+            agent = kv.KVAgent(ctx.store, pre, "prefill", timeout=timedelta(seconds=30))
+            caches, _ = make_cache("NHD", 3, 8, 16, 2, 8, torch.bfloat16, 17, "cpu")
+            agent.register(caches, "NHD")
+            x = agent.begin(dec, "r", [3, 1, 6], [2, 7, 4])
+            for layer in range(3):
+                x.send_layer(layer)
+            ctx.store.get(f"{tag}/landed")
+            done, through = x.done(), agent.transport(dec)
+            sent = [(e.request_id, e.kind, e.state) for e in agent.poll()]
+            barrier(ctx, f"{tag}/end")
+            agent.close()
+            return done, sent, through
+        agent = kv.KVAgent(ctx.store, dec, "decode", timeout=timedelta(seconds=30))
+        caches, planes = make_cache(dst_layout, 3, 8, 16, 2, 8, torch.bfloat16, 900, "cpu", kv.host_empty)
+        agent.register(caches, dst_layout)
+        event = agent.wait("r")
+        ctx.store.set(f"{tag}/landed", b"1")
+        _, src_planes = make_cache("NHD", 3, 8, 16, 2, 8, torch.bfloat16, 17, "cpu")
+        exact = all(torch.equal(canonical_bytes(planes[l][p], dst_layout)[[2, 7, 4]],
+                                canonical_bytes(src_planes[l][p], "NHD")[[3, 1, 6]])
+                    for l in range(3) for p in range(2))
+        barrier(ctx, f"{tag}/end")
+        agent.close()
+        return event.state, event.layers_done, exact
+
+
+@pytest.mark.parametrize("dst_layout,how", [("NHD", "direct"), ("HND", "staged")])
+def test_cross_host_sends_progress_without_the_caller(ranks, dst_layout, how):
+    (done, sent, through), (state, layers, exact) = ranks(2).run(_unattended, _tag("nxbg"), dst_layout)
+    assert (state, layers, exact) == ("done", [0, 1, 2], True)
+    assert done and sent == [("r", "send", "done")] and f"; {how}" in through, through
 
 
 def _killed(ctx, tag, timeout_s):
