@@ -434,33 +434,35 @@ class NixlSend:
         send_layers call; a post none of whose transfers started goes to `ended`."""
         nixl, peer = self.progress.nixl, self.peer
         post = _Post(peer if staged else None)
-        for j, part, note in jobs:
-            d = part[1]
-            if self.failed is not None:
-                break
-            try:
-                if part[0] == "prepped":
-                    h = nixl.make_prepped_xfer("WRITE", d.local, part[2], d.remote, part[3], note)
-                elif part[0] == "staged":
-                    h = nixl.make_prepped_xfer("WRITE", peer.stage_list, part[2], d.remote, part[3], note)
-                else:
-                    n = len(part[2])
-                    local = np.stack([part[2].astype(np.uint64), part[4].astype(np.uint64),
-                                      np.full(n, peer.dev, dtype=np.uint64)], 1)
-                    remote = np.stack([part[3].astype(np.uint64), part[4].astype(np.uint64),
-                                       np.full(n, d.dev, dtype=np.uint64)], 1)
-                    h = nixl.initialize_xfer("WRITE", nixl.get_xfer_descs(local, peer.mem),
-                                             nixl.get_xfer_descs(remote, peer.mem), d.agent_name, note)
-                state = nixl.transfer(h)
-            except Exception as e:  # noqa: BLE001 - reported to the receiver and to the next call
-                state, h = f"ERR ({type(e).__name__}: {e})", None
-            if state.startswith("ERR"):
-                self.fail(f"NIXL could not post the transfer to {d.name}: {state}")
-                break
-            post.remaining += 1
-            self.handles.append([j, h, post, time.monotonic()])
-        if post.remaining == 0:
-            ended.append(post)
+        try:
+            for j, part, note in jobs:
+                d = part[1]
+                if self.failed is not None:
+                    break
+                try:
+                    if part[0] == "prepped":
+                        h = nixl.make_prepped_xfer("WRITE", d.local, part[2], d.remote, part[3], note)
+                    elif part[0] == "staged":
+                        h = nixl.make_prepped_xfer("WRITE", peer.stage_list, part[2], d.remote, part[3], note)
+                    else:
+                        n = len(part[2])
+                        local = np.stack([part[2].astype(np.uint64), part[4].astype(np.uint64),
+                                          np.full(n, peer.dev, dtype=np.uint64)], 1)
+                        remote = np.stack([part[3].astype(np.uint64), part[4].astype(np.uint64),
+                                           np.full(n, d.dev, dtype=np.uint64)], 1)
+                        h = nixl.initialize_xfer("WRITE", nixl.get_xfer_descs(local, peer.mem),
+                                                 nixl.get_xfer_descs(remote, peer.mem), d.agent_name, note)
+                    state = nixl.transfer(h)
+                except Exception as e:  # noqa: BLE001 - reported to the receiver and to the next call
+                    state, h = f"ERR ({type(e).__name__}: {e})", None
+                if state.startswith("ERR"):
+                    self.fail(f"NIXL could not post the transfer to {d.name}: {state}")
+                    break
+                post.remaining += 1
+                self.handles.append([j, h, post, time.monotonic()])
+        finally:
+            if post.remaining == 0:  # nothing started: the post ended here
+                ended.append(post)
 
     def _gather(self, layers: List[int]) -> int:
         """Copies the full chunks of `layers` for every destination into the staging buffer, rows in
