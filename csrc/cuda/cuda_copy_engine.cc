@@ -56,12 +56,13 @@ void CopyEngineRing::check(const char* what, int peer, int slot) const {
 void CopyEngineRing::send(int peer, int slot, size_t at, const void* src, size_t bytes, cudaStream_t stream) const {
   const char* what = "copy-engine ring send";
   check(what, peer, slot);
-  COMMLIB_CHECK(at >= offset_ + kFlagsBytes && at + bytes <= buffer_->bytes(), InvalidArgument, what, ": bytes [", at,
-                ", ", at + bytes, ") outside the slots [", offset_ + kFlagsBytes, ", ", buffer_->bytes(), ")");
+  COMMLIB_CHECK(at >= kFlagsBytes && offset_ + at + bytes <= buffer_->bytes(), InvalidArgument, what, ": bytes [", at,
+                ", ", at + bytes, ") outside the slots [", kFlagsBytes, ", ", buffer_->bytes() - offset_, ")");
   uint32_t* mine = free_word(rank(), slot);
   ce::wait_equal(mine, 1, stream, what);
   ce::signal(mine, 0, stream, what);
-  ce::put_and_signal(static_cast<char*>(buffer_->peer(peer)) + at, src, bytes, ready(peer, slot), 1, stream, what);
+  ce::put_and_signal(static_cast<char*>(buffer_->peer(peer)) + offset_ + at, src, bytes, ready(peer, slot), 1, stream,
+                     what);
 }
 
 void CopyEngineRing::receive(int slot, cudaStream_t stream) const {

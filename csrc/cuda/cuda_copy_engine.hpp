@@ -58,12 +58,12 @@ class CopyEngineRing {
   static constexpr int kMaxSlots = 64;
   static constexpr size_t kFlagsBytes = 2 * sizeof(uint32_t) * kMaxSlots;
 
-  // `buffer` is a symmetric buffer of this communicator of at least kFlagsBytes whose flags every
-  // rank has initialised (ready 0, free 1) before any rank uses the ring.
+  // The flags start `offset` bytes into `buffer`, a symmetric buffer of this communicator, and
+  // every rank has initialised them (ready 0, free 1) before any rank uses the ring.
   CopyEngineRing(std::shared_ptr<SymmetricBuffer> buffer, size_t offset);
 
   // On `stream`: waits until `peer` has released slot `slot`, takes it, copies `bytes` from `src`
-  // to `at` bytes into `peer`'s buffer and signals the slot ready there.
+  // to `at` bytes past the start of the flags in `peer`'s buffer and signals the slot ready there.
   void send(int peer, int slot, size_t at, const void* src, size_t bytes, cudaStream_t stream) const;
   // On `stream`: waits until this rank's slot `slot` holds a message and takes it.
   void receive(int slot, cudaStream_t stream) const;

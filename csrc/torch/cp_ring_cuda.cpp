@@ -80,7 +80,8 @@ BindingRegistrar reg("cp_ring_cuda", [](py::module_& m) {
                       stream_of(stream));
           },
           py::arg("peer"), py::arg("slot"), py::arg("at"), py::arg("src"), py::arg("stream"),
-          "On `stream`: wait for `peer` to release slot `slot`, copy `src` to byte `at` of its buffer, signal it.")
+          "On `stream`: wait for `peer` to release slot `slot`, copy `src` to byte `at` of its ring (counted "
+          "from the flags' start, as this rank's buffer tensor), signal it.")
       .def(
           "receive", [](const CopyEngineRing& ring, int slot, uint64_t stream) { ring.receive(slot, stream_of(stream)); },
           py::arg("slot"), py::arg("stream"), "On `stream`: wait until this rank's slot holds a message; take it.")
