@@ -634,7 +634,12 @@ class SendProgress:
                 except Exception as e:  # noqa: BLE001 - reported by the request's next call
                     send.fail(f"posting failed: {type(e).__name__}: {e}")
             now = time.monotonic()
-            moved = len(ready) + sum(send.poll(now, ended) for send in active)
+            moved = len(ready)
+            for send in active:
+                try:
+                    moved += send.poll(now, ended)
+                except Exception as e:  # noqa: BLE001 - the thread must outlive one request's failure
+                    send.fail(f"polling failed: {type(e).__name__}: {e}")
             with self.lock:
                 for send, _, _, _ in ready:
                     send.queued -= 1  # after its transfers joined send.handles
