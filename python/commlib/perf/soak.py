@@ -218,8 +218,86 @@ def _replays_worker(rank: int, world_size: int, store, replays: int, check_every
             if not torch.equal(x, ref):
                 raise AssertionError(f"soak: all_reduce {algo} differs from the reference after {done} replays")
         rows.append((f"all_reduce {algo} ({count} bf16)", done, time.monotonic() - start))
+    rows.append(_replay_fused(comm, rank, device, replays, check_every))
+    rows.append(_replay_ep(comm, rank, world_size, device, replays, check_every))
     comm.close()
     return rows
+
+
+def _replay(name: str, step, check, replays: int, check_every: int, device) -> tuple:
+    """Captures step() (after one eager warm-up on the capture stream), replays it `replays` times,
+    check() every `check_every` replays; returns (name, replays, seconds)."""
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        step()  # first-use set-up outside capture
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    done, start = 0, time.monotonic()
+    while done < replays:
+        for _ in range(min(check_every, replays - done)):
+            graph.replay()
+        done += min(check_every, replays - done)
+        torch.cuda.synchronize(device)
+        check(done)
+    return name, done, time.monotonic() - start
+
+
+def _replay_fused(comm, rank: int, device, replays: int, check_every: int) -> tuple:
+    """The fused all-reduce + RMSNorm of 8 tokens of hidden 8192 (bf16): every replay restores the
+    inputs and must give the eager call's bits (the residual updated in place included)."""
+    tokens, hidden = 8, 8192
+    x0 = _input(rank, 1, tokens * hidden, torch.bfloat16).view(tokens, hidden).to(device)
+    res0 = _input(0, 2, tokens * hidden, torch.bfloat16).view(tokens, hidden).to(device)
+    weight = (_input(0, 3, hidden, torch.bfloat16).abs() + 0.5).to(device)
+    x, res, out = x0.clone(), res0.clone(), torch.empty_like(x0)
+    comm.fused_allreduce_rmsnorm(x, res, weight, 1e-6, out=out)
+    ref_out, ref_res = out.clone(), res.clone()
+
+    def step():
+        res.copy_(res0)
+        comm.fused_allreduce_rmsnorm(x, res, weight, 1e-6, out=out)
+
+    def check(done):
+        comm.check_gpu_error()
+        if not (torch.equal(out, ref_out) and torch.equal(res, ref_res)):
+            raise AssertionError(f"soak: fused_allreduce_rmsnorm differs from the eager call after {done} replays")
+        out.fill_(float("nan"))
+
+    return _replay(f"fused_allreduce_rmsnorm ({tokens} x {hidden} bf16)", step, check, replays, check_every, device)
+
+
+def _replay_ep(comm, rank: int, world_size: int, device, replays: int, check_every: int) -> tuple:
+    """EP dispatch, an expert that doubles its rows, and combine, 32 tokens of hidden 2048 to 4 of 16
+    experts (bf16): every replay must give the eager step's combined bits."""
+    import commlib
+    tokens, hidden, experts, topk = 32, 2048, 16, 4
+    g = torch.Generator().manual_seed(1000 + rank)
+    x = _input(rank, 4, tokens * hidden, torch.bfloat16).view(tokens, hidden).to(device)
+    idx = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)]).to(device)
+    w = (torch.rand(tokens, topk, generator=g) + 0.1).to(device)
+    buf = commlib.EPBuffer(comm, tokens, hidden, experts, topk, torch.bfloat16, device=device)
+    out = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=device)
+
+    def step():
+        r = buf.dispatch(x, idx, w)
+        buf.combine(r.expert_x * 2, r.handle, out=out)
+
+    step()
+    comm.barrier()
+    ref = out.clone()
+
+    def check(done):
+        buf.check()
+        if not torch.equal(out, ref):
+            raise AssertionError(f"soak: EP dispatch + combine differs from the eager step after {done} replays")
+        out.fill_(float("nan"))
+
+    return _replay(f"ep dispatch + combine ({tokens} x {hidden} bf16, top {topk} of {experts})", step, check,
+                   replays, check_every, device)
 
 
 def _section(title: str, command: str, lines: list) -> str:
