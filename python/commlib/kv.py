@@ -123,6 +123,8 @@ class _NixlKVSend(KVSend):
         self._send = send
 
     def send_layer(self, layer: int) -> None:
+        """Posts one announced layer and returns; it moves in the background once the current stream
+        has written it. Its source blocks must stay unchanged until ``done()`` (Note [kv over nixl])."""
         self.send_layers([layer])
 
     def send_layers(self, layers: Iterable[int]) -> None:
