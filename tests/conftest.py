@@ -8,7 +8,9 @@ TCPStore shared by the ranks), ``comm`` (a default ``commlib.Communicator``, cre
 use), ``gloo()`` (a gloo process group over the same store, for reference results) and
 ``new_comm(name, **kw)``; ``ctx.progress(what)`` prints rank 0's progress with the time when
 ``COMMLIB_TEST_PROGRESS=1`` (for slow runs, e.g. many ranks sharing a GPU; run pytest with ``-s``).
-A pool whose worker died or timed out is replaced on next use.
+A pool whose worker died or timed out is replaced on next use. A rank that does not answer (the
+timeout, or ERROR_GRACE_S after another rank failed) is asked for the Python stacks of its threads
+(faulthandler on SIGUSR1), and the failure carries them: a hang names where each silent rank was.
 
 GPU tests are marked ``gpu`` and skip unless at least 2 CUDA devices are visible.
 ``COMMLIB_TEST_SHARE_GPUS=1`` lets the ranks share the GPUs there are (rank r on GPU r mod count), so
@@ -18,11 +20,15 @@ NCCL reference group) still skip then: NCCL refuses two ranks on one GPU.
 """
 from __future__ import annotations
 
+import faulthandler
 import glob
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
+import shutil
+import signal
 import sys
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -113,9 +119,11 @@ class RankContext:
         self._gloo = None
 
 
-def _worker(rank, world_size, port, sys_path, conn, env):
+def _worker(rank, world_size, port, sys_path, conn, env, dump_path):
     sys.path[:] = sys_path
     os.environ.update(env)
+    dump = open(dump_path, "w")  # noqa: SIM115 - open for the process's life: faulthandler writes here
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
     import torch
     import torch.distributed as dist
     torch.manual_seed(1234 + rank)
@@ -146,12 +154,12 @@ def _worker(rank, world_size, port, sys_path, conn, env):
 class RankFailure(Exception):
     """A rank raised: ``.errors`` maps rank -> (exception type name, formatted message)."""
 
-    def __init__(self, errors: dict, silent: list | None = None):
+    def __init__(self, errors: dict, silent: list | None = None, stacks: str = ""):
         self.errors = errors
         self.silent = silent or []  # ranks that never answered once another had failed
         rank, (_, text) = sorted(errors.items())[0]
         if self.silent:
-            text = f"ranks {self.silent} did not answer after rank {rank} failed; rank {rank}: {text}"
+            text = f"ranks {self.silent} did not answer after rank {rank} failed; rank {rank}: {text}\n{stacks}"
         super().__init__(text)
 
 
@@ -163,14 +171,34 @@ class RankPool:
                                    wait_for_workers=False)
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
+        self.dump_dir = tempfile.mkdtemp(prefix="commlib-ranks-")
         for rank in range(world_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker, args=(rank, world_size, self.store.port, list(sys.path), child,
-                                                  dict(env or {})), daemon=True)
+                                                  dict(env or {}), self._dump_path(rank)), daemon=True)
             p.start()
             self.conns.append(parent)
             self.procs.append(p)
         self.broken = False
+
+    def _dump_path(self, rank: int) -> str:
+        return os.path.join(self.dump_dir, f"rank{rank}.txt")
+
+    def stacks(self, silent: list) -> str:
+        """The Python stacks of the silent ranks' threads, as each rank's faulthandler writes them."""
+        for rank in silent:
+            if self.procs[rank].is_alive():
+                os.kill(self.procs[rank].pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        out = []
+        for rank in silent:
+            try:
+                with open(self._dump_path(rank)) as f:
+                    text = f.read()
+            except OSError as e:
+                text = f"(no stacks: {e})"
+            out.append(f"--- rank {rank}'s threads when it did not answer ---\n{text[-6000:]}")
+        return "\n".join(out)
 
     def run(self, fn, *args, timeout: float = DEFAULT_TIMEOUT_S, **kwargs):
         """Runs fn(ctx, *args, **kwargs) on every rank; returns the results in rank order."""
@@ -199,7 +227,7 @@ class RankPool:
                 silent = sorted(conn_rank[id(c)] for c in pending)
                 if errors:
                     break  # reported with the failure that came first (RankFailure.silent)
-                raise TimeoutError(f"ranks {silent} did not answer within {timeout} s")
+                raise TimeoutError(f"ranks {silent} did not answer within {timeout} s\n{self.stacks(silent)}")
             for conn in ready:
                 pending.remove(conn)
                 rank = conn_rank[id(conn)]
@@ -216,7 +244,7 @@ class RankPool:
             if errors:
                 deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
         if errors:
-            raise RankFailure(errors, silent)
+            raise RankFailure(errors, silent, self.stacks(silent) if silent else "")
         return results
 
     def kill(self, rank: int):
@@ -241,6 +269,7 @@ class RankPool:
                 p.kill()
                 p.join()
         self.broken = True  # a closed pool is never handed out again by ranks()
+        shutil.rmtree(self.dump_dir, ignore_errors=True)
 
 
 _pools: dict = {}
