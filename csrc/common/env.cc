@@ -150,7 +150,7 @@ const std::vector<Knob>& knobs() {
        "a busy machine and tests meet those interleavings (Note [host shm jitter]); 0: off."},
       {"COMMLIB_TEST_TIMEOUT_S", "600", KnobCategory::kTestOnly,
        "tests/conftest.py: default limit, in seconds, of one multi-process test case (the ranks are "
-       "killed and the test fails after it)."},
+       "killed and the test fails after it, with the Python stacks of the ranks that did not answer)."},
       {"COMMLIB_FUZZ_EXAMPLES", "1", KnobCategory::kTestOnly,
        "tests/fuzz_cases.py: multiplies the number of cases the property-based fuzz tests draw (a long "
        "run: COMMLIB_FUZZ_EXAMPLES=50)."},

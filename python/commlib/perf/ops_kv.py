@@ -27,9 +27,9 @@ Columns, on prefill rank 0, medians over ``-n`` requests after ``-w`` warm-up on
   NIXL reports the transfer done, then the count of descriptors and the wrong bytes of a checked
   request on fresh data.
 * c/NIXL (CPU, when NIXL imports): commlib.kv itself through NIXL (Note [kv over nixl]): the same
-  requests through a second pair of agents whose processes name two hosts; post and complete as
-  commlib's (post includes the transfer: over NIXL ``send`` returns once it landed), wrong bytes of a
-  checked request.
+  requests through a second pair of agents whose processes name two hosts; post: the caller's time
+  in ``send`` (the transfers are handed to the sending agent's thread), complete: until ``done()``;
+  wrong bytes of a checked request.
 ``llama70b`` is the anchor shape of the issue: 80 layers x 118 blocks x K, V = 18,880 block
 descriptors of 4 KiB (Llama-3-70B at TP 8: one KV head of 128 dims, 16 tokens, bf16).
 """
