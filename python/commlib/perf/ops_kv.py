@@ -29,7 +29,9 @@ Columns, on prefill rank 0, medians over ``-n`` requests after ``-w`` warm-up on
 * c/NIXL (CPU, when NIXL imports): commlib.kv itself through NIXL (Note [kv over nixl]): the same
   requests through a second pair of agents whose processes name two hosts; post: the caller's time
   in ``send`` (the transfers are handed to the sending agent's thread), complete: until ``done()``;
-  wrong bytes of a checked request.
+  wrong bytes of a checked request. For a request of several layers a second table: the compute of
+  a prefill (a 384 x 384 fp32 matmul per layer) alone, the request sent alone, and the compute with
+  each layer sent as it is done (until ``done()``): exposed = both - compute.
 ``llama70b`` is the anchor shape of the issue: 80 layers x 118 blocks x K, V = 18,880 block
 descriptors of 4 KiB (Llama-3-70B at TP 8: one KV head of 128 dims, 16 tokens, bf16).
 """
@@ -182,13 +184,16 @@ def _row_worker(rank: int, world_size: int, store, opts, rows, run_id: str) -> L
             if _nixl_api() is not None and cpu:  # commlib.kv itself over NIXL: the instances name two hosts
                 layout = src_layout if role == "prefill" else dst_layout
                 out = _over_nixl(store, f"{tag}-x", role, tp_rank, tp, P + D, device, caches, layout, lambda a, t: (
-                    _send_rows(a, f"{t}-decode", src_ids, dst_ids, opts, rank, device, caches, canon, store, t, D)
+                    dict(_send_rows(a, f"{t}-decode", src_ids, dst_ids, opts, rank, device, caches, canon, store, t,
+                                    D), **(_layerwise(a, f"{t}-decode", src_ids, dst_ids, layers, opts)
+                                           if layers > 1 else {}))
                     if role == "prefill" else
                     _receive(a, store, t, src_ids, dst_ids, canon, rank - P, P, D, bs, dst_bs, heads, head_dim, layers,
                              src_layout, blocks, device, opts)))
                 if role == "prefill":
                     result.update(cx_post_us=out["post_us"], cx_complete_us=out["complete_us"],
-                                  cx_wrong=out.get("wrong", 0))
+                                  cx_wrong=out.get("wrong", 0),
+                                  **{k: v for k, v in out.items() if k.startswith("lw_")})
         if rank == 0:
             result.update(case=case, block_bytes=block_bytes, blocks=blocks, layers=layers, ctas=ctas,
                           bytes=blocks * block_bytes * 2 * layers)
@@ -197,6 +202,38 @@ def _row_worker(rank: int, world_size: int, store, opts, rows, run_id: str) -> L
         while int(store.add(f"{tag}/row", 0)) < world_size:
             time.sleep(0.001)
     return results
+
+
+def _layerwise(agent, peer, src_ids, dst_ids, layers, opts) -> dict:
+    """A multi-layer request sent layer by layer while the caller computes (a 384 x 384 fp32 matmul
+    per layer, one thread, standing in for the layer's prefill compute): medians (ms) of the compute
+    alone, the request sent alone, and the compute with each layer sent as it is done, until done();
+    exposed = the last minus the compute (Note [kv over nixl]: the transfers move meanwhile)."""
+    m = torch.randn(384, 384)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    times = {"lw_compute_ms": [], "lw_alone_ms": [], "lw_overlap_ms": []}
+    try:
+        for i in range(opts.warmup + opts.iters):
+            t0 = time.perf_counter()
+            for _ in range(layers):
+                torch.mm(m, m)
+            t1 = time.perf_counter()
+            agent.send(peer, f"lw-a{i}", src_ids, dst_ids).wait()
+            t2 = time.perf_counter()
+            x = agent.begin(peer, f"lw-o{i}", src_ids, dst_ids)
+            for layer in range(layers):
+                torch.mm(m, m)
+                x.send_layer(layer)
+            x.wait()
+            t3 = time.perf_counter()
+            agent.poll()
+            if i >= opts.warmup:
+                for key, t in (("lw_compute_ms", t1 - t0), ("lw_alone_ms", t2 - t1), ("lw_overlap_ms", t3 - t2)):
+                    times[key].append(t * 1e3)
+    finally:
+        torch.set_num_threads(threads)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _over_nixl(store, tag, role, tp_rank, tp, ranks, device, caches, layout, run):
@@ -436,7 +473,7 @@ def main_kv(opts) -> int:
         results = harness.spawn(_row_worker, 3, opts, rows, f"{os.getpid()}-{int(time.time())}")
     except SystemExit as e:
         return int(e.code or 2)
-    lines = _table(results, cpu)
+    lines = _table(results, cpu) + _layerwise_lines(results)
     for line in lines:
         print(line, flush=True)
     wrong = sum(r["wrong"] + r.get("nixl_wrong", 0) + r.get("cx_wrong", 0) for r in results)
@@ -469,6 +506,21 @@ def _table(results, cpu: bool) -> List[str]:
         lines.append(f"{r['case']:>9} {r['block_bytes'] // 1024:>5}K {r['blocks']:>6} {r['layers']:>6} {ctas:>5} "
                      f"{r['bytes'] / 1e6:>8.2f} {r['post_us']:>8.1f} {r['complete_us']:>11.1f} {r['gpu_us']:>8.1f} "
                      f"{gbps:>7.1f} {d2d:>8.1f} {pct:>6.1f} {r['wrong']:>5}  " + _over_nixl_cells(r) + _nixl_cells(r))
+    return lines
+
+
+def _layerwise_lines(results) -> List[str]:
+    rows = [r for r in results if "lw_overlap_ms" in r]
+    if not rows:
+        return []
+    lines = ["", "# c/NIXL layer by layer: compute (a 384 x 384 fp32 matmul per layer) with each layer sent as it "
+             "is done, until done()",
+             f"{'case':>9} {'block':>6} {'blocks':>6} {'layers':>6} {'compute ms':>10} {'send alone ms':>13} "
+             f"{'both ms':>8} {'exposed ms':>10}"]
+    for r in rows:
+        lines.append(f"{r['case']:>9} {r['block_bytes'] // 1024:>5}K {r['blocks']:>6} {r['layers']:>6} "
+                     f"{r['lw_compute_ms']:>10.2f} {r['lw_alone_ms']:>13.2f} {r['lw_overlap_ms']:>8.2f} "
+                     f"{r['lw_overlap_ms'] - r['lw_compute_ms']:>10.2f}")
     return lines
 
 
