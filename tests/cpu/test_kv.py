@@ -369,14 +369,22 @@ def test_benchmark_moves_the_same_requests_through_nixl():
     import sys
     env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     result = subprocess.run([sys.executable, "-m", "commlib.perf", "kv_transfer", "--device", "cpu", "--kv-blocks", "16",
-                             "--kv-block-bytes", "4K", "--kv-cases", "nhd,nhd>hnd,tp1:2,tp2:1", "-n", "2", "-w", "1"],
+                             "--kv-block-bytes", "4K", "--kv-cases", "nhd,nhd>hnd,tp1:2,tp2:1,llama70b", "-n", "2",
+                             "-w", "1"],
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()
-            if line.split() and line.split()[0] in ("nhd", "nhd>hnd", "tp1:2", "tp2:1")}
-    assert set(rows) == {"nhd", "nhd>hnd", "tp1:2", "tp2:1"}, result.stdout
+    lines = result.stdout.splitlines()
+    layerwise = lines.index(next(l for l in lines if l.startswith("# c/NIXL layer by layer")))
+    rows = {line.split()[0]: line.split() for line in lines[:layerwise]
+            if line.split() and line.split()[0] in ("nhd", "nhd>hnd", "tp1:2", "tp2:1", "llama70b")}
+    assert set(rows) == {"nhd", "nhd>hnd", "tp1:2", "tp2:1", "llama70b"}, result.stdout
+    # the 80-layer request also sent layer by layer during a stand-in compute: compute, alone, both, exposed
+    cells = lines[layerwise + 2].split()
+    assert cells[:4] == ["llama70b", "4K", "118", "80"] and float(cells[6]) >= float(cells[4]) > 0, cells
     for case, cells in rows.items():
         assert cells[-2] == "0" and cells[12] == "0" and cells[15] == "0", (case, cells)  # NIXL's, commlib's, c/NIXL's
         descs = int(cells[-3])
-        # whole blocks when the layouts match (16 blocks x K, V, some neighbours merged); head rows otherwise
-        assert (1 <= descs <= 32) if case == "nhd" else descs > 32 * 16, (case, descs)
+        # whole blocks when the layouts match (16 blocks x K, V, or 80 layers x 118 x K, V; neighbours in
+        # the random block order merge); head rows otherwise
+        whole = {"nhd": 32, "llama70b": 80 * 118 * 2}
+        assert (1 <= descs <= whole[case]) if case in whole else descs > 32 * 16, (case, descs)
