@@ -186,10 +186,11 @@ class RankPool:
 
     def stacks(self, silent: list) -> str:
         """The Python stacks of the silent ranks' threads, as each rank's faulthandler writes them."""
-        for rank in silent:
-            if self.procs[rank].is_alive():
-                os.kill(self.procs[rank].pid, signal.SIGUSR1)
-        time.sleep(1.0)
+        alive = [rank for rank in silent if self.procs[rank].is_alive()]
+        for rank in alive:
+            os.kill(self.procs[rank].pid, signal.SIGUSR1)
+        if alive:
+            time.sleep(1.0)  # faulthandler writes from the signal handler
         out = []
         for rank in silent:
             try:

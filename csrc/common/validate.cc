@@ -9,6 +9,11 @@
 
 namespace commlib {
 
+void check_peer_rank(const char* what, const char* arg, int peer, int world_size, int rank) {
+  COMMLIB_CHECK(peer >= 0 && peer < world_size && peer != rank, InvalidArgument, what, ": ", arg, " ", peer,
+                " out of range; valid: 0..", world_size - 1, " except this rank (", rank, ")");
+}
+
 void check_fused_rmsnorm_args(const FusedRmsNormArgs& a, int world_size, int rank) {
   const char* what = "fused_allreduce_rmsnorm";
   COMMLIB_CHECK(is_reducible(a.dtype), TypeMismatch, what, ": dtype ", dtype_name(a.dtype),

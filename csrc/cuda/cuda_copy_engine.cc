@@ -46,16 +46,15 @@ uint32_t* CopyEngineRing::ready(int owner, int slot) const {
 
 uint32_t* CopyEngineRing::free_word(int owner, int slot) const { return ready(owner, slot) + kMaxSlots; }
 
-void CopyEngineRing::check(const char* what, int peer, int slot) const {
+void CopyEngineRing::check_slot(const char* what, int slot) const {
   COMMLIB_CHECK(slot >= 0 && slot < kMaxSlots, InvalidArgument, what, ": slot ", slot, " out of range; valid: 0..",
                 kMaxSlots - 1);
-  COMMLIB_CHECK(peer >= 0 && peer < world_size() && peer != rank(), InvalidArgument, what, ": peer ", peer,
-                " out of range; valid: 0..", world_size() - 1, " except this rank (", rank(), ")");
 }
 
 void CopyEngineRing::send(int peer, int slot, size_t at, const void* src, size_t bytes, cudaStream_t stream) const {
   const char* what = "copy-engine ring send";
-  check(what, peer, slot);
+  check_slot(what, slot);
+  check_peer_rank(what, "peer", peer, world_size(), rank());
   COMMLIB_CHECK(at >= kFlagsBytes && offset_ + at + bytes <= buffer_->bytes(), InvalidArgument, what, ": bytes [", at,
                 ", ", at + bytes, ") outside the slots [", kFlagsBytes, ", ", buffer_->bytes() - offset_, ")");
   uint32_t* mine = free_word(rank(), slot);
@@ -67,15 +66,15 @@ void CopyEngineRing::send(int peer, int slot, size_t at, const void* src, size_t
 
 void CopyEngineRing::receive(int slot, cudaStream_t stream) const {
   const char* what = "copy-engine ring receive";
-  COMMLIB_CHECK(slot >= 0 && slot < kMaxSlots, InvalidArgument, what, ": slot ", slot, " out of range; valid: 0..",
-                kMaxSlots - 1);
+  check_slot(what, slot);
   ce::wait_equal(ready(rank(), slot), 1, stream, what);
   ce::signal(ready(rank(), slot), 0, stream, what);
 }
 
 void CopyEngineRing::release(int sender, int slot, cudaStream_t stream) const {
   const char* what = "copy-engine ring release";
-  check(what, sender, slot);
+  check_slot(what, slot);
+  check_peer_rank(what, "sender", sender, world_size(), rank());
   ce::signal(free_word(sender, slot), 1, stream, what);
 }
 

@@ -76,7 +76,7 @@ class CopyEngineRing {
  private:
   uint32_t* ready(int owner, int slot) const;
   uint32_t* free_word(int owner, int slot) const;
-  void check(const char* what, int peer, int slot) const;
+  void check_slot(const char* what, int slot) const;
 
   std::shared_ptr<SymmetricBuffer> buffer_;
   size_t offset_;

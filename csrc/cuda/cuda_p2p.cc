@@ -112,14 +112,9 @@ kernels::P2pWaitParams CudaP2p::wait_params(int peer, int lane, kernels::P2pRole
   return p;
 }
 
-void CudaP2p::check_peer(const char* what, const char* arg, int peer) const {
-  COMMLIB_CHECK(peer >= 0 && peer < world_size_ && peer != rank_, InvalidArgument, what, ": ", arg, " ", peer,
-                " out of range; valid: 0..", world_size_ - 1, " except this rank (", rank_, ")");
-}
-
 void CudaP2p::send(const void* src, size_t bytes, uint32_t dtype, int dst, int64_t tag, cudaStream_t stream) {
   const char* what = "send";
-  check_peer(what, "dst", dst);
+  check_peer_rank(what, "dst", dst, world_size_, rank_);
   check_error(what);
   DeviceGuard guard(device_);
   const int lane = lane_of(tag);
@@ -149,7 +144,7 @@ void CudaP2p::send(const void* src, size_t bytes, uint32_t dtype, int dst, int64
 
 void CudaP2p::recv(void* dst, size_t bytes, uint32_t dtype, int src, int64_t tag, cudaStream_t stream) {
   const char* what = "recv";
-  check_peer(what, "src", src);
+  check_peer_rank(what, "src", src, world_size_, rank_);
   check_error(what);
   DeviceGuard guard(device_);
   const int lane = lane_of(tag);

@@ -94,7 +94,6 @@ class CudaP2p {
   uint32_t* busy(int owner, int receiver, int lane, int slot) const;
   uint8_t* data(int owner, int sender, int lane, int slot) const;
   kernels::P2pWaitParams wait_params(int peer, int lane, kernels::P2pRole role) const;
-  void check_peer(const char* what, const char* arg, int peer) const;
 
   Communicator& comm_;
   int rank_;

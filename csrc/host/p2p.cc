@@ -176,8 +176,7 @@ void HostP2p::connect(int peer, const char* what) {
 
 HostP2p::Handle HostP2p::isend(const void* data, size_t bytes, const std::string& dtype, int dst, int64_t tag) {
   const char* what = "send";
-  COMMLIB_CHECK(dst >= 0 && dst < world_size_ && dst != rank_, InvalidArgument, what, ": dst ", dst,
-                " out of range; valid: 0..", world_size_ - 1, " except this rank (", rank_, ")");
+  check_peer_rank(what, "dst", dst, world_size_, rank_);
   check_peer(dst, what);
   connect(dst, what);
   auto request = make_request(P2pRequest::Kind::kSend, dst, tag, const_cast<void*>(data), bytes, dtype);
@@ -188,8 +187,7 @@ HostP2p::Handle HostP2p::isend(const void* data, size_t bytes, const std::string
 
 HostP2p::Handle HostP2p::irecv(void* data, size_t bytes, const std::string& dtype, int src, int64_t tag) {
   const char* what = "recv";
-  COMMLIB_CHECK(src == kAnySource || (src >= 0 && src < world_size_ && src != rank_), InvalidArgument, what,
-                ": src ", src, " out of range; valid: 0..", world_size_ - 1, " except this rank (", rank_, ")");
+  if (src != kAnySource) check_peer_rank(what, "src", src, world_size_, rank_);
   auto request = make_request(P2pRequest::Kind::kRecv, src, tag, data, bytes, dtype);
   for (int q = 0; q < world_size_; ++q) {
     if (q == rank_ || (src != kAnySource && q != src)) continue;

@@ -80,6 +80,10 @@ std::string concat(Args&&... args) {
 // Throws the Status as the matching typed error (kOk does nothing).
 void throw_if_error(const Status& status);
 
+// The point-to-point peer check of every engine: InvalidArgument "<what>: <arg> <peer> out of range;
+// valid: 0..world_size - 1 except this rank (<rank>)" unless `peer` is another rank of the group.
+void check_peer_rank(const char* what, const char* arg, int peer, int world_size, int rank);
+
 }  // namespace commlib
 
 // COMMLIB_CHECK(cond, ErrorType, message parts...): throws ErrorType(concat(parts)) unless cond.

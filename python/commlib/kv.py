@@ -475,11 +475,8 @@ class KVAgent:
              num_tokens: Optional[int] = None) -> KVSend:
         """``begin`` and send every announced layer at once (one launch per run of layers)."""
         x = self.begin(peer, request_id, src_blocks, dst_blocks, layers, num_tokens)
-        stream = self._stream()
-        if isinstance(x, _NixlKVSend):
-            x.send_layers(x.layers)
-        elif layers is None:
-            self._native.send_layers(x._handle, 0, self.num_layers, stream)
+        if layers is None and not isinstance(x, _NixlKVSend):
+            self._native.send_layers(x._handle, 0, self.num_layers, self._stream())  # one launch
         else:
             x.send_layers(x.layers)
         return x
@@ -495,9 +492,8 @@ class KVAgent:
         announced = list(layer_list or range(self.num_layers))
         send = kv_nixl.NixlSend(self, peer, request_id, s, d, ntok, announced)
         send.announce()
-        key = id(send)
-        self._nixl_sends[key] = send
-        return _NixlKVSend(self, send, request_id, layer_list or list(range(self.num_layers)))
+        self._nixl_sends[id(send)] = send
+        return _NixlKVSend(self, send, request_id, announced)
 
     def _nixl_events(self, request_id: Optional[str] = None) -> List[KVEvent]:
         """Finished NIXL requests (received: all, or only ``request_id``; sent: all unless one is asked for)."""

@@ -324,13 +324,11 @@ class NixlSend:
                  announced: List[int]):
         self.agent, self.peer, self.request_id = agent, peer, request_id
         self.announced, self.sent = announced, set()
-        self.num_tokens, self.num_dst = num_tokens, len(dst)
         self.progress: SendProgress = agent.send_progress()
         self.handles: List[list] = []  # [dest index, handle, post, posted at] in flight (the progress thread's)
         self.queued = 0                 # posts not yet started (progress.lock)
         self.failed: Optional[str] = None
         self.done_flag = False
-        self.reported = False
         self.post = 0
         g = peer.g
         full = num_tokens // g
@@ -376,8 +374,8 @@ class NixlSend:
         recorded on the current stream) and drives them (SendProgress); a failure is raised by the
         next call of this request."""
         self.check()
-        self.sent.update(layers)
         if self.empty:
+            self.sent.update(layers)
             return
         peer = self.peer
         self.post += 1
@@ -428,6 +426,7 @@ class NixlSend:
             note = _message(self.headers[j], t="d", l=mask, q=self.post, c=len(parts))
             jobs += [(j, part, note) for part in parts]
         self.progress.submit(self, _written(self.agent.device), jobs, staged)
+        self.sent.update(layers)  # only now: a call that raised above left its layers unsent (they may be sent again)
 
     def _post(self, jobs, staged: bool, ended: list) -> None:
         """On the progress thread, the data written: creates and starts the transfers of one

@@ -380,7 +380,9 @@ def test_benchmark_moves_the_same_requests_through_nixl():
     assert set(rows) == {"nhd", "nhd>hnd", "tp1:2", "tp2:1", "llama70b"}, result.stdout
     # the 80-layer request also sent layer by layer during a stand-in compute: compute, alone, both, exposed
     cells = lines[layerwise + 2].split()
-    assert cells[:4] == ["llama70b", "4K", "118", "80"] and float(cells[6]) >= float(cells[4]) > 0, cells
+    compute, alone, both, exposed = map(float, cells[4:8])
+    assert cells[:4] == ["llama70b", "4K", "118", "80"] and min(compute, alone, both) > 0, cells
+    assert abs(exposed - (both - compute)) < 0.011, cells  # the table's own arithmetic (no timing claim)
     for case, cells in rows.items():
         assert cells[-2] == "0" and cells[12] == "0" and cells[15] == "0", (case, cells)  # NIXL's, commlib's, c/NIXL's
         descs = int(cells[-3])

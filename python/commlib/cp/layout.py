@@ -109,7 +109,8 @@ def shard(cu_seqlens, world_size: int, rank: int, *, layout: str = "balanced") -
     cu_seqlens (the cached tokens are not sharded)."""
     _check_world("shard", world_size, rank)
     _check_layout("shard", layout)
-    return _shard(_seqlens("shard", "cu_seqlens", cu_seqlens), world_size, rank, layout)
+    s = _shard(_seqlens("shard", "cu_seqlens", cu_seqlens), world_size, rank, layout)
+    return Shard(s.index.clone(), s.cu_seqlens.clone(), s.first, s.second)  # the cache's tensors stay its own
 
 
 def unshard(shards: Sequence[torch.Tensor], cu_seqlens, *, layout: str = "balanced") -> torch.Tensor:

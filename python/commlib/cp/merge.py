@@ -111,9 +111,11 @@ class _State:
             self.lse = self.lse.clone()
         self._adopted = False
 
-    def merge(self, rows: Optional[torch.Tensor], o: torch.Tensor, lse: torch.Tensor) -> None:
+    def merge(self, rows: Optional[torch.Tensor], o: torch.Tensor, lse: torch.Tensor, *, owned: bool = False) -> None:
+        """owned: o / lse are new tensors nobody else writes (an attention call's results), so a first
+        full-row partial is kept as it is; otherwise (a transport slot, reused later) it is copied."""
         lse = lse.float()
-        if self.out is None and rows is None and o.shape[0] == self.rows:
+        if self.out is None and rows is None and o.shape[0] == self.rows and owned:
             self.out, self.lse, self._adopted = o, lse, True
             return
         if self._adopted and rows is None and o.dtype == self.out.dtype and _merge_kernel(o):

@@ -140,4 +140,4 @@ def _block_attention(plan: _Plan, j: int, i: int, q_block, k_block, v_block, att
         else:
             k, v = k_block.index_select(0, c.k_rows), v_block.index_select(0, c.k_rows)
         o, lse = attn_fn(q, k, v, c.cu_q, c.cu_k, c.max_q, c.max_k, c.causal, scale)
-        state.merge(c.q_rows, o, lse)
+        state.merge(c.q_rows, o, lse, owned=True)

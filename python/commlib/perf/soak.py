@@ -196,30 +196,10 @@ def _replays_worker(rank: int, world_size: int, store, replays: int, check_every
     comm = commlib.Communicator(dist.PrefixStore("replay", store), rank, world_size, "replay",
                                 timeout=timedelta(seconds=120))
     device = torch.device("cuda", torch.cuda.current_device())
-    rows = []
-    for algo, count in (("flat", 4096), ("tree", 1 << 20)):
-        src = _input(rank, 0, count, torch.bfloat16).to(device)
-        ref = _reduce([_input(r, 0, count, torch.bfloat16) for r in range(world_size)], "sum").to(device)
-        x = src.clone()
-        comm.all_reduce_(x, algo=algo)  # set-up outside capture
-        stream = torch.cuda.Stream()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
-            with torch.cuda.graph(graph, stream=stream):
-                x.copy_(src)
-                comm.all_reduce_(x, algo=algo)
-        done, start = 0, time.monotonic()
-        while done < replays:
-            for _ in range(min(check_every, replays - done)):
-                graph.replay()
-            done += min(check_every, replays - done)
-            torch.cuda.synchronize()
-            comm.check_gpu_error()
-            if not torch.equal(x, ref):
-                raise AssertionError(f"soak: all_reduce {algo} differs from the reference after {done} replays")
-        rows.append((f"all_reduce {algo} ({count} bf16)", done, time.monotonic() - start))
+    rows = [_replay_all_reduce(comm, rank, world_size, device, algo, count, replays, check_every)
+            for algo, count in (("flat", 4096), ("tree", 1 << 20))]
     rows.append(_replay_fused(comm, rank, device, replays, check_every))
-    rows.append(_replay_ep(comm, rank, world_size, device, replays, check_every))
+    rows.append(_replay_ep(comm, rank, device, replays, check_every))
     comm.close()
     return rows
 
@@ -246,6 +226,26 @@ def _replay(name: str, step, check, replays: int, check_every: int, device) -> t
     return name, done, time.monotonic() - start
 
 
+def _replay_all_reduce(comm, rank: int, world_size: int, device, algo: str, count: int, replays: int,
+                       check_every: int) -> tuple:
+    """all_reduce_ of `count` bf16 with `algo`, the input restored in the graph: the reference sum."""
+    src = _input(rank, 0, count, torch.bfloat16).to(device)
+    ref = _reduce([_input(r, 0, count, torch.bfloat16) for r in range(world_size)], "sum").to(device)
+    x = src.clone()
+
+    def step():
+        x.copy_(src)
+        comm.all_reduce_(x, algo=algo)
+
+    def check(done):
+        comm.check_gpu_error()
+        if not torch.equal(x, ref):
+            raise AssertionError(f"soak: all_reduce {algo} differs from the reference after {done} replays")
+        x.fill_(float("nan"))
+
+    return _replay(f"all_reduce {algo} ({count} bf16)", step, check, replays, check_every, device)
+
+
 def _replay_fused(comm, rank: int, device, replays: int, check_every: int) -> tuple:
     """The fused all-reduce + RMSNorm of 8 tokens of hidden 8192 (bf16): every replay restores the
     inputs and must give the eager call's bits (the residual updated in place included)."""
@@ -270,7 +270,7 @@ def _replay_fused(comm, rank: int, device, replays: int, check_every: int) -> tu
     return _replay(f"fused_allreduce_rmsnorm ({tokens} x {hidden} bf16)", step, check, replays, check_every, device)
 
 
-def _replay_ep(comm, rank: int, world_size: int, device, replays: int, check_every: int) -> tuple:
+def _replay_ep(comm, rank: int, device, replays: int, check_every: int) -> tuple:
     """EP dispatch, an expert that doubles its rows, and combine, 32 tokens of hidden 2048 to 4 of 16
     experts (bf16): every replay must give the eager step's combined bits."""
     import commlib
