@@ -422,34 +422,44 @@ std::vector<uint8_t> KvAgent::serve(const std::vector<uint8_t>& request, std::ve
   return w.take();
 }
 
-void KvAgent::connect(const std::string& peer_name) {
+std::vector<KvRoute> KvAgent::check_peer(const std::string& peer_name) {
+  std::vector<KvDescriptor> ranks;
+  return check_peer(peer_name, ranks);
+}
+
+// Note [kv peer checks]
+// What connect() checks of a peer instance before anything is mapped, for the native path and the
+// NIXL one alike (commlib.kv calls check_peer for a peer on another host, then adds NIXL's own
+// conditions): the peer receives, same device type, dtype, MLA or not, head_dim, layer count and
+// global KV heads on both sides; every rank of the peer registered the same cache (PeerError);
+// at most kKvMaxDests destinations; heads that divide by both TP sizes. Returns the routes (Note
+// [kv tensor parallelism]) and the peer's descriptors in `ranks`.
+std::vector<KvRoute> KvAgent::check_peer(const std::string& peer_name, std::vector<KvDescriptor>& ranks) {
   const char* what = "KVAgent.connect";
   check_open(what);
   COMMLIB_CHECK(registered_, InvalidArgument, what, ": register the cache before connecting");
   COMMLIB_CHECK(sends(options_.role), InvalidArgument, what, ": instance '", options_.instance, "' has role ",
                 role_name(options_.role), "; only prefill or both may send");
-  if (peers_.count(peer_name)) return;
-  auto p = std::make_unique<Peer>();
-  p->name = peer_name;
-  const auto first = KvDescriptor::parse(
+  ranks.clear();
+  ranks.push_back(KvDescriptor::parse(
       wait_get(*store_, descriptor_key(peer_name, 0), options_.timeout, detail::concat("instance '", peer_name, "' rank 0")),
-      what);
-  p->ranks.push_back(first);
-  for (int r = 1; r < first.tp_size; ++r) {
-    p->ranks.push_back(KvDescriptor::parse(
+      what));
+  const int tp_d = ranks.front().tp_size;
+  for (int r = 1; r < tp_d; ++r) {
+    ranks.push_back(KvDescriptor::parse(
         wait_get(*store_, descriptor_key(peer_name, r), options_.timeout,
                  detail::concat("instance '", peer_name, "' rank ", r)),
         what));
   }
   const KvCacheLayout& mine = layout_;
-  const KvCacheLayout& theirs = first.layout;
+  const KvCacheLayout& theirs = ranks.front().layout;
   const std::string both = detail::concat(" (instance '", options_.instance, "': ", mine.layout, " ", mine.dtype,
                                           ", instance '", peer_name, "': ", theirs.layout, " ", theirs.dtype, ")");
-  COMMLIB_CHECK(first.receives, InvalidArgument, what, ": instance '", peer_name, "' has role ",
-                role_name(first.role), "; it does not receive");
-  COMMLIB_CHECK(first.device_type == engine_->device_type(), InvalidArgument, what, ": this agent's cache is on ",
-                engine_->device_type(), " but instance '", peer_name, "' registered ", first.device_type,
-                "; supported: the same device type on both sides");
+  COMMLIB_CHECK(ranks.front().receives, InvalidArgument, what, ": instance '", peer_name, "' has role ",
+                role_name(ranks.front().role), "; it does not receive");
+  COMMLIB_CHECK(ranks.front().device_type == engine_->device_type(), InvalidArgument, what,
+                ": this agent's cache is on ", engine_->device_type(), " but instance '", peer_name, "' registered ",
+                ranks.front().device_type, "; supported: the same device type on both sides");
   COMMLIB_CHECK(mine.dtype == theirs.dtype && mine.elem_bytes == theirs.elem_bytes, InvalidArgument, what,
                 ": dtypes differ", both, "; the copy is bitwise, both sides need the same dtype");
   COMMLIB_CHECK(mine.mla == theirs.mla, InvalidArgument, what, ": one side is an MLA latent cache and the other not",
@@ -459,27 +469,37 @@ void KvAgent::connect(const std::string& peer_name) {
   COMMLIB_CHECK(mine.num_layers == theirs.num_layers, InvalidArgument, what, ": ", mine.num_layers, " layers vs ",
                 theirs.num_layers, both);
   const int heads = mine.num_heads * options_.tp_size;
-  COMMLIB_CHECK(mine.mla || heads == theirs.num_heads * first.tp_size, InvalidArgument, what,
-                ": global KV heads differ: ", mine.num_heads, " x TP ", options_.tp_size, " = ", heads, " vs ",
-                theirs.num_heads, " x TP ", first.tp_size, " = ", theirs.num_heads * first.tp_size, both);
-  for (const auto& d : p->ranks) {
-    COMMLIB_CHECK(d.tp_size == first.tp_size && d.layout.num_heads == theirs.num_heads &&
+  COMMLIB_CHECK(mine.mla || heads == theirs.num_heads * tp_d, InvalidArgument, what, ": global KV heads differ: ",
+                mine.num_heads, " x TP ", options_.tp_size, " = ", heads, " vs ", theirs.num_heads, " x TP ", tp_d,
+                " = ", theirs.num_heads * tp_d, both);
+  for (const auto& d : ranks) {
+    COMMLIB_CHECK(d.tp_size == tp_d && d.layout.num_heads == theirs.num_heads &&
                       d.layout.block_size == theirs.block_size && d.layout.num_blocks == theirs.num_blocks &&
                       d.layout.layout == theirs.layout,
                   PeerError, what, ": the ranks of instance '", peer_name, "' registered different caches (rank 0 and ",
                   d.name(), ")");
   }
-  // Destinations and heads (Note [kv tensor parallelism]).
-  const int tp_d = first.tp_size;
-  const std::vector<KvRoute> routes = kv_routes(heads, mine.mla, options_.tp_rank, options_.tp_size, tp_d);
+  COMMLIB_CHECK(mine.mla || (heads % options_.tp_size == 0 && heads % tp_d == 0), InvalidArgument, what, ": ", heads,
+                " KV heads do not divide by TP ", options_.tp_size, " and TP ", tp_d, both);
+  std::vector<KvRoute> routes = kv_routes(heads, mine.mla, options_.tp_rank, options_.tp_size, tp_d);
+  COMMLIB_CHECK(static_cast<int>(routes.size()) <= kernels::kKvMaxDests, InvalidArgument, what, ": rank ",
+                options_.tp_rank, " would write to ", routes.size(), " ranks of instance '", peer_name,
+                "'; at most ", kernels::kKvMaxDests, " (TP ratio up to 1:", kernels::kKvMaxDests, ")");
+  return routes;
+}
+
+void KvAgent::connect(const std::string& peer_name) {
+  const char* what = "KVAgent.connect";
+  check_open(what);
+  if (peers_.count(peer_name)) return;
+  auto p = std::make_unique<Peer>();
+  p->name = peer_name;
+  const std::vector<KvRoute> routes = check_peer(peer_name, p->ranks);
+  const KvCacheLayout& mine = layout_;
+  const KvCacheLayout& theirs = p->ranks.front().layout;
   std::vector<int> dest_ranks;
   for (const KvRoute& r : routes) dest_ranks.push_back(r.rank);
   const int copy_heads = routes.empty() ? 0 : routes.front().heads;
-  COMMLIB_CHECK(static_cast<int>(dest_ranks.size()) <= kernels::kKvMaxDests, InvalidArgument, what, ": rank ",
-                options_.tp_rank, " would write to ", dest_ranks.size(), " ranks of instance '", peer_name,
-                "'; at most ", kernels::kKvMaxDests, " (TP ratio up to 1:", kernels::kKvMaxDests, ")");
-  COMMLIB_CHECK(mine.mla || (heads % options_.tp_size == 0 && heads % tp_d == 0), InvalidArgument, what, ": ", heads,
-                " KV heads do not divide by TP ", options_.tp_size, " and TP ", tp_d, both);
   KvCopyParams& b = p->base;
   b.src_planes = src_table_;
   b.src = {mine.block_stride, mine.token_stride, mine.head_stride, mine.block_size};

@@ -156,6 +156,9 @@ struct KvAgentOptions {
   int num_ctas = 0;  // CUDA copy grid; 0: COMMLIB_KV_CTAS
 };
 
+struct KvRoute;       // below
+struct KvDescriptor;  // kv_agent_internal.hpp
+
 class KvAgent {
  public:
   KvAgent(std::shared_ptr<Store> store, KvAgentOptions options, std::unique_ptr<KvEngine> engine);
@@ -172,6 +175,9 @@ class KvAgent {
   void register_cache(const KvCacheLayout& layout);
   // Sender: maps the peer instance's ranks this rank sends to (Note [kv peers]); idempotent.
   void connect(const std::string& peer);
+  // Sender: connect()'s checks of `peer` (Note [kv peer checks]) without mapping anything; waits for
+  // its ranks to register (up to the timeout). Returns this rank's routes to it.
+  std::vector<KvRoute> check_peer(const std::string& peer);
   // Ranks of `peer` this rank sends to (after connect).
   std::vector<int> destinations(const std::string& peer) const;
 
@@ -203,6 +209,7 @@ class KvAgent {
   struct Send;
   struct Tracked;
   void check_open(const char* what) const;
+  std::vector<KvRoute> check_peer(const std::string& peer, std::vector<KvDescriptor>& ranks);
   void publish_descriptor();
   std::vector<uint8_t> serve(const std::vector<uint8_t>& request, std::vector<int>& fds);
   Peer& peer(const std::string& name);

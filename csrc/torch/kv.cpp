@@ -41,6 +41,16 @@ const int32_t* block_ids(const at::Tensor& t, const char* arg) {
   return t.data_ptr<int32_t>();
 }
 
+py::list route_dicts(const std::vector<KvRoute>& routes) {
+  py::list out;
+  for (const KvRoute& r : routes) {
+    out.append(py::dict(py::arg("rank") = r.rank, py::arg("src_head") = r.src_head, py::arg("dst_head") = r.dst_head,
+                        py::arg("heads") = r.heads, py::arg("first_sender") = r.first_sender,
+                        py::arg("num_contributors") = r.num_contributors, py::arg("contributor") = r.contributor));
+  }
+  return out;
+}
+
 std::chrono::milliseconds millis(double seconds) {
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
 }
@@ -88,6 +98,17 @@ void bind_kv(py::module_& m) {
           })
       .def("connect", &KvAgent::connect, py::arg("peer"), py::call_guard<py::gil_scoped_release>())
       .def("destinations", &KvAgent::destinations, py::arg("peer"))
+      .def(
+          "check_peer",
+          [](KvAgent& a, const std::string& peer) {
+            std::vector<commlib::KvRoute> routes;
+            {
+              py::gil_scoped_release release;  // waits for the peer's ranks to register
+              routes = a.check_peer(peer);
+            }
+            return route_dicts(routes);
+          },
+          py::arg("peer"), "connect()'s checks of a peer (Note [kv peer checks]); returns the routes (dicts).")
       .def(
           "begin",
           [](KvAgent& a, const std::string& peer, const std::string& request_id, const at::Tensor& src,
@@ -143,15 +164,7 @@ void bind_kv(py::module_& m) {
   m.def(
       "kv_routes",
       [](int heads, bool mla, int tp_rank, int tp_size, int tp_dest) {
-        py::list out;
-        for (const commlib::KvRoute& r : commlib::kv_routes(heads, mla, tp_rank, tp_size, tp_dest)) {
-          out.append(py::dict(py::arg("rank") = r.rank, py::arg("src_head") = r.src_head,
-                              py::arg("dst_head") = r.dst_head, py::arg("heads") = r.heads,
-                              py::arg("first_sender") = r.first_sender,
-                              py::arg("num_contributors") = r.num_contributors,
-                              py::arg("contributor") = r.contributor));
-        }
-        return out;
+        return route_dicts(commlib::kv_routes(heads, mla, tp_rank, tp_size, tp_dest));
       },
       py::arg("heads"), py::arg("mla"), py::arg("tp_rank"), py::arg("tp_size"), py::arg("tp_dest"),
       "A sending rank's destinations (Note [kv tensor parallelism]): a list of dicts.");

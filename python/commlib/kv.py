@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from . import kv_nixl
+from . import kv_nixl, kv_nixl_inbox
 from .errors import CommError, CommTimeoutError, PeerError
 
 LAYOUTS = {"NHD": "BTHD", "HND": "BHTD", "flash_attn": "KBTHD", "flashinfer_nhd": "BKTHD",
@@ -302,7 +302,7 @@ class KVAgent:
             try:
                 rx = self._make_nixl()
                 self._store.set(f"kv/{self.instance}/{self.tp_rank}/nixl", rx.get_agent_metadata())
-                self._inbox = kv_nixl.NixlInbox(rx, self.timeout.total_seconds())  # its thread drives rx from now
+                self._inbox = kv_nixl_inbox.NixlInbox(rx, self.timeout.total_seconds())  # its thread drives rx from now
                 self._geo["nixl"] = True
             except Exception as e:  # noqa: BLE001 - NIXL imports but cannot start: this host's peers still work
                 _log.warning("commlib.kv: instance '%s' rank %d: NIXL did not start (%s: %s); senders on other "
@@ -320,11 +320,11 @@ class KVAgent:
         if self._geo is None or self.role == "decode" or peer in self._local_peers:
             self._native.connect(peer)  # its checks and errors (not registered, not a sender, ...)
             return self._native.destinations(peer)
+        # connect()'s checks and the TP routes, as the native agent does them (Note [kv peer checks]).
+        plans = self._native.check_peer(peer)
         first = json.loads(self.store_get(f"kv/{peer}/0/geometry", f"instance '{peer}' rank 0"))
         ranks = [first] + [json.loads(self.store_get(f"kv/{peer}/{r}/geometry", f"instance '{peer}' rank {r}"))
                            for r in range(1, first["tp_size"])]
-        plans = kv_nixl.plan_destinations(self._geo, self.tp_rank, self.tp_size, first["tp_size"]) \
-            if first["heads"] * first["tp_size"] % self.tp_size == 0 or self._geo["mla"] else []
         # Every rank of both instances on this host: the native path. Otherwise NIXL for all of
         # them, so that the senders of one destination rank agree (Note [kv over nixl]).
         own = [json.loads(self.store_get(f"kv/{self.instance}/{r}/geometry", f"instance '{self.instance}' rank {r}"))
@@ -333,7 +333,7 @@ class KVAgent:
             self._native.connect(peer)
             self._local_peers.add(peer)
             return self._native.destinations(peer)
-        self._check_remote(peer, ranks, plans)
+        self._check_nixl(peer, ranks, plans)
         self._remote[peer] = kv_nixl.NixlPeer(self, peer, self._geo, ranks, plans)
         if not self._transport_logged:
             self._transport_logged = True
@@ -395,38 +395,9 @@ class KVAgent:
                 ("(UCX may use only these: require_rdma)" if self.require_rdma else
                  "(UCX picks among them and TCP; NIXL does not say which)"))
 
-    def _check_remote(self, peer: str, ranks: list, plans: list) -> None:
-        """connect()'s checks for a NIXL peer (the native agent's messages)."""
-        what, mine, first = "KVAgent.connect", self._geo, ranks[0]
-        both = (f" (instance '{self.instance}': {mine['axes']} {mine['dtype']}, instance '{peer}': {first['axes']} "
-                f"{first['dtype']})")
-        if not first["receives"]:
-            raise ValueError(f"{what}: instance '{peer}' has role {first['role']}; it does not receive")
-        if first["device"] != mine["device"]:
-            raise ValueError(f"{what}: this agent's cache is on {mine['device']} but instance '{peer}' registered "
-                             f"{first['device']}; supported: the same device type on both sides")
-        if first["dtype"] != mine["dtype"] or first["esize"] != mine["esize"]:
-            raise ValueError(f"{what}: dtypes differ{both}; the copy is bitwise, both sides need the same dtype")
-        if first["mla"] != mine["mla"]:
-            raise ValueError(f"{what}: one side is an MLA latent cache and the other not{both}")
-        if first["head_dim"] != mine["head_dim"]:
-            raise ValueError(f"{what}: head_dim {mine['head_dim']} vs {first['head_dim']}{both}")
-        if first["num_layers"] != mine["num_layers"]:
-            raise ValueError(f"{what}: {mine['num_layers']} layers vs {first['num_layers']}{both}")
-        heads = mine["heads"] * self.tp_size
-        if not mine["mla"] and heads != first["heads"] * first["tp_size"]:
-            raise ValueError(f"{what}: global KV heads differ: {mine['heads']} x TP {self.tp_size} = {heads} vs "
-                             f"{first['heads']} x TP {first['tp_size']} = {first['heads'] * first['tp_size']}{both}")
-        for d in ranks:
-            if any(d[k] != first[k] for k in ("tp_size", "heads", "block_size", "num_blocks", "axes")):
-                raise CommError(f"{what}: the ranks of instance '{peer}' registered different caches (rank 0 and "
-                                f"{kv_nixl.peer_name(d['instance'], d['rank'], d['pid'], d['host'])})")
-        if len(plans) > kv_nixl.MAX_DESTS:
-            raise ValueError(f"{what}: rank {self.tp_rank} would write to {len(plans)} ranks of instance '{peer}'; at "
-                             f"most {kv_nixl.MAX_DESTS} (TP ratio up to 1:{kv_nixl.MAX_DESTS})")
-        if not mine["mla"] and (heads % self.tp_size or heads % first["tp_size"]):
-            raise ValueError(f"{what}: {heads} KV heads do not divide by TP {self.tp_size} and TP "
-                             f"{first['tp_size']}{both}")
+    def _check_nixl(self, peer: str, ranks: list, plans: list) -> None:
+        """What a NIXL peer needs beyond connect()'s checks (check_peer): NIXL on both sides, RDMA when required."""
+        what, mine = "KVAgent.connect", self._geo
         if kv_nixl.nixl_api() is None:
             hosts = sorted({g["host"] for g in ranks} | {self.host})
             raise ValueError(f"{what}: instances '{self.instance}' and '{peer}' span hosts {', '.join(hosts)}; across "

@@ -33,7 +33,7 @@ when a destination rank runs on another host; docs/kv.md says what it does, the 
 # Completion: each transfer carries a notification (JSON, prefix MAGIC) with the request's header
 # (id, sequence number, sender, contributors, announced layers, destination blocks) and the layers
 # it completes; NIXL delivers it after the transfer's data. A request is announced by a standalone
-# notification at begin. The receiver (NixlInbox) counts a layer landed from a sender when every
+# notification at begin. The receiver (NixlInbox, commlib/kv_nixl_inbox.py) counts a layer landed from a sender when every
 # transfer part of the post that carried it arrived, and reports a request the way the native
 # records are reported (Note [kv protocol]): done when every contributor's every announced layer
 # landed; failed when a sender reports a failure (CommError) or nothing progresses for the agent's
@@ -47,7 +47,8 @@ when a destination rank runs on another host; docs/kv.md says what it does, the 
 # NIXL refuses, a transfer NIXL fails or that runs past the agent's timeout) reach the receivers
 # at once (a failure notification) and the sender at its next call of that request (send_layer,
 # done, wait, poll). The sending agent runs in NIXL's strict sync mode (the caller's thread
-# registers and announces, the progress thread posts and polls). A receiving agent runs a thread
+# registers and announces, the progress thread posts and polls); the thread holds its SendProgress
+# only while it works, so an agent dropped without close() ends it. A receiving agent runs a thread
 # of its own (_progress) that is the only caller of its NIXL agent after registration: it asks for
 # notifications (which progresses UCX: connection setup, TCP) every 0.1 ms while they come, every
 # 1 ms when idle, and queues them for poll / wait. A rank that both sends and receives has two
@@ -178,14 +179,6 @@ def mask_layers(mask: int) -> List[int]:
     return [l for l in range(mask.bit_length()) if mask >> l & 1]
 
 
-def plan_destinations(mine: dict, rank: int, tp: int, tp_d: int) -> List[dict]:
-    """Destination ranks of `rank` (Note [kv tensor parallelism]; the mapping of the native path):
-    rank, first source / destination head, heads, and the contributors of that destination (first
-    sender, count, this rank's index)."""
-    from . import _C
-    return _C.kv_routes(mine["heads"] * tp, bool(mine["mla"]), rank, tp, tp_d)
-
-
 def peer_name(instance: str, rank: int, pid: int, host: str) -> str:
     return f"instance '{instance}' rank {rank} (pid {pid}, host '{host}')"
 
@@ -233,6 +226,8 @@ class NixlPeer:
         self.stage_buf = self.stage_reg = self.stage_list = None
         self.stage_slots = 0
         self.stage_users = 0  # staged posts not yet ended (SendProgress.lock)
+        self.orphans = []  # staging buffers left to timed-out transfers: (buffer, registration, list), kept to close
+        self.stage_heads: Dict[int, object] = {}  # dest index -> its source head of each staged row (device tensor)
         agent = owner.nixl_agent()
         for d in self.dests:
             meta = owner.store_get(f"kv/{name}/{d.rank}/nixl", f"instance '{name}' rank {d.rank}")
@@ -280,11 +275,29 @@ class NixlPeer:
         return self.stage_buf.view(self.stage_slots, len(self.staged[0]), self.row)
 
     def release_staging(self, agent) -> None:
+        """Releases the staging buffer (the caller waited for its transfers); at close also the orphans."""
         if self.stage_list is not None:
             agent.release_dlist_handle(self.stage_list)
             agent.deregister_memory(self.stage_reg)
         self.stage_buf = self.stage_reg = self.stage_list = None
         self.stage_slots = 0
+
+    def detach_staging(self) -> None:
+        """A staged transfer outlived the timeout (SendProgress.lock held): its buffer stays registered
+        for it until close, and the next staged call gathers into a new one, so one stuck transfer
+        does not stall every later request to this peer."""
+        if self.stage_list is not None:
+            self.orphans.append((self.stage_buf, self.stage_reg, self.stage_list))
+        self.stage_buf = self.stage_reg = self.stage_list = None
+        self.stage_slots = 0
+
+    def stage_head(self, j: int):
+        """The source head of each staged row for destination j, on the cache's device (made once)."""
+        if j not in self.stage_heads:
+            import torch
+            heads = torch.from_numpy(self.staged[1]) + self.dests[j].plan["src_head"]
+            self.stage_heads[j] = heads.to(self.owner.device)[None, :]
+        return self.stage_heads[j]
 
     def _dlist(self, geo: dict, head0: int, offs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Entries (layer, plane, block, chunk in block, run) of one side: Nx3 (address, bytes, device)."""
@@ -306,6 +319,10 @@ class NixlPeer:
 
     def release(self, agent) -> None:
         self.release_staging(agent)
+        for _, reg, dlist in self.orphans:
+            agent.release_dlist_handle(dlist)
+            agent.deregister_memory(reg)
+        self.orphans.clear()
         for d in self.dests:
             for h in (d.local, d.remote):
                 if h is not None:
@@ -469,7 +486,7 @@ class NixlSend:
         slots per destination."""
         import torch
         peer = self.peer
-        t, h = peer.staged[0], peer.staged[1]
+        t = peer.staged[0]
         nch = len(self.src_chunk)
         rows = len(layers) * peer.planes * nch
         buf = peer.stage(rows * len(peer.dests))
@@ -479,8 +496,8 @@ class NixlSend:
             self._blk = torch.from_numpy(self.src_chunk // cs).to(device)[:, None]
             self._tok = (torch.from_numpy((self.src_chunk % cs) * peer.g)[:, None] + torch.from_numpy(t)[None, :]).to(
                 device)
-        for j, d in enumerate(peer.dests):
-            head = (torch.from_numpy(h) + d.plan["src_head"]).to(device)[None, :]
+        for j in range(len(peer.dests)):
+            head = peer.stage_head(j)
             slot = j * rows
             for l in layers:
                 for p in range(peer.planes):
@@ -509,6 +526,9 @@ class NixlSend:
                 self.fail(f"the transfers to instance '{self.peer.name}' did not complete within "
                           f"{int(limit * 1000)} ms")
                 pending.append(entry)  # still NIXL's: released at close
+                if post.staging_peer is not None and not post.abandoned:
+                    post.abandoned = True  # its staging buffer goes with it (NixlPeer.detach_staging)
+                    ended.append(post)
                 continue
             else:
                 self.fail(f"NIXL reported the transfer to {self.peer.dests[j].name} failed ({state})")
@@ -553,10 +573,13 @@ class _Post:
     def __init__(self, staging_peer):
         self.remaining = 0
         self.staging_peer = staging_peer  # counted in its stage_users by SendProgress.submit
+        self.abandoned = False  # a transfer of it timed out: it keeps the staging buffer it reads
 
     def finish(self) -> None:
         """SendProgress.lock held."""
         if self.staging_peer is not None:
+            if self.abandoned:
+                self.staging_peer.detach_staging()
             self.staging_peer.stage_users -= 1
             self.staging_peer = None
 
@@ -577,10 +600,12 @@ class SendProgress:
     back for _SPIN polls after a post or a completion, yielding the GIL between polls, then every
     50 µs; asleep when none are in flight), so transfers move while the caller computes the next
     layers. The agent runs in NIXL's strict sync mode: the caller's thread registers and
-    announces, this thread posts and polls."""
+    announces, this thread posts and polls. The thread holds this object only while it works: a
+    KVAgent dropped without close() is collected and its thread ends within _IDLE_S."""
 
     _POLL_S = 0.00005
     _SPIN = 256  # polls without a pause after each post or completion (UCX over TCP moves only when polled)
+    _IDLE_S = 0.1  # an idle thread looks this often whether its SendProgress is still referenced
 
     def __init__(self, nixl):
         self.nixl = nixl
@@ -588,7 +613,8 @@ class SendProgress:
         self.jobs = collections.deque()  # (send, ready, jobs, staged), in submission order
         self.active: List[NixlSend] = []
         self.stopped = False
-        self.thread = threading.Thread(target=self._run, name="commlib-kv-nixl-send", daemon=True)
+        self.thread = threading.Thread(target=_send_loop, args=(weakref.ref(self), self.lock),
+                                       name="commlib-kv-nixl-send", daemon=True)
         self.thread.start()
 
     def submit(self, send: NixlSend, ready, jobs, staged: bool) -> None:
@@ -613,43 +639,38 @@ class SendProgress:
                                            f"complete within {int(seconds * 1000)} ms")
                 self.lock.wait(min(left, 0.001))
 
-    def _run(self) -> None:
-        spin = 0
-        while True:
-            with self.lock:
-                while not self.stopped and not self.jobs and not self.active:
-                    self.lock.wait()
-                if self.stopped:
-                    return
-                ready = []
-                while self.jobs and self.jobs[0][1]():
-                    ready.append(self.jobs.popleft())
-                active = list(self.active)
-            # NIXL is called without the lock, which only guards the queues and counters.
-            ended: List[_Post] = []
-            for send, _, jobs, staged in ready:
-                try:
-                    send._post(jobs, staged, ended)
-                except Exception as e:  # noqa: BLE001 - reported by the request's next call
-                    send.fail(f"posting failed: {type(e).__name__}: {e}")
-            now = time.monotonic()
-            moved = len(ready)
-            for send in active:
-                try:
-                    moved += send.poll(now, ended)
-                except Exception as e:  # noqa: BLE001 - the thread must outlive one request's failure
-                    send.fail(f"polling failed: {type(e).__name__}: {e}")
-            with self.lock:
-                for send, _, _, _ in ready:
-                    send.queued -= 1  # after its transfers joined send.handles
-                    if send not in self.active:
-                        self.active.append(send)
-                for post in ended:
-                    post.finish()
-                self.active = [s for s in self.active if s.busy()]
-                self.lock.notify_all()
-            spin = 0 if moved else spin + 1
-            time.sleep(0 if spin < self._SPIN else self._POLL_S)  # 0: only lets other threads run
+    def step(self) -> int:
+        """One round of the thread (lock not held): posts the jobs whose data is written, polls the
+        transfers in flight; returns how many posts and transfers moved."""
+        with self.lock:
+            ready = []
+            while self.jobs and self.jobs[0][1]():
+                ready.append(self.jobs.popleft())
+            active = list(self.active)
+        # NIXL is called without the lock, which only guards the queues and counters.
+        ended: List[_Post] = []
+        for send, _, jobs, staged in ready:
+            try:
+                send._post(jobs, staged, ended)
+            except Exception as e:  # noqa: BLE001 - reported by the request's next call
+                send.fail(f"posting failed: {type(e).__name__}: {e}")
+        now = time.monotonic()
+        moved = len(ready)
+        for send in active:
+            try:
+                moved += send.poll(now, ended)
+            except Exception as e:  # noqa: BLE001 - the thread must outlive one request's failure
+                send.fail(f"polling failed: {type(e).__name__}: {e}")
+        with self.lock:
+            for send, _, _, _ in ready:
+                send.queued -= 1  # after its transfers joined send.handles
+                if send not in self.active:
+                    self.active.append(send)
+            for post in ended:
+                post.finish()
+            self.active = [s for s in self.active if s.busy()]
+            self.lock.notify_all()
+        return moved
 
     def close(self) -> None:
         with self.lock:
@@ -658,149 +679,23 @@ class SendProgress:
         self.thread.join()
 
 
-class _Contributor:
-    def __init__(self, sender: str, header: dict):
-        self.sender, self.seq = sender, header["s"]
-        self.rank, self.pid, self.host, self.instance = header["k"], header["p"], header["h"], header["i"]
-        self.landed = 0
-        self.parts: Dict[int, int] = {}
-        self.failed: Optional[str] = None
-
-    def name(self) -> str:
-        return peer_name(self.instance, self.rank, self.pid, self.host)
-
-
-class _Tracked:
-    def __init__(self, header: dict):
-        self.request_id = header["r"]
-        self.num_contributors, self.mask, self.num_blocks = header["n"], header["m"], header["b"]
-        self.first_sender = header["f"]
-        self.contributors: Dict[int, _Contributor] = {}
-        self.last_progress = time.monotonic()
-
-    def landed(self) -> int:
-        mask = self.mask
-        for c in self.contributors.values():
-            mask &= c.landed
-        return mask
-
-
-class NixlInbox:
-    """A receiving agent's NIXL side: notifications in, requests tracked, events out (Note [kv over nixl])."""
-
-    def __init__(self, agent, timeout_s: float):
-        self.agent, self.timeout_s = agent, timeout_s
-        self.arrived = collections.deque()  # get_new_notifs() results, from the progress thread
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=_progress, args=(weakref.ref(self), agent, self.arrived, self.stop),
-                                       name="commlib-kv-nixl", daemon=True)
-        self.thread.start()
-        self.tracked: Dict[str, _Tracked] = {}
-        # sender agent -> (every seq up to this one reported, reported seqs above it): the sequence
-        # numbers of one sender to this rank are consecutive, so the set stays small.
-        self.finished: Dict[str, tuple] = {}
-
-    def pump(self) -> None:
-        now = time.monotonic()
-        while self.arrived:
-            self._take(self.arrived.popleft(), now)
-
-    def _take(self, notifs: dict, now: float) -> None:
-        for sender, messages in notifs.items():
-            for raw in messages:
-                if not raw.startswith(MAGIC):
-                    continue
-                m = json.loads(raw[len(MAGIC):])
-                if self._stale(sender, m["s"]):
-                    continue
-                t = self.tracked.get(m["r"])
-                if t is None:
-                    t = self.tracked[m["r"]] = _Tracked(m)
-                c = t.contributors.get(m["k"])
-                if c is None:
-                    c = t.contributors[m["k"]] = _Contributor(sender, m)
-                t.last_progress = now  # any message of the request is progress
-                if m["t"] == "d":
-                    got = c.parts.get(m["q"], 0) + 1
-                    c.parts[m["q"]] = got
-                    if got == m["c"]:
-                        c.landed |= m["l"]
-                elif m["t"] == "f":
-                    c.failed = m["e"]
-
-    def _stale(self, sender: str, seq: int) -> bool:
-        """A message of a request reported already (a late part of a timed-out one)."""
-        low, done = self.finished.get(sender, (0, set()))
-        return seq <= low or seq in done
-
-    def evaluate(self, t: _Tracked, now: float):
-        """(state, error class, reason, peer, layers landed): state "pending", "done" or "failed"."""
-        landed = mask_layers(t.landed())
-        num_layers = bin(t.mask).count("1")
-        if len(t.contributors) == t.num_contributors and len(landed) == num_layers:
-            return "done", "", "", self._peer(t), landed
-        missing = [l for l in mask_layers(t.mask) if l not in landed]
-        partial = (f"; layers landed: {layer_list(landed)} of {num_layers}; the request's {t.num_blocks} destination "
-                   "blocks hold partial data for the other layers")
-        for c in t.contributors.values():
-            if c.failed is not None:
-                return ("failed", "CommError", f"KV request '{t.request_id}' from {c.name()} failed at the sender: "
-                        f"{c.failed}{partial}", c.name(), landed)
-        if now - t.last_progress > self.timeout_s:
-            peer = self._peer(t)
-            return ("failed", "CommTimeoutError", f"KV request '{t.request_id}' from {peer}: Timed out after "
-                    f"{int(self.timeout_s * 1000)} ms without progress: layer {missing[0]} has not landed "
-                    f"({len(t.contributors)} of {t.num_contributors} senders announced the request){partial}",
-                    peer, landed)
-        return "pending", "", "", self._peer(t), landed
-
-    def _peer(self, t: _Tracked) -> str:
-        for c in sorted(t.contributors.values(), key=lambda c: c.rank):
-            if c.landed & t.mask != t.mask:
-                return c.name()
-        if len(t.contributors) < t.num_contributors:
-            c = next(iter(t.contributors.values()))
-            missing = [r for r in range(t.first_sender, t.first_sender + t.num_contributors) if r not in t.contributors]
-            return f"instance '{c.instance}' rank {missing[0]}"
-        c = next(iter(t.contributors.values()))
-        return c.name()
-
-    def finish(self, t: _Tracked) -> None:
-        for c in t.contributors.values():
-            low, done = self.finished.get(c.sender, (0, set()))
-            done.add(c.seq)
-            while low + 1 in done:
-                low += 1
-                done.discard(low)
-            self.finished[c.sender] = (low, done)
-        del self.tracked[t.request_id]
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join()
-        self.tracked.clear()
-        self.agent = None  # NIXL deregisters the cache when its agent goes
-
-    def __del__(self):
-        self.stop.set()
-
-
-def _progress(inbox, agent, arrived, stop) -> None:
-    """The receiving side's progress (Note [kv over nixl]): the one thread that calls into the
-    receiver's NIXL agent after registration, so UCX moves (connection setup, TCP) while the
-    agent's owner computes; 0.1 ms between calls while messages come, 1 ms when idle."""
-    idle = 0
-    while not stop.is_set() and inbox() is not None:
-        try:
-            notifs = agent.get_new_notifs()
-        except Exception:  # noqa: BLE001 - the agent is being torn down
-            return
-        if notifs:
-            arrived.append(notifs)
-            idle = 0
-        else:
-            idle += 1
-        stop.wait(0.0001 if idle < 100 else 0.001)
+def _send_loop(ref, lock) -> None:
+    """SendProgress's thread: holds its SendProgress (through `ref`) only during a step."""
+    spin = 0
+    while True:
+        with lock:
+            while True:
+                progress = ref()
+                if progress is None or progress.stopped:
+                    return
+                if progress.jobs or progress.active:
+                    break
+                progress = None
+                lock.wait(SendProgress._IDLE_S)
+        moved = progress.step()
+        progress = None
+        spin = 0 if moved else spin + 1
+        time.sleep(0 if spin < SendProgress._SPIN else SendProgress._POLL_S)  # 0: only lets other threads run
 
 
 def new_agent_name(instance: str, rank: int) -> str:

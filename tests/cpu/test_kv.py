@@ -269,7 +269,20 @@ def test_bad_input_before_anything_moves(ranks):
     assert errors == [] and state == "done"
 
 
-def _incompatible(ctx, tag, prefill_kw, decode_kw, text):
+def _incompatible(ctx, tag, prefill_kw, decode_kw, text, hosts):
+    old_host = os.environ.get("COMMLIB_TEST_HOST_ID")
+    if hosts == "two":  # the NIXL path's connect: the same checks (Note [kv peer checks])
+        os.environ["COMMLIB_TEST_HOST_ID"] = f"host-{ctx.rank}"
+    try:
+        return _incompatible_on_host(ctx, tag, prefill_kw, decode_kw, text)
+    finally:
+        if old_host is None:
+            os.environ.pop("COMMLIB_TEST_HOST_ID", None)
+        else:
+            os.environ["COMMLIB_TEST_HOST_ID"] = old_host
+
+
+def _incompatible_on_host(ctx, tag, prefill_kw, decode_kw, text):
     from commlib import kv
     pre, dec = f"{tag}-p", f"{tag}-d"
     kw = prefill_kw if ctx.rank == 0 else decode_kw
@@ -300,11 +313,12 @@ def _incompatible(ctx, tag, prefill_kw, decode_kw, text):
     (dict(heads=4), {}, "global KV heads differ: 4 x TP 1 = 4 vs 2 x TP 1 = 2"),
     (dict(layout="MLA", heads=1), {}, "one side is an MLA latent cache"),
 ])
-def test_caches_that_cannot_be_mapped(ranks, prefill_kw, decode_kw, text):
-    """Caches that cannot be mapped onto each other: ValueError at connect, naming both sides. (Heads
-    that do not divide by the other side's TP show as different global head counts: each side's
-    count is its rank's heads x its TP.)"""
-    assert ranks(2).run(_incompatible, _tag("map"), prefill_kw, decode_kw, text)[0] is None
+@pytest.mark.parametrize("hosts", ["one", "two"])
+def test_caches_that_cannot_be_mapped(ranks, prefill_kw, decode_kw, text, hosts):
+    """Caches that cannot be mapped onto each other: ValueError at connect, naming both sides, on one
+    host and across two (NIXL's path). (Heads that do not divide by the other side's TP show as
+    different global head counts: each side's count is its rank's heads x its TP.)"""
+    assert ranks(2).run(_incompatible, _tag("map"), prefill_kw, decode_kw, text, hosts)[0] is None
 
 
 def test_register_and_constructor_errors():

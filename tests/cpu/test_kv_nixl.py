@@ -4,6 +4,7 @@ and the request goes through NIXL / UCX. Bitwise against tests/kv_reference.py (
 destination poisoned and checked outside the request's blocks too."""
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import signal
@@ -159,8 +160,12 @@ def _unattended(ctx, tag, dst_layout):
             done, through = x.done(), agent.transport(dec)
             sent = [(e.request_id, e.kind, e.state) for e in agent.poll()]
             barrier(ctx, f"{tag}/end")
-            agent.close()
-            return done, sent, through
+            # Dropped without close(): the agent is collected and its sending thread ends.
+            thread = agent._sending.thread
+            del x, agent
+            gc.collect()
+            thread.join(timeout=10)
+            return done, sent, through, thread.is_alive()
         agent = kv.KVAgent(ctx.store, dec, "decode", timeout=timedelta(seconds=30))
         caches, planes = make_cache(dst_layout, 3, 8, 16, 2, 8, torch.bfloat16, 900, "cpu", kv.host_empty)
         agent.register(caches, dst_layout)
@@ -177,9 +182,65 @@ def _unattended(ctx, tag, dst_layout):
 
 @pytest.mark.parametrize("dst_layout,how", [("NHD", "direct"), ("HND", "staged")])
 def test_cross_host_sends_progress_without_the_caller(ranks, dst_layout, how):
-    (done, sent, through), (state, layers, exact) = ranks(2).run(_unattended, _tag("nxbg"), dst_layout)
+    (done, sent, through, alive), (state, layers, exact) = ranks(2).run(_unattended, _tag("nxbg"), dst_layout)
     assert (state, layers, exact) == ("done", [0, 1, 2], True)
     assert done and sent == [("r", "send", "done")] and f"; {how}" in through, through
+    assert not alive  # the sending thread of an agent dropped without close()
+
+
+def _stuck_staged(ctx, tag):
+    """A staged transfer that NIXL never reports done (its state forced to PROC on the sender)
+    fails its request after the sender's timeout; the next staged request to the same peer gathers
+    into a new staging buffer and lands (the stuck transfer keeps the old one until close)."""
+    from commlib import kv
+    pre, dec = f"{tag}-p", f"{tag}-d"
+    shape = ("NHD", 3, 8, 16, 2, 8, torch.bfloat16)
+    with _OnHost(_host(ctx, 1)):
+        if ctx.rank == 0:
+            agent = kv.KVAgent(ctx.store, pre, "prefill", timeout=timedelta(seconds=1.5))
+            caches, _ = make_cache(*shape, 17, "cpu")
+            agent.register(caches, "NHD")
+            x = agent.begin(dec, "stuck", [3, 1, 6], [2, 7, 4])
+            nixl, stuck, record = agent.nixl_agent(), [], [True]
+            transfer, state = nixl.transfer, nixl.check_xfer_state
+            nixl.transfer = lambda h, *a: (stuck.append(h) if record[0] else None, transfer(h, *a))[1]
+            nixl.check_xfer_state = lambda h: "PROC" if any(h is s for s in stuck) else state(h)
+            x.send_layer(0)
+            try:
+                x.wait(timedelta(seconds=10))
+                first = "done"
+            except Exception as e:  # noqa: BLE001 - checked by the caller
+                first = f"{type(e).__name__}: {e}"
+            record[0] = False
+            y = agent.send(dec, "next", [0, 5], [1, 3])  # staged too: waits for no stuck transfer
+            y.wait(timedelta(seconds=10))
+            orphans = len(agent._remote[dec].orphans)
+            barrier(ctx, f"{tag}/end")
+            agent.close()
+            return first, bool(stuck), orphans
+        agent = kv.KVAgent(ctx.store, dec, "decode", timeout=timedelta(seconds=30))
+        caches, planes = make_cache("HND", *shape[1:], 900, "cpu", kv.host_empty)
+        agent.register(caches, "HND")
+        event = agent.wait("next")
+        _, src_planes = make_cache(*shape, 17, "cpu")
+        exact = all(torch.equal(canonical_bytes(planes[l][p], "HND")[[1, 3]],
+                                canonical_bytes(src_planes[l][p], "NHD")[[0, 5]])
+                    for l in range(3) for p in range(2))
+        try:
+            agent.wait("stuck")
+            stuck = "done"
+        except Exception as e:  # noqa: BLE001 - checked by the caller
+            stuck = f"{type(e).__name__}: {e}"
+        barrier(ctx, f"{tag}/end")
+        agent.close()
+        return event.state, exact, stuck
+
+
+def test_cross_host_stuck_staged_transfer(ranks):
+    (first, recorded, orphans), (state, exact, stuck) = ranks(2).run(_stuck_staged, _tag("nxstuck"))
+    assert recorded and first.startswith("CommError") and "did not complete within 1500 ms" in first, first
+    assert (state, exact, orphans) == ("done", True, 1)
+    assert stuck.startswith("CommError") and "failed at the sender" in stuck, stuck
 
 
 def _killed(ctx, tag, timeout_s):

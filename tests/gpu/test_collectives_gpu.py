@@ -89,9 +89,12 @@ def ordered_reference(inputs, op, n):
 
 # ---- the direct API ----
 
-def meant_variant(op, message_bytes):
-    """The kernel the direct API means for a message (Note [plan], Note [push exchange]): the LL kernels
-    up to COMMLIB_FLAT_LL_MAX_BYTES (default 256 KiB) of the whole message, broadcast never."""
+def meant_variant(op, message_bytes, world_size):
+    """The kernel the direct API means for a message (Note [plan], Note [push exchange]): at world 1 the
+    local copy; else the LL kernels up to COMMLIB_FLAT_LL_MAX_BYTES (default 256 KiB) of the whole
+    message, broadcast never."""
+    if world_size == 1:
+        return "local_copy"
     ll = message_bytes <= int(os.environ.get("COMMLIB_FLAT_LL_MAX_BYTES") or 262144) and op != "broadcast"
     if op == "reduce_scatter":
         return "reduce_scatter_ll" if ll else "reduce_scatter"
@@ -104,7 +107,7 @@ def counted(comm, op, t, call):
     import commlib
     plan = comm.plan(op, t)
     message = t.numel() * t.element_size() * (comm.world_size if op == "all_gather" else 1)
-    assert plan.variant == meant_variant(op, message), f"{op}: planned {plan.reason}"
+    assert plan.variant == meant_variant(op, message, comm.world_size), f"{op}: planned {plan.reason}"
     before = commlib.plan_counters()
     call()
     after = commlib.plan_counters()
