@@ -27,9 +27,10 @@ when a destination rank runs on another host; docs/kv.md says what it does, the 
 # staging buffer in destination order, so one descriptor covers each run contiguous at the
 # destination (NHD -> HND: a head's tokens). The sender's list then covers the staging buffer's
 # (slot, run) entries and the destination's covers (layer, plane, block, chunk, destination run).
-# The buffer grows by doubling to the largest send_layers() call; a staged call first waits for the
-# transfers of the last one that still read it (so one staged call is in flight per peer while the
-# caller computes the next layer). Partial last chunks are not staged. STAGE = False turns it off.
+# The buffer grows by doubling to the largest send_layers() call; a staged call's gather first waits
+# for the transfers of the last one that still read it (so one staged call is in flight per peer
+# while the caller computes the next layer). CUDA gathers on the caller's current stream (ordered
+# after the compute that wrote the layer); CPU on the sending thread, so send_layer returns at once. Partial last chunks are not staged. STAGE = False turns it off.
 # Completion: each transfer carries a notification (JSON, prefix MAGIC) with the request's header
 # (id, sequence number, sender, contributors, announced layers, destination blocks) and the layers
 # it completes; NIXL delivers it after the transfer's data. A request is announced by a standalone
@@ -39,7 +40,7 @@ when a destination rank runs on another host; docs/kv.md says what it does, the 
 # landed; failed when a sender reports a failure (CommError) or nothing progresses for the agent's
 # timeout (CommTimeoutError: the sender may have died; across hosts there is no pid to look at).
 # Progress: NIXL agents run without NIXL's progress thread (it spins a core). send_layer() only
-# prepares the layer's index lists (and the staging gather, on the current stream) and returns: the
+# prepares the layer's index lists (and, CUDA, the staging gather on the current stream) and returns: the
 # sending agent's thread of its own (SendProgress) posts the transfers once the layer is written
 # (CUDA: an event recorded on the current stream at send_layer, so the GPU keeps computing the next
 # layers meanwhile) and polls them until NIXL reports them done, so a layer moves while
@@ -256,7 +257,8 @@ class NixlPeer:
 
     def stage(self, slots: int):
         """The staging buffer (registered, its list of (slot, run) prepared) for at least `slots`
-        chunks; grown by doubling. The caller has waited for every transfer from it (stage_users 0)."""
+        chunks; grown by doubling. No transfer of an earlier post reads it (the caller waited for
+        stage_users 0, or the progress thread took it at 0)."""
         if slots > self.stage_slots:
             import torch
             agent = self.owner.nixl_agent()
@@ -419,11 +421,17 @@ class NixlSend:
         lp = (np.array(layers, dtype=np.int64)[:, None] * peer.planes + np.arange(peer.planes)[None, :]).reshape(-1)
         R = len(peer.runs[0])
         staged = peer.staged is not None and len(self.src_chunk) > 0
+        gather = None  # CPU: the layers the progress thread gathers before posting
         if staged:
-            # The staging buffer is the peer's: the transfers still reading it go first.
-            self.progress.wait_until(lambda: peer.stage_users == 0, self.agent.timeout.total_seconds(),
-                                     f"the staged transfers to instance '{peer.name}'", self)
-            rows = self._gather(layers)
+            rows = len(layers) * peer.planes * len(self.src_chunk)
+            if self.agent.device.type == "cuda":
+                # On the current stream, after the compute that writes the layer. The staging
+                # buffer is the peer's: the transfers still reading it go first.
+                self.progress.wait_until(lambda: peer.stage_users == 0, self.agent.timeout.total_seconds(),
+                                         f"the staged transfers to instance '{peer.name}'", self)
+                self._gather(layers)
+            else:
+                gather = layers
         jobs = []
         for j, d in enumerate(peer.dests):
             parts = []
@@ -459,15 +467,18 @@ class NixlSend:
                 parts.append(("explicit", d, sa, da, np.tile(ln, len(sa) // len(so))))
             note = _message(self.headers[j], t="d", l=mask, q=self.post, c=len(parts))
             jobs += [(j, part, note) for part in parts]
-        self.progress.submit(self, _written(self.agent.device), jobs, staged)
+        self.progress.submit(self, _written(self.agent.device), jobs, staged, gather)
         self.sent.update(layers)  # only now: a call that raised above left its layers unsent (they may be sent again)
 
-    def _post(self, jobs, staged: bool, ended: list) -> None:
-        """On the progress thread, the data written: creates and starts the transfers of one
-        send_layers call; a post none of whose transfers started goes to `ended`."""
+    def _post(self, jobs, staged: bool, ended: list, gather=None) -> None:
+        """On the progress thread, the data written: gathers `gather`'s layers into the staging
+        buffer (CPU), then creates and starts the transfers of one send_layers call; a post none of
+        whose transfers started goes to `ended`."""
         nixl, peer = self.progress.nixl, self.peer
         post = _Post(peer if staged else None)
         try:
+            if gather is not None and self.failed is None:
+                self._gather(gather)
             for j, part, note in jobs:
                 d = part[1]
                 if self.failed is not None:
@@ -497,10 +508,10 @@ class NixlSend:
             if post.remaining == 0:  # nothing started: the post ended here
                 ended.append(post)
 
-    def _gather(self, layers: List[int]) -> int:
+    def _gather(self, layers: List[int]) -> None:
         """Copies the full chunks of `layers` for every destination into the staging buffer, rows in
-        destination order (slot (dest, layer, plane, chunk)), on the current stream; returns the
-        slots per destination."""
+        destination order (slot (dest, layer, plane, chunk)): CUDA on the caller's current stream,
+        CPU on the progress thread (the staging buffer is this post's: stage_users counts it)."""
         import torch
         peer = self.peer
         nch = len(self.src_chunk)
@@ -520,7 +531,6 @@ class NixlSend:
                     out = buf[slot:slot + nch].view(dtype).view(-1, row_elems)
                     torch.index_select(peer.plane_rows[l][p], 0, self._rows[j], out=out)
                     slot += nch
-        return rows
 
     def poll(self, now: float, ended: list) -> int:
         """On the progress thread: retires the transfers NIXL reports done (a post whose last one
@@ -627,19 +637,24 @@ class SendProgress:
     def __init__(self, nixl):
         self.nixl = nixl
         self.lock = threading.Condition()
-        self.jobs = collections.deque()  # (send, ready, jobs, staged), in submission order
+        self.jobs = collections.deque()  # (send, ready, jobs, staged, gather), in submission order
         self.active: List[NixlSend] = []
         self.stopped = False
         self.thread = threading.Thread(target=_send_loop, args=(weakref.ref(self), self.lock),
                                        name="commlib-kv-nixl-send", daemon=True)
         self.thread.start()
 
-    def submit(self, send: NixlSend, ready, jobs, staged: bool) -> None:
+    def submit(self, send: NixlSend, ready, jobs, staged: bool, gather=None) -> None:
+        """Queues one send_layers call: posted once ready() holds. A CPU staged call (`gather`: its
+        layers) is ready once no earlier post reads its peer's staging buffer; the thread gathers it."""
         with self.lock:
             send.queued += 1
-            if staged:  # the staging buffer is busy from now until the post's transfers ended
+            if gather is not None:
+                peer = send.peer
+                ready = lambda: peer.stage_users == 0  # noqa: E731 - CPU data is written already
+            elif staged:  # the staging buffer is busy from now until the post's transfers ended
                 send.peer.stage_users += 1
-            self.jobs.append((send, ready, jobs, staged))
+            self.jobs.append((send, ready, jobs, staged, gather))
             if send not in self.active:
                 self.active.append(send)
             self.lock.notify_all()
@@ -662,13 +677,16 @@ class SendProgress:
         with self.lock:
             ready = []
             while self.jobs and self.jobs[0][1]():
-                ready.append(self.jobs.popleft())
+                job = self.jobs.popleft()
+                if job[4] is not None:  # a CPU staged call: the staging buffer is its from now
+                    job[0].peer.stage_users += 1
+                ready.append(job)
             active = list(self.active)
         # NIXL is called without the lock, which only guards the queues and counters.
         ended: List[_Post] = []
-        for send, _, jobs, staged in ready:
+        for send, _, jobs, staged, gather in ready:
             try:
-                send._post(jobs, staged, ended)
+                send._post(jobs, staged, ended, gather)
             except Exception as e:  # noqa: BLE001 - reported by the request's next call
                 send.fail(f"posting failed: {type(e).__name__}: {e}")
         now = time.monotonic()
@@ -679,7 +697,7 @@ class SendProgress:
             except Exception as e:  # noqa: BLE001 - the thread must outlive one request's failure
                 send.fail(f"polling failed: {type(e).__name__}: {e}")
         with self.lock:
-            for send, _, _, _ in ready:
+            for send, *_ in ready:
                 send.queued -= 1  # after its transfers joined send.handles
                 if send not in self.active:
                     self.active.append(send)
