@@ -403,16 +403,14 @@ std::vector<KvRoute> KvAgent::check_peer(const std::string& peer_name, std::vect
   COMMLIB_CHECK(sends(options_.role), InvalidArgument, what, ": instance '", options_.instance, "' has role ",
                 role_name(options_.role), "; only prefill or both may send");
   ranks.clear();
-  ranks.push_back(KvDescriptor::parse(
-      wait_get(*store_, descriptor_key(peer_name, 0), options_.timeout, detail::concat("instance '", peer_name, "' rank 0")),
-      what));
+  auto descriptor = [&](int r) {
+    return KvDescriptor::parse(wait_get(*store_, descriptor_key(peer_name, r), options_.timeout,
+                                        detail::concat("instance '", peer_name, "' rank ", r)),
+                               what);
+  };
+  ranks.push_back(descriptor(0));
   const int tp_d = ranks.front().tp_size;
-  for (int r = 1; r < tp_d; ++r) {
-    ranks.push_back(KvDescriptor::parse(
-        wait_get(*store_, descriptor_key(peer_name, r), options_.timeout,
-                 detail::concat("instance '", peer_name, "' rank ", r)),
-        what));
-  }
+  for (int r = 1; r < tp_d; ++r) ranks.push_back(descriptor(r));
   const KvCacheLayout& mine = layout_;
   const KvCacheLayout& theirs = ranks.front().layout;
   const std::string both = detail::concat(" (instance '", options_.instance, "': ", mine.layout, " ", mine.dtype,

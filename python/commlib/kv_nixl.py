@@ -8,19 +8,19 @@ when a destination rank runs on another host; docs/kv.md says what it does, the 
 # a receiving agent with NIXL creates its NIXL agent at register(), registers its cache with it once
 # and publishes the agent's metadata under ".../nixl". A sender takes this path to a peer instance
 # unless every rank of both instances is on its host (so that all senders of one destination rank
-# take the same path: a request's contributors are counted on one side, native records or NIXL):
-# it creates its own NIXL agent (once), registers its cache, loads each destination's metadata and
+# take the same path: a request's contributors are counted on one side, native records or NIXL): it
+# creates its own NIXL agent (once), registers its cache, loads each destination's metadata and
 # prepares two descriptor lists per destination (prep_xfer_dlist), once.
-# Granularity: the request's tokens cut into chunks of g = gcd(source block size, destination
-# block size) tokens; a chunk lies in one block on each side. Within a chunk the copied
-# (token, head) rows form runs of bytes contiguous on both sides (the same for every chunk: one
-# per chunk when both sides hold the chunk's heads contiguously in the same order, one head_dim row
-# each under a layout change). The lists hold one entry per (layer, plane, block, chunk in block,
-# run), so a request is only a list of indices on each side (make_prepped_xfer): no address is
-# computed per request. A request whose token count is not a multiple of g has a partial last
-# chunk: its runs (at most g - 1 tokens' worth) go as a second, small transfer with explicit
-# descriptors. Lists larger than PREP_LIMIT entries are not prepared; such a peer gets explicit
-# descriptors for the whole request (the way an engine without prepared lists moves it).
+# Granularity: the request's tokens cut into chunks of g = gcd(source block size, destination block
+# size) tokens; a chunk lies in one block on each side. Within a chunk the copied (token, head) rows
+# form runs of bytes contiguous on both sides (the same for every chunk: one per chunk when both
+# sides hold the chunk's heads contiguously in the same order, one head_dim row each under a layout
+# change). The lists hold one entry per (layer, plane, block, chunk in block, run), so a request is
+# only a list of indices on each side (make_prepped_xfer): no address is computed per request. A
+# request whose token count is not a multiple of g has a partial last chunk: its runs (at most g - 1
+# tokens' worth) go as a second, small transfer with explicit descriptors. Lists larger than
+# PREP_LIMIT entries are not prepared; such a peer gets explicit descriptors for the whole request
+# (the way an engine without prepared lists moves it).
 # Staging: a transform that cuts a chunk into more runs than the destination alone needs (a layout
 # change: one head_dim row per run; TP 1 -> 2 from a token-major layout) is gathered on the sender:
 # each full chunk's rows are copied (torch indexing, on the cache's device) into a registered
@@ -30,30 +30,33 @@ when a destination rank runs on another host; docs/kv.md says what it does, the 
 # The buffer grows by doubling to the largest send_layers() call; a staged call's gather first waits
 # for the transfers of the last one that still read it (so one staged call is in flight per peer
 # while the caller computes the next layer). CUDA gathers on the caller's current stream (ordered
-# after the compute that wrote the layer); CPU on the sending thread, so send_layer returns at once. Partial last chunks are not staged. STAGE = False turns it off.
+# after the compute that wrote the layer); CPU on the sending thread, so send_layer returns at once
+# (the thread takes its jobs in submission order: a later job waits behind a staged one). Partial
+# last chunks are not staged. STAGE = False turns it off.
 # Completion: each transfer carries a notification (JSON, prefix MAGIC) with the request's header
 # (id, sequence number, sender, contributors, announced layers, destination blocks) and the layers
 # it completes; NIXL delivers it after the transfer's data. A request is announced by a standalone
-# notification at begin. The receiver (NixlInbox, commlib/kv_nixl_inbox.py) counts a layer landed from a sender when every
-# transfer part of the post that carried it arrived, and reports a request the way the native
-# records are reported (Note [kv protocol]): done when every contributor's every announced layer
-# landed; failed when a sender reports a failure (CommError) or nothing progresses for the agent's
-# timeout (CommTimeoutError: the sender may have died; across hosts there is no pid to look at).
+# notification at begin. The receiver (NixlInbox, commlib/kv_nixl_inbox.py) counts a layer landed
+# from a sender when every transfer part of the post that carried it arrived, and reports a request
+# the way the native records are reported (Note [kv protocol]): done when every contributor's every
+# announced layer landed; failed when a sender reports a failure (CommError) or nothing progresses
+# for the agent's timeout (CommTimeoutError: the sender may have died; across hosts there is no pid
+# to look at).
 # Progress: NIXL agents run without NIXL's progress thread (it spins a core). send_layer() only
-# prepares the layer's index lists (and, CUDA, the staging gather on the current stream) and returns: the
-# sending agent's thread of its own (SendProgress) posts the transfers once the layer is written
-# (CUDA: an event recorded on the current stream at send_layer, so the GPU keeps computing the next
-# layers meanwhile) and polls them until NIXL reports them done, so a layer moves while
-# the caller computes the next one, as the native path's copy kernel does. Its failures (a post
-# NIXL refuses, a transfer NIXL fails or that runs past the agent's timeout) reach the receivers
-# at once (a failure notification) and the sender at its next call of that request (send_layer,
-# done, wait, poll). The sending agent runs in NIXL's strict sync mode (the caller's thread
-# registers and announces, the progress thread posts and polls); the thread holds its SendProgress
-# only while it works, so an agent dropped without close() ends it. A receiving agent runs a thread
-# of its own (_progress) that is the only caller of its NIXL agent after registration: it asks for
-# notifications (which progresses UCX: connection setup, TCP) every 0.1 ms while they come, every
-# 1 ms when idle, and queues them for poll / wait. A rank that both sends and receives has two
-# NIXL agents.
+# prepares the layer's index lists (and, CUDA, the staging gather on the current stream) and
+# returns: the sending agent's thread of its own (SendProgress) posts the transfers once the layer
+# is written (CUDA: an event recorded on the current stream at send_layer, so the GPU keeps
+# computing the next layers meanwhile) and polls them until NIXL reports them done, so a layer moves
+# while the caller computes the next one, as the native path's copy kernel does. Its failures (a
+# post NIXL refuses, a transfer NIXL fails or that runs past the agent's timeout) reach the
+# receivers at once (a failure notification) and the sender at its next call of that request
+# (send_layer, done, wait, poll). The sending agent runs in NIXL's strict sync mode (the caller's
+# thread registers and announces, the progress thread posts and polls); the thread holds its
+# SendProgress only while it works, so an agent dropped without close() ends it. A receiving agent
+# runs a thread of its own (_progress) that is the only caller of its NIXL agent after registration:
+# it asks for notifications (which progresses UCX: connection setup, TCP) every 0.1 ms while they
+# come, every 1 ms when idle, and queues them for poll / wait. A rank that both sends and receives
+# has two NIXL agents.
 from __future__ import annotations
 
 import collections
