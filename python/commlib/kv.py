@@ -189,7 +189,8 @@ class KVAgent:
     a ``torch.distributed.Store`` every instance reaches; ``instance`` names this instance (its ranks
     share it); ``role`` "prefill" (sends), "decode" (receives) or "both"; ``device`` where the cache
     lives. ``timeout`` bounds every wait: a receiver reports a request failed when no layer of it
-    landed for that long (``CommTimeoutError``) or at once when its sender exited (``PeerError``).
+    landed for that long (``CommTimeoutError``) or when its sender exited (``PeerError``: at once on
+    this host; from another host once its heartbeat has stopped for 5 s, docs/kv.md).
     ``num_ctas``: the CUDA copy kernel's largest grid, its SM budget (default ``COMMLIB_KV_CTAS``).
     ``require_rdma``: a destination on another host is reached through NIXL over RDMA or not at
     all (``ValueError`` at connect when either host has no RDMA port; UCX may use only those ports).
@@ -302,7 +303,8 @@ class KVAgent:
             try:
                 rx = self._make_nixl()
                 self._store.set(f"kv/{self.instance}/{self.tp_rank}/nixl", rx.get_agent_metadata())
-                self._inbox = kv_nixl_inbox.NixlInbox(rx, self.timeout.total_seconds())  # its thread drives rx from now
+                # Its thread drives rx from now.
+                self._inbox = kv_nixl_inbox.NixlInbox(rx, self.timeout.total_seconds(), self._store)
                 self._geo["nixl"] = True
             except Exception as e:  # noqa: BLE001 - NIXL imports but cannot start: this host's peers still work
                 _log.warning("commlib.kv: instance '%s' rank %d: NIXL did not start (%s: %s); senders on other "
@@ -376,7 +378,8 @@ class KVAgent:
     def send_progress(self) -> "kv_nixl.SendProgress":
         """The thread that posts and drives this rank's NIXL sends (made with the first one)."""
         if self._sending is None:
-            self._sending = kv_nixl.SendProgress(self.nixl_agent())
+            store, key = self._store, kv_nixl.beat_key(self.instance, self.tp_rank, os.getpid())
+            self._sending = kv_nixl.SendProgress(self.nixl_agent(), lambda n: store.set(key, str(n)))
         return self._sending
 
     def _make_nixl(self, threads: int = 1):

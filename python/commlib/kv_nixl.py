@@ -39,9 +39,12 @@ when a destination rank runs on another host; docs/kv.md says what it does, the 
 # notification at begin. The receiver (NixlInbox, commlib/kv_nixl_inbox.py) counts a layer landed
 # from a sender when every transfer part of the post that carried it arrived, and reports a request
 # the way the native records are reported (Note [kv protocol]): done when every contributor's every
-# announced layer landed; failed when a sender reports a failure (CommError) or nothing progresses
-# for the agent's timeout (CommTimeoutError: the sender may have died; across hosts there is no pid
-# to look at).
+# announced layer landed; failed when a sender reports a failure (CommError), when a sender that
+# still owes layers of a stalled request stopped its heartbeat (PeerError: the process died or
+# hangs; a pid on another host cannot be looked at, so each sending thread sets its store key
+# kv/<instance>/<rank>/beat/<pid> every BEAT_S; while a request has not progressed for 2 BEAT_S its
+# receiver reads its senders' keys at most every BEAT_S, and a value unchanged for DEAD_S is a
+# stopped sender), or when nothing progresses for the agent's timeout (CommTimeoutError).
 # Progress: NIXL agents run without NIXL's progress thread (it spins a core). send_layer() only
 # prepares the layer's index lists (and, CUDA, the staging gather on the current stream) and
 # returns: the sending agent's thread of its own (SendProgress) posts the transfers once the layer
@@ -76,6 +79,8 @@ MAGIC = b"cmlkv1"
 PREP_LIMIT = 1 << 22  # entries of one prepared descriptor list (a peer above it: explicit descriptors)
 STAGE = True  # gather on the sender when that makes fewer descriptors (False: runs straight from the cache)
 MAX_DESTS = 8  # kernels::kKvMaxDests
+BEAT_S = 0.5  # a sending agent's heartbeat period (Note [kv over nixl])
+DEAD_S = 5.0  # a stalled request's sender whose heartbeat has not changed for this long: PeerError
 
 
 def nixl_api():
@@ -181,6 +186,11 @@ def layer_list(layers: Sequence[int]) -> str:
 
 def mask_layers(mask: int) -> List[int]:
     return [l for l in range(mask.bit_length()) if mask >> l & 1]
+
+
+def beat_key(instance: str, rank: int, pid: int) -> str:
+    """The store key of a sending process's heartbeat (Note [kv over nixl])."""
+    return f"kv/{instance}/{rank}/beat/{pid}"
 
 
 def peer_name(instance: str, rank: int, pid: int, host: str) -> str:
@@ -637,8 +647,10 @@ class SendProgress:
     _SPIN = 256  # polls without a pause after each post or completion (UCX over TCP moves only when polled)
     _IDLE_S = 0.1  # an idle thread looks this often whether its SendProgress is still referenced
 
-    def __init__(self, nixl):
+    def __init__(self, nixl, beat=None):
         self.nixl = nixl
+        self.beat = beat  # beat(n): publishes heartbeat n (every BEAT_S, from the thread)
+        self.beats, self.beat_at = 0, -math.inf
         self.lock = threading.Condition()
         self.jobs = collections.deque()  # (send, ready, jobs, staged, gather), in submission order
         self.active: List[NixlSend] = []
@@ -710,6 +722,18 @@ class SendProgress:
             self.lock.notify_all()
         return moved
 
+    def heartbeat(self) -> None:
+        """Publishes the next heartbeat when BEAT_S has passed (the thread, no lock held)."""
+        now = time.monotonic()
+        if self.beat is None or now - self.beat_at < BEAT_S:
+            return
+        self.beat_at = now
+        self.beats += 1
+        try:
+            self.beat(self.beats)
+        except Exception:  # noqa: BLE001 - a store that does not answer: receivers fall back to their timeout
+            pass
+
     def close(self) -> None:
         with self.lock:
             self.stopped = True
@@ -718,18 +742,20 @@ class SendProgress:
 
 
 def _send_loop(ref, lock) -> None:
-    """SendProgress's thread: holds its SendProgress (through `ref`) only during a step."""
+    """SendProgress's thread: holds its SendProgress (through `ref`) only while it works."""
     spin = 0
     while True:
+        progress = ref()
+        if progress is None:
+            return
+        progress.heartbeat()
         with lock:
-            while True:
-                progress = ref()
-                if progress is None or progress.stopped:
-                    return
-                if progress.jobs or progress.active:
-                    break
+            if progress.stopped:
+                return
+            if not progress.jobs and not progress.active:
                 progress = None
                 lock.wait(SendProgress._IDLE_S)
+                continue
         moved = progress.step()
         progress = None
         spin = 0 if moved else spin + 1

@@ -9,7 +9,7 @@ import time
 import weakref
 from typing import Dict, Optional
 
-from .kv_nixl import MAGIC, layer_list, mask_layers, peer_name
+from .kv_nixl import BEAT_S, DEAD_S, MAGIC, beat_key, layer_list, mask_layers, peer_name
 
 
 class _Contributor:
@@ -19,6 +19,10 @@ class _Contributor:
         self.landed = 0
         self.parts: Dict[int, int] = {}
         self.failed: Optional[str] = None
+        # The sender's heartbeat (Note [kv over nixl]): its last value, when it last changed, when read.
+        self.beat_key = beat_key(self.instance, self.rank, self.pid)
+        self.beat: Optional[bytes] = None
+        self.beat_changed = self.beat_read = time.monotonic()
 
     def name(self) -> str:
         return peer_name(self.instance, self.rank, self.pid, self.host)
@@ -42,8 +46,8 @@ class _Tracked:
 class NixlInbox:
     """A receiving agent's NIXL side: notifications in, requests tracked, events out (Note [kv over nixl])."""
 
-    def __init__(self, agent, timeout_s: float):
-        self.agent, self.timeout_s = agent, timeout_s
+    def __init__(self, agent, timeout_s: float, store):
+        self.agent, self.timeout_s, self.store = agent, timeout_s, store
         self.arrived = collections.deque()  # get_new_notifs() results, from the progress thread
         self.stop = threading.Event()
         self.thread = threading.Thread(target=_progress, args=(weakref.ref(self), agent, self.arrived, self.stop),
@@ -100,6 +104,13 @@ class NixlInbox:
             if c.failed is not None:
                 return ("failed", "CommError", f"KV request '{t.request_id}' from {c.name()} failed at the sender: "
                         f"{c.failed}{partial}", c.name(), landed)
+        if now - t.last_progress > 2 * BEAT_S:  # stalled: are its senders alive?
+            for c in t.contributors.values():
+                if c.landed & t.mask != t.mask and self._stopped(c, now):
+                    return ("failed", "PeerError", f"KV request '{t.request_id}' from {c.name()}: the sender stopped: "
+                            f"its heartbeat (store key '{c.beat_key}') has not changed for "
+                            f"{int((now - c.beat_changed) * 1000)} ms (the process died or hangs): layer {missing[0]} "
+                            f"has not landed{partial}", c.name(), landed)
         if now - t.last_progress > self.timeout_s:
             peer = self._peer(t)
             return ("failed", "CommTimeoutError", f"KV request '{t.request_id}' from {peer}: Timed out after "
@@ -107,6 +118,20 @@ class NixlInbox:
                     f"({len(t.contributors)} of {t.num_contributors} senders announced the request){partial}",
                     peer, landed)
         return "pending", "", "", self._peer(t), landed
+
+    def _stopped(self, c: _Contributor, now: float) -> bool:
+        """Whether contributor c's heartbeat, once seen, has not changed for DEAD_S (the store read at
+        most every BEAT_S, only while a request of c stalls). A sender never seen beating is not
+        judged (its receivers fall back to the timeout)."""
+        if now - c.beat_read >= BEAT_S:
+            c.beat_read = now
+            try:
+                beat = self.store.get(c.beat_key) if self.store.check([c.beat_key]) else None
+            except Exception:  # noqa: BLE001 - a store that does not answer says nothing of the sender
+                return False
+            if beat != c.beat:
+                c.beat, c.beat_changed = beat, now
+        return c.beat is not None and now - c.beat_changed > DEAD_S
 
     def _peer(self, t: _Tracked) -> str:
         for c in sorted(t.contributors.values(), key=lambda c: c.rank):

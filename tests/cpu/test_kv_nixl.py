@@ -274,16 +274,20 @@ def _killed(ctx, tag, timeout_s):
         return ok, outcome, after
 
 
-def test_cross_host_killed_producer(ranks):
+@pytest.mark.parametrize("timeout_s,kind,says", [
+    (2.0, "CommTimeoutError", "without progress"),  # the agent's timeout comes first
+    (60.0, "PeerError", "the sender stopped: its heartbeat"),  # the heartbeat, long before the timeout
+])
+def test_cross_host_killed_producer(ranks, timeout_s, kind, says):
     from conftest import RankFailure
     tag = _tag("nxdie")
     pool = ranks(2)
     with pytest.raises(RankFailure) as info:
-        pool.run(_killed, tag, 2.0)
+        pool.run(_killed, tag, timeout_s)
     assert sorted(info.value.errors) == [0], info.value.errors  # only the killed rank failed
-    ok, (kind, message), after = eval(pool.store.get(f"{tag}/outcome").decode())  # noqa: S307 - our own repr
-    assert ok == "done" and kind == "CommTimeoutError", message
-    for part in ("'partial'", "instance '", "rank 0 (pid", "without progress", "layer 1 has not landed",
+    ok, (got, message), after = eval(pool.store.get(f"{tag}/outcome").decode())  # noqa: S307 - our own repr
+    assert ok == "done" and got == kind, message
+    for part in ("'partial'", "instance '", "rank 0 (pid", says, "layer 1 has not landed",
                  "layers landed: 0 of 3", "2 destination blocks hold partial data"):
         assert part in message, message
     assert after == []  # reported once, by wait
