@@ -8,6 +8,7 @@ import gc
 import importlib.util
 import os
 import signal
+import time
 import uuid
 from datetime import timedelta
 
@@ -291,6 +292,42 @@ def test_cross_host_killed_producer(ranks, timeout_s, kind, says):
                  "layers landed: 0 of 3", "2 destination blocks hold partial data"):
         assert part in message, message
     assert after == []  # reported once, by wait
+
+
+def _slow(ctx, tag, pause_s):
+    """The prefill rank sends layer 0, computes (sleeps) for longer than a stopped sender's
+    heartbeat limit, then sends the rest: a slow producer is not a dead one."""
+    from commlib import kv
+    pre, dec = f"{tag}-p", f"{tag}-d"
+    with _OnHost(_host(ctx, 1)):
+        if ctx.rank == 0:
+            agent = kv.KVAgent(ctx.store, pre, "prefill", timeout=timedelta(seconds=60))
+            caches, _ = make_cache("NHD", 3, 8, 16, 2, 8, torch.bfloat16, 17, "cpu")
+            agent.register(caches, "NHD")
+            x = agent.begin(dec, "slow", [4, 5], [6, 7])
+            x.send_layer(0)
+            ctx.store.get(f"{tag}/first")  # layer 0 landed: the request stalls from here
+            time.sleep(pause_s)
+            x.send_layers([1, 2])
+            x.wait()
+            barrier(ctx, f"{tag}/end")
+            agent.close()
+            return True
+        agent = kv.KVAgent(ctx.store, dec, "decode", timeout=timedelta(seconds=60))
+        caches, _ = make_cache("NHD", 3, 8, 16, 2, 8, torch.bfloat16, 900, "cpu", kv.host_empty)
+        agent.register(caches, "NHD")
+        agent.wait_layer("slow", 0)
+        ctx.store.set(f"{tag}/first", b"1")
+        event = agent.wait("slow")
+        barrier(ctx, f"{tag}/end")
+        agent.close()
+        return event.state, event.layers_done
+
+
+def test_cross_host_slow_producer_is_not_dead(ranks):
+    from commlib.kv_nixl import BEAT_S, DEAD_S
+    _, (state, layers) = ranks(2).run(_slow, _tag("nxslow"), 2 * BEAT_S + DEAD_S + 1.0)
+    assert (state, layers) == ("done", [0, 1, 2])
 
 
 def _refusals(ctx, tag):
