@@ -330,6 +330,48 @@ def test_cross_host_slow_producer_is_not_dead(ranks):
     assert (state, layers) == ("done", [0, 1, 2])
 
 
+def _cycles(ctx, tag, count):
+    """`count` prefill / decode agent pairs naming two hosts, each moving a few requests through NIXL
+    and then closed (even cycles) or dropped without close (odd ones); returns the open file
+    descriptors and commlib's threads after the first two cycles and after all."""
+    import gc
+    import threading
+    from commlib import kv
+
+    def state():
+        gc.collect()
+        for t in threading.enumerate():  # an idle sending thread ends within SendProgress._IDLE_S
+            if t.name.startswith("commlib-kv"):
+                t.join(timeout=5)
+        return len(os.listdir("/proc/self/fd")), sorted(t.name for t in threading.enumerate()
+                                                         if t.name.startswith("commlib"))
+
+    before = None
+    for i in range(count):
+        with _OnHost("host-d"):
+            dec = kv.KVAgent(ctx.store, f"{tag}-d{i}", "decode", timeout=timedelta(seconds=30))
+            dec.register(make_cache("NHD", 2, 16, 16, 2, 8, torch.bfloat16, 900, "cpu", kv.host_empty)[0], "NHD")
+        with _OnHost("host-p"):
+            pre = kv.KVAgent(ctx.store, f"{tag}-p{i}", "prefill", timeout=timedelta(seconds=30))
+            pre.register(make_cache("NHD", 2, 16, 16, 2, 8, torch.bfloat16, 17, "cpu")[0], "NHD")
+            for r in range(3):
+                x = pre.send(f"{tag}-d{i}", f"r{r}", [r, r + 3], [r + 6, r + 9])
+                dec.wait(f"r{r}")
+                x.wait()
+        if i % 2 == 0:
+            pre.close()
+            dec.close()
+        del pre, dec, x
+        if i == 1:
+            before = state()
+    return before, state()
+
+
+def test_cross_host_agents_release_threads_and_fds(ranks):
+    (fds0, threads0), (fds1, threads1) = ranks(1).run(_cycles, _tag("nxleak"), 8)[0]
+    assert (fds1, threads1) == (fds0, threads0) and threads1 == [], (fds0, threads0, fds1, threads1)
+
+
 def _refusals(ctx, tag):
     """Bad input errors (the local path's messages) before anything moves, and require_rdma."""
     from commlib import kv
