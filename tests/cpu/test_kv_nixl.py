@@ -59,6 +59,19 @@ def _host(ctx, P):
     return f"host-{'prefill' if ctx.rank < P else 'decode'}-{ctx.rank}"
 
 
+def _agent(ctx, instance, role, timeout_s=30.0, layout="NHD", layers=3):
+    """A KV agent of `role` with a registered CPU cache of `layers` layers x 8 blocks of 16 tokens x
+    2 heads of 8 (bf16; prefill: seed 17's data, decode: seed 900's in host_empty memory); returns it
+    and the cache's planes."""
+    from commlib import kv
+    agent = kv.KVAgent(ctx.store, instance, role, timeout=timedelta(seconds=timeout_s))
+    prefill = role == "prefill"
+    caches, planes = make_cache(layout, layers, 8, 16, 2, 8, torch.bfloat16, 17 if prefill else 900, "cpu",
+                                None if prefill else kv.host_empty)
+    agent.register(caches, layout)
+    return agent, planes
+
+
 def _cross_host_case(ctx, case, prep_limit=None, stage=True):
     """run_case with the ranks on two hosts; prep_limit: kv_nixl.PREP_LIMIT for the run (0: no
     prepared lists, explicit descriptors for every request); stage: kv_nixl.STAGE."""
@@ -147,13 +160,10 @@ def _unattended(ctx, tag, dst_layout):
     """Rank 0 posts three layers back to back (a staged post waits for the last one's transfers)
     and then makes no call into commlib until rank 1 saw the request land: the sending agent's own
     thread must post and drive the transfers (Note [kv over nixl])."""
-    from commlib import kv
     pre, dec = f"{tag}-p", f"{tag}-d"
     with _OnHost(_host(ctx, 1)):
         if ctx.rank == 0:
-            agent = kv.KVAgent(ctx.store, pre, "prefill", timeout=timedelta(seconds=30))
-            caches, _ = make_cache("NHD", 3, 8, 16, 2, 8, torch.bfloat16, 17, "cpu")
-            agent.register(caches, "NHD")
+            agent, _ = _agent(ctx, pre, "prefill")
             x = agent.begin(dec, "r", [3, 1, 6], [2, 7, 4])
             for layer in range(3):
                 x.send_layer(layer)
@@ -167,9 +177,7 @@ def _unattended(ctx, tag, dst_layout):
             gc.collect()
             thread.join(timeout=10)
             return done, sent, through, thread.is_alive()
-        agent = kv.KVAgent(ctx.store, dec, "decode", timeout=timedelta(seconds=30))
-        caches, planes = make_cache(dst_layout, 3, 8, 16, 2, 8, torch.bfloat16, 900, "cpu", kv.host_empty)
-        agent.register(caches, dst_layout)
+        agent, planes = _agent(ctx, dec, "decode", layout=dst_layout)
         event = agent.wait("r")
         ctx.store.set(f"{tag}/landed", b"1")
         _, src_planes = make_cache("NHD", 3, 8, 16, 2, 8, torch.bfloat16, 17, "cpu")
@@ -193,14 +201,11 @@ def _stuck_staged(ctx, tag):
     """A staged transfer that NIXL never reports done (its state forced to PROC on the sender)
     fails its request after the sender's timeout; the next staged request to the same peer gathers
     into a new staging buffer and lands (the stuck transfer keeps the old one until close)."""
-    from commlib import kv
     pre, dec = f"{tag}-p", f"{tag}-d"
     shape = ("NHD", 3, 8, 16, 2, 8, torch.bfloat16)
     with _OnHost(_host(ctx, 1)):
         if ctx.rank == 0:
-            agent = kv.KVAgent(ctx.store, pre, "prefill", timeout=timedelta(seconds=1.5))
-            caches, _ = make_cache(*shape, 17, "cpu")
-            agent.register(caches, "NHD")
+            agent, _ = _agent(ctx, pre, "prefill", 1.5)
             x = agent.begin(dec, "stuck", [3, 1, 6], [2, 7, 4])
             nixl, stuck, record = agent.nixl_agent(), [], [True]
             transfer, state = nixl.transfer, nixl.check_xfer_state
@@ -219,9 +224,7 @@ def _stuck_staged(ctx, tag):
             barrier(ctx, f"{tag}/end")
             agent.close()
             return first, bool(stuck), orphans
-        agent = kv.KVAgent(ctx.store, dec, "decode", timeout=timedelta(seconds=30))
-        caches, planes = make_cache("HND", *shape[1:], 900, "cpu", kv.host_empty)
-        agent.register(caches, "HND")
+        agent, planes = _agent(ctx, dec, "decode", layout="HND")
         event = agent.wait("next")
         _, src_planes = make_cache(*shape, 17, "cpu")
         exact = all(torch.equal(canonical_bytes(planes[l][p], "HND")[[1, 3]],
@@ -246,21 +249,16 @@ def test_cross_host_stuck_staged_transfer(ranks):
 
 def _killed(ctx, tag, timeout_s):
     """The prefill rank sends layer 0 of a request, then is killed (SIGKILL)."""
-    from commlib import kv
     pre, dec = f"{tag}-p", f"{tag}-d"
     with _OnHost(_host(ctx, 1)):
         if ctx.rank == 0:
-            agent = kv.KVAgent(ctx.store, pre, "prefill", timeout=timedelta(seconds=timeout_s))
-            caches, _ = make_cache("NHD", 3, 8, 16, 2, 8, torch.bfloat16, 17, "cpu")
-            agent.register(caches, "NHD")
+            agent, _ = _agent(ctx, pre, "prefill", timeout_s)
             agent.send(dec, "ok", [0], [1]).wait()
             x = agent.begin(dec, "partial", [4, 5], [6, 7])
             x.send_layer(0)
             ctx.store.get(f"{tag}/ok-seen")
             os.kill(os.getpid(), signal.SIGKILL)
-        agent = kv.KVAgent(ctx.store, dec, "decode", timeout=timedelta(seconds=timeout_s))
-        caches, _ = make_cache("NHD", 3, 8, 16, 2, 8, torch.bfloat16, 900, "cpu", kv.host_empty)
-        agent.register(caches, "NHD")
+        agent, _ = _agent(ctx, dec, "decode", timeout_s)
         ok = agent.wait("ok").state
         agent.wait_layer("partial", 0)
         ctx.store.set(f"{tag}/ok-seen", b"1")
@@ -297,13 +295,10 @@ def test_cross_host_killed_producer(ranks, timeout_s, kind, says):
 def _slow(ctx, tag, pause_s):
     """The prefill rank sends layer 0, computes (sleeps) for longer than a stopped sender's
     heartbeat limit, then sends the rest: a slow producer is not a dead one."""
-    from commlib import kv
     pre, dec = f"{tag}-p", f"{tag}-d"
     with _OnHost(_host(ctx, 1)):
         if ctx.rank == 0:
-            agent = kv.KVAgent(ctx.store, pre, "prefill", timeout=timedelta(seconds=60))
-            caches, _ = make_cache("NHD", 3, 8, 16, 2, 8, torch.bfloat16, 17, "cpu")
-            agent.register(caches, "NHD")
+            agent, _ = _agent(ctx, pre, "prefill", 60.0)
             x = agent.begin(dec, "slow", [4, 5], [6, 7])
             x.send_layer(0)
             ctx.store.get(f"{tag}/first")  # layer 0 landed: the request stalls from here
@@ -313,9 +308,7 @@ def _slow(ctx, tag, pause_s):
             barrier(ctx, f"{tag}/end")
             agent.close()
             return True
-        agent = kv.KVAgent(ctx.store, dec, "decode", timeout=timedelta(seconds=60))
-        caches, _ = make_cache("NHD", 3, 8, 16, 2, 8, torch.bfloat16, 900, "cpu", kv.host_empty)
-        agent.register(caches, "NHD")
+        agent, _ = _agent(ctx, dec, "decode", 60.0)
         agent.wait_layer("slow", 0)
         ctx.store.set(f"{tag}/first", b"1")
         event = agent.wait("slow")
@@ -336,7 +329,6 @@ def _cycles(ctx, tag, count):
     descriptors and commlib's threads after the first two cycles and after all."""
     import gc
     import threading
-    from commlib import kv
 
     def state():
         gc.collect()
@@ -349,13 +341,11 @@ def _cycles(ctx, tag, count):
     before = None
     for i in range(count):
         with _OnHost("host-d"):
-            dec = kv.KVAgent(ctx.store, f"{tag}-d{i}", "decode", timeout=timedelta(seconds=30))
-            dec.register(make_cache("NHD", 2, 16, 16, 2, 8, torch.bfloat16, 900, "cpu", kv.host_empty)[0], "NHD")
+            dec, _ = _agent(ctx, f"{tag}-d{i}", "decode", layers=2)
         with _OnHost("host-p"):
-            pre = kv.KVAgent(ctx.store, f"{tag}-p{i}", "prefill", timeout=timedelta(seconds=30))
-            pre.register(make_cache("NHD", 2, 16, 16, 2, 8, torch.bfloat16, 17, "cpu")[0], "NHD")
+            pre, _ = _agent(ctx, f"{tag}-p{i}", "prefill", layers=2)
             for r in range(3):
-                x = pre.send(f"{tag}-d{i}", f"r{r}", [r, r + 3], [r + 6, r + 9])
+                x = pre.send(f"{tag}-d{i}", f"r{r}", [r, r + 3], [r + 4, 7 - r])
                 dec.wait(f"r{r}")
                 x.wait()
         if i % 2 == 0:
