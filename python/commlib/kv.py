@@ -427,6 +427,12 @@ class KVAgent:
         blocks) tokens of ``layers`` (default all). Send the layers with ``KVSend.send_layer`` as they
         are computed. Block ids: CPU int tensors (fastest) or lists. Bad input raises ``ValueError``
         before anything is written."""
+        return self._begin(peer, request_id, src_blocks, dst_blocks, layers, num_tokens, announce=True)
+
+    def _begin(self, peer: str, request_id: str, src_blocks, dst_blocks, layers, num_tokens: Optional[int],
+               announce: bool) -> KVSend:
+        """begin(); announce=False: the caller sends every layer at once (send), so a NIXL peer learns
+        of the request from its first transfer's notification (Note [kv over nixl])."""
         if layers is None:
             layer_list: List[int] = []
         elif isinstance(layers, int):
@@ -439,7 +445,7 @@ class KVAgent:
             self.connect(peer)
         if peer in self._remote:
             return self._begin_nixl(self._remote[peer], str(request_id), _block_ids("src_blocks", src_blocks),
-                                    _block_ids("dst_blocks", dst_blocks), num_tokens, layer_list)
+                                    _block_ids("dst_blocks", dst_blocks), num_tokens, layer_list, announce)
         handle = self._native.begin(str(peer), str(request_id), _block_ids("src_blocks", src_blocks),
                                     _block_ids("dst_blocks", dst_blocks), -1 if num_tokens is None else int(num_tokens),
                                     layer_list, self._stream())
@@ -448,7 +454,7 @@ class KVAgent:
     def send(self, peer: str, request_id: str, src_blocks, dst_blocks, layers=None,
              num_tokens: Optional[int] = None) -> KVSend:
         """``begin`` and send every announced layer at once (one launch per run of layers)."""
-        x = self.begin(peer, request_id, src_blocks, dst_blocks, layers, num_tokens)
+        x = self._begin(peer, request_id, src_blocks, dst_blocks, layers, num_tokens, announce=False)
         if layers is None and not isinstance(x, _NixlKVSend):
             self._native.send_layers(x._handle, 0, self.num_layers, self._stream())  # one launch
         else:
@@ -456,8 +462,9 @@ class KVAgent:
         return x
 
     def _begin_nixl(self, peer: "kv_nixl.NixlPeer", request_id: str, src: torch.Tensor, dst: torch.Tensor,
-                    num_tokens: Optional[int], layer_list: List[int]) -> KVSend:
-        """``begin`` to a NIXL peer: the native agent's checks and messages, then the announcement."""
+                    num_tokens: Optional[int], layer_list: List[int], announce: bool) -> KVSend:
+        """``begin`` to a NIXL peer: the native agent's checks and messages, then the announcement
+        (an empty request's always: it has no transfer to carry it)."""
         # The native agent's checks and messages (Note [kv request checks]).
         ntok = _C.kv_check_request(request_id, src, dst, -1 if num_tokens is None else int(num_tokens),
                                    self._geo["num_blocks"], self._geo["block_size"], peer.peer_blocks, peer.peer_bs,
@@ -465,7 +472,8 @@ class KVAgent:
         s, d = src.numpy().astype("int64"), dst.numpy().astype("int64")
         announced = list(layer_list or range(self.num_layers))
         send = kv_nixl.NixlSend(self, peer, request_id, s, d, ntok, announced)
-        send.announce()
+        if announce or send.empty:
+            send.announce()
         self._nixl_sends[id(send)] = send
         return _NixlKVSend(self, send, request_id, announced)
 

@@ -36,15 +36,17 @@ when a destination rank runs on another host; docs/kv.md says what it does, the 
 # Completion: each transfer carries a notification (JSON, prefix MAGIC) with the request's header
 # (id, sequence number, sender, contributors, announced layers, destination blocks) and the layers
 # it completes; NIXL delivers it after the transfer's data. A request is announced by a standalone
-# notification at begin. The receiver (NixlInbox, commlib/kv_nixl_inbox.py) counts a layer landed
-# from a sender when every transfer part of the post that carried it arrived, and reports a request
-# the way the native records are reported (Note [kv protocol]): done when every contributor's every
-# announced layer landed; failed when a sender reports a failure (CommError), when a sender that
-# still owes layers of a stalled request stopped its heartbeat (PeerError: the process died or
-# hangs; a pid on another host cannot be looked at, so each sending thread sets its store key
-# kv/<instance>/<rank>/beat/<pid> every BEAT_S; while a request has not progressed for 2 BEAT_S its
-# receiver reads its senders' keys at most every BEAT_S, and a value unchanged for DEAD_S is a
-# stopped sender), or when nothing progresses for the agent's timeout (CommTimeoutError).
+# notification at begin (send(), which posts every layer at once, leaves it to the first transfer's
+# notification, except for an empty request). The receiver (NixlInbox, commlib/kv_nixl_inbox.py)
+# counts a layer landed from a sender when every transfer part of the post that carried it arrived,
+# and reports a request the way the native records are reported (Note [kv protocol]): done when
+# every contributor's every announced layer landed; failed when a sender reports a failure
+# (CommError), when a sender that still owes layers of a stalled request stopped its heartbeat
+# (PeerError: the process died or hangs; a pid on another host cannot be looked at, so each sending
+# thread sets its store key kv/<instance>/<rank>/beat/<pid> every BEAT_S; while a request has not
+# progressed for 2 BEAT_S its receiver reads its senders' keys at most every BEAT_S, and a value
+# unchanged for DEAD_S is a stopped sender), or when nothing progresses for the agent's timeout
+# (CommTimeoutError).
 # Progress: NIXL agents run without NIXL's progress thread (it spins a core). send_layer() only
 # prepares the layer's index lists (and, CUDA, the staging gather on the current stream) and
 # returns: the sending agent's thread of its own (SendProgress) posts the transfers once the layer
