@@ -244,6 +244,7 @@ class NixlPeer:
         self.stage_users = 0  # staged posts not yet ended (SendProgress.lock)
         self.orphans = []  # staging buffers left to timed-out transfers: (buffer, registration, list), kept to close
         self.plane_rows = None  # [layer][plane]: the plane as rows for the staging gather (gather_rows)
+        self.gather = None  # (dtype, row elements, step bytes, strides) of those rows (gather_rows)
         agent = owner.nixl_agent()
         for d in self.dests:
             meta = owner.store_get(f"kv/{name}/{d.rank}/nixl", f"instance '{name}' rank {d.rank}")
@@ -314,7 +315,7 @@ class NixlPeer:
         strides allow, so that one index_select per (layer, plane) copies whole rows into the
         staging buffer (15x the per-byte advanced indexing on CPU). Returns (dtype, row elements,
         step bytes, (block, token, head) strides in bytes)."""
-        if self.plane_rows is None:
+        if self.gather is None:
             import torch
             canon = self.owner._canon
             first = canon[0][0]
@@ -482,7 +483,9 @@ class NixlSend:
                 parts.append(("explicit", d, sa, da, np.tile(ln, len(sa) // len(so))))
             note = _message(self.headers[j], t="d", l=mask, q=self.post, c=len(parts))
             jobs += [(j, part, note) for part in parts]
-        self.progress.submit(self, _written(self.agent.device), jobs, staged, gather)
+        # Posted once written (CUDA: an event); a CPU staged call once no earlier post reads the staging buffer.
+        ready = _written(self.agent.device) if gather is None else (lambda: peer.stage_users == 0)
+        self.progress.submit(self, ready, jobs, staged, gather)
         self.sent.update(layers)  # only now: a call that raised above left its layers unsent (they may be sent again)
 
     def _post(self, jobs, staged: bool, ended: list, gather=None) -> None:
@@ -662,14 +665,12 @@ class SendProgress:
         self.thread.start()
 
     def submit(self, send: NixlSend, ready, jobs, staged: bool, gather=None) -> None:
-        """Queues one send_layers call: posted once ready() holds. A CPU staged call (`gather`: its
-        layers) is ready once no earlier post reads its peer's staging buffer; the thread gathers it."""
+        """Queues one send_layers call: posted once ready() holds. A staged call holds its peer's
+        staging buffer until its transfers ended: from now (CUDA: gathered already), or from when
+        the thread takes it (CPU, `gather`: its layers, which the thread gathers)."""
         with self.lock:
             send.queued += 1
-            if gather is not None:
-                peer = send.peer
-                ready = lambda: peer.stage_users == 0  # noqa: E731 - CPU data is written already
-            elif staged:  # the staging buffer is busy from now until the post's transfers ended
+            if staged and gather is None:
                 send.peer.stage_users += 1
             self.jobs.append((send, ready, jobs, staged, gather))
             if send not in self.active:
