@@ -1,7 +1,8 @@
 """commlib.kv across hosts, through NIXL (Note [kv over nixl]): the prefill and decode processes run
 on one machine but name different hosts (COMMLIB_TEST_HOST_ID), so every destination is "remote"
 and the request goes through NIXL / UCX. Bitwise against tests/kv_reference.py (indexing), the
-destination poisoned and checked outside the request's blocks too."""
+destination poisoned and checked outside the request's blocks too. test_cross_host_cuda_caches (marked gpu)
+runs the same between CUDA caches."""
 from __future__ import annotations
 
 import gc
@@ -117,6 +118,20 @@ def test_cross_host_transforms(ranks, P, D, src, dst, src_bs, dst_bs, dtype, sta
                      heads=4, dtype=dtype, requests=_two_requests(src_bs, dst_bs))
     _check(ranks(P + D).run(_cross_host_case, case, None, stage), P, ("a", "b"), how)
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("P,D,src,dst,src_bs,dst_bs,stage,how", [
+    (1, 1, "NHD", "NHD", 16, 16, True, "direct: 1"),       # one run per block, VRAM to VRAM
+    (1, 1, "NHD", "HND", 16, 32, True, "staged"),          # gathered on the caller's stream
+    (1, 1, "NHD", "HND", 16, 32, False, "direct: 64"),     # one head row per descriptor
+    (1, 2, "flash_attn", "HND", 16, 32, True, "staged"),   # TP 1 -> 2
+    (2, 1, "NHD", "NHD", 16, 16, True, "direct: 16"),      # TP 2 -> 1
+])
+def test_cross_host_cuda_caches(ranks, P, D, src, dst, src_bs, dst_bs, stage, how):
+    """The same requests between CUDA caches (NIXL VRAM registrations; ranks may share one GPU)."""
+    case = case_dict(_tag(f"nxg{P}{D}"), P=P, D=D, src_layout=src, dst_layout=dst, src_bs=src_bs, dst_bs=dst_bs,
+                     heads=4, dtype="bfloat16", device="cuda", requests=_two_requests(src_bs, dst_bs))
+    _check(ranks(P + D).run(_cross_host_case, case, None, stage), P, ("a", "b"), how)
 
 def test_cross_host_without_prepared_lists(ranks):
     """A cache whose descriptor lists would be too large to prepare: explicit descriptors per request."""
