@@ -6,6 +6,7 @@ within the dtype's rounding; NCCL-free. Outputs are NaN-poisoned first; sharded 
 not own must come back untouched. The multimem variant runs only where the environment allows
 NVLink multicast (never on the lent machines, docs/architecture.md, Safety); there, its refusal is tested.
 """
+import functools
 import re
 
 import pytest
@@ -113,8 +114,17 @@ NO_ONESHOT = {"COMMLIB_FUSED_ONESHOT_MAX_TOKENS": "0", "COMMLIB_FUSED_ONESHOT_SH
 NO_LL = {"COMMLIB_FUSED_LL_MAX_BYTES": "0", **NO_ONESHOT}
 
 
-def p2p(tokens, hidden):
-    return "fused_p2p"
+def _variant(default, exceptions, tokens, hidden):
+    return exceptions.get((tokens, hidden), default)
+
+
+def meant(default, exceptions=None):
+    """_gpu_case's `meant`: `default`, or exceptions[(tokens, hidden)]. A partial of a module function,
+    not a lambda: the rank processes are spawned, and what they run must pickle."""
+    return functools.partial(_variant, default, exceptions or {})
+
+
+p2p = meant("fused_p2p")
 
 
 def test_fused_gpu_barrier_kernel_small_tokens(ranks):
@@ -232,7 +242,7 @@ def test_fused_gpu_ll_kernel_large_slices(ranks):
     # A huge LL limit: the LL kernel (rs_rmsnorm_ag_p2p_ll.cu) runs whenever the slice fits the LL
     # buffer (40 tokens of hidden 16384 does not: the launcher falls back to the barrier kernel).
     ranks(2, env=LL_ALWAYS).run(_gpu_case, "float16", [1, 5, 40], [8192, 16384], (None, 1, 7),
-                                meant=lambda t, h: "fused_p2p" if (t, h) == (40, 16384) else "fused_ll")
+                                meant=meant("fused_ll", {(40, 16384): "fused_p2p"}))
 
 
 @pytest.mark.parametrize("row_ctas", ["1", "2", "4", "8"])
@@ -243,7 +253,7 @@ def test_fused_gpu_ll_row_split(ranks, row_ctas):
     # 16 loops clusters over rows. Same bits as the unfused reference for every split.
     ranks(2, env={"COMMLIB_FUSED_LL_ROW_CTAS": row_ctas, **LL_ALWAYS}).run(
         _gpu_case, "bfloat16", [1, 2, 7, 16], [8, 1032, 8192, 16384], (None, 1, 3, 16),
-        meant=lambda t, h: "fused_ll")
+        meant=meant("fused_ll"))
 
 
 @pytest.mark.parametrize("row_ctas", ["1", "2", "8"])
@@ -255,7 +265,7 @@ def test_fused_gpu_one_shot(ranks, row_ctas):
     env = {"COMMLIB_FUSED_ONESHOT_MAX_TOKENS": str(1 << 30), "COMMLIB_FUSED_ONESHOT_SHARDED_MAX_TOKENS": str(1 << 30),
            "COMMLIB_FUSED_LL_ROW_CTAS": row_ctas}
     ranks(2, env=env).run(_gpu_case, "bfloat16", [1, 2, 7, 16, 33], [8, 1032, 8192, 16384], (None, 1, 3, 16),
-                          meant=lambda t, h: "fused_p2p" if (t, h) == (33, 16384) else "fused_oneshot")
+                          meant=meant("fused_oneshot", {(33, 16384): "fused_p2p"}))
 
 
 @pytest.mark.parametrize("oneshot", ["0", "64"])
@@ -265,7 +275,7 @@ def test_fused_gpu_ll_push_ctas(ranks, oneshot):
     env = {"COMMLIB_FUSED_LL_BYTES_PER_CTA": "512", "COMMLIB_FUSED_ONESHOT_MAX_TOKENS": oneshot,
            "COMMLIB_FUSED_ONESHOT_SHARDED_MAX_TOKENS": oneshot}
     ranks(2, env=env).run(_gpu_case, "bfloat16", [1, 7, 16, 32], [1032, 8192],
-                          meant=lambda t, h: "fused_ll" if oneshot == "0" else "fused_oneshot")
+                          meant=meant("fused_ll" if oneshot == "0" else "fused_oneshot"))
 
 
 def _mixed_sequence(ctx):
