@@ -88,6 +88,7 @@ def run_dispatch_combine(ctx, cases, device="cpu", transport="auto", comm=None):
         (num_experts, topk, hidden, dtype_name, kind, max_tokens, tokens_of, capacity) = case
         ctx.progress(f"EP {case}")
         dtype = DTYPES[dtype_name]
+        before = commlib.plan_counters()
         buf = commlib.EPBuffer(comm or ctx.comm, max_tokens, hidden, num_experts, topk, dtype, device=device,
                                capacity=capacity, transport=transport)
         cap = buf.capacity
@@ -138,6 +139,11 @@ def run_dispatch_combine(ctx, cases, device="cpu", transport="auto", comm=None):
                 with pytest.raises(ValueError, match=f"expert {worst} received {totals[worst]} routes but capacity is {cap}"):
                     buf.check()
             buf.check()  # clear (and nothing pending)
+        # Every call of the case ran the variant the buffer names (Note [plan]); a decode case with
+        # COMMLIB_EP_LL=1 whose rows are not whole 16-byte packs runs the flag kernels.
+        ran = {k for k, v in commlib.plan_counters().items() if v != before[k]}
+        meant = {"host": "ep_host", "flags": "ep_normal", "ll": "ep_ll", "nvshmem": "ep_nvshmem"}[buf.kernels]
+        assert ran == {meant}, f"{case}: buffer kernels {buf.kernels!r}, plans run {ran}"
     return True
 
 

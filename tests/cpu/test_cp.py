@@ -406,6 +406,25 @@ def test_ring_attention_errors(ranks, world_size):
         assert "valid num_kv_heads: 1, 2, 4" in m[1]
 
 
+def _ring_errors_one_rank(ctx):
+    """World 1 exchanges no header (Note [agreed arguments]): its own errors, then a good call, which
+    matches the attention it stands for."""
+    q, k, v = torch.randn(8, 4, 16), torch.randn(8, 2, 16), torch.randn(8, 2, 16)
+    with pytest.raises(ValueError, match="ring_attention: mode 'pass_x' not supported; supported: auto, pass_kv"):
+        cp.ring_attention(ctx.comm, q, k, v, cu_seqlens_q=[0, 8], mode="pass_x")
+    with pytest.raises(TypeError, match="q has dtype torch.int32; supported: float32"):
+        cp.ring_attention(ctx.comm, q.int(), k, v, cu_seqlens_q=[0, 8])
+    with pytest.raises(ValueError, match="pass this rank's shard"):
+        cp.ring_attention(ctx.comm, q[1:], k[1:], v[1:], cu_seqlens_q=[0, 8])
+    out = cp.ring_attention(ctx.comm, q, k, v, cu_seqlens_q=[0, 8])
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    want, _ = cp.default_attention(q, k, v, cu, cu, 8, 8, True, 16 ** -0.5)
+    return torch.equal(out, want)
+
+
+def test_ring_attention_errors_one_rank(ranks):
+    assert ranks(1).run(_ring_errors_one_rank) == [True]
+
 def test_ring_watchdog_thread():
     """The watchdog thread (Note [cp ring watchdog]) on stand-in events: a call whose events are
     done is dropped without action; a call past its deadline gets _on_timeout with the first

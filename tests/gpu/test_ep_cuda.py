@@ -260,12 +260,14 @@ def _ll_suite(ctx):
                               (1024, 4096, torch.bfloat16, "flags")]:
         buf = commlib.EPBuffer(ctx.comm, T, H, 16, 2, dtype, device=dev)
         assert buf.kernels == want, (T, H, dtype, buf.kernels)
-    # The decode grids run the LL kernels, counted per dispatch / combine call (Note [plan]).
+    # The decode grids run the LL kernels, counted per dispatch / combine call (Note [plan]); the
+    # element-path case (hidden 33, fp32) runs the flag kernels (run_dispatch_combine checks each
+    # case's plans against its buffer's kernels).
     before = commlib.plan_counters()
     _dispatch_combine(ctx, "column_parts")
     after = commlib.plan_counters()
     ran = {k: after[k] - before[k] for k in after if after[k] != before[k]}
-    assert ran.get("ep_ll", 0) > 0 and "ep_normal" not in ran, ran
+    assert ran.get("ep_ll", 0) > ran.get("ep_normal", 0), ran
     _dispatch_combine(ctx, "basic")
     _same_as_cpu(ctx)
     for split in (False, True):
@@ -302,10 +304,13 @@ def _bad_pdl_knob(ctx):
 
     import commlib
     dev = torch.device("cuda", ctx.device)
-    buf = commlib.EPBuffer(ctx.comm, 4, 64, 8, 2, torch.bfloat16, device=dev)
     idx, w = make_routing(ctx.rank, 4, 8, 2, "random", 1)
-    with pytest.raises(ValueError, match=re.escape("EPBuffer.dispatch: COMMLIB_PDL=2 invalid; valid: 0, 1")):
-        buf.dispatch(make_tokens(ctx.rank, 4, 64, torch.bfloat16, 1).to(dev), idx.to(dev), w.to(dev))
+    # The knob is read with the communicator's GPU configuration, on its first GPU use (here the
+    # buffer's creation); a failed read is not kept, so every later use raises the same.
+    for _ in range(2):
+        with pytest.raises(ValueError, match=re.escape("COMMLIB_PDL=2 invalid; valid: 0, 1")):
+            buf = commlib.EPBuffer(ctx.comm, 4, 64, 8, 2, torch.bfloat16, device=dev)
+            buf.dispatch(make_tokens(ctx.rank, 4, 64, torch.bfloat16, 1).to(dev), idx.to(dev), w.to(dev))
     return True
 
 

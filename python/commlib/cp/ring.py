@@ -222,53 +222,26 @@ def ring_attention(comm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     # Every rank checks its own arguments, then all ranks all-gather a small
     # header (the arguments' fingerprint, whether each rank's check passed, whether its ring failed)
     # over the group's host path, so a bad argument on one rank, ranks that disagree, or a failed
-    # ring raise on every rank before anything is sent, and the communicator stays usable.
+    # ring raise on every rank before anything is sent, and the communicator stays usable (_agree).
+    # One rank has nobody to agree with: it raises its own error and exchanges nothing (on one H200
+    # the exchange and the header were most of the ~150 us a world-1 call spent beyond its attention).
     local_error, args = None, None
     try:
         args = _check_args(what, rank, world_size, q, k, v, cu_seqlens_q, cu_seqlens_kv, causal, kv_cache, mode,
                            layout, pass_q_return)
     except (ValueError, TypeError) as e:
         local_error = e
-    ring_failure = getattr(transport, "failure", None)
-    if args is not None:
-        lens_q, lens_kv, cache_local = args["lens_q"], args["lens_kv"], args["cache_local"]
-        nb = len(lens_q)
-        heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
-        header = [_MODE_CODES.get(mode, 0), _LAYOUT_CODES[layout], int(causal), _RETURN_CODES[pass_q_return], nb,
-                  sum(lens_q), _digest(lens_q), _digest(lens_kv) if lens_kv is not None else -1, heads, kv_heads,
-                  head_dim, _DTYPE_CODES[q.dtype], int(kv_cache is not None), int(attn_fn is not None)]
-    else:
-        header = [0] * len(_HEADER)
-    header += [_argument_code(local_error), int(ring_failure is not None)]
-    device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
-    headers = group.all_gather(header, device)
-    n_fields = len(_HEADER)
-    bad = [(r, h[n_fields]) for r, h in enumerate(headers) if h[n_fields]]
-    if bad:
-        if local_error is not None:
-            raise local_error
-        r, code = bad[0]
-        exc = TypeError if code & 256 else ValueError
-        raise exc(f"{what}: rank {r} rejected its argument {_ARGUMENTS[(code & 255) - 1]} (rank {r}'s error names "
-                  f"the value and the valid set); every rank raises" +
-                  "".join(f"; rank {r2} rejected {_ARGUMENTS[(c & 255) - 1]}" for r2, c in bad[1:]))
-    failed = [r for r, h in enumerate(headers) if h[n_fields + 1]]
-    if failed:
-        from ..errors import CommTimeoutError
-        if ring_failure is not None:
-            raise CommTimeoutError(ring_failure)
-        raise CommTimeoutError(f"{what}: rank {failed[0]}'s copy-engine ring timed out in an earlier call (its "
-                               "error names the peer and the slot); the ring of this communicator is no longer "
-                               "usable (create a new communicator)")
-    for f, name in enumerate(_HEADER):
-        values = [h[f] for h in headers]
-        if len(set(values)) > 1:
-            raise ValueError(f"{what}: ranks disagree on {name}: " +
-                             ", ".join(f"rank {r}: {_describe(name, x)}" for r, x in enumerate(values)) +
-                             "; every rank must pass the same")
+    if world_size > 1:
+        _agree(what, group, q, k, args, local_error, getattr(transport, "failure", None),
+               (mode, layout, causal, pass_q_return, kv_cache is not None, attn_fn is not None))
+    elif local_error is not None:
+        raise local_error  # one rank: nobody to tell, no exchange (Note [agreed arguments])
+    lens_q, lens_kv, cache_local = args["lens_q"], args["lens_kv"], args["cache_local"]
+    nb = len(lens_q)
+    heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
     cache = [[0] * nb for _ in range(world_size)]
     if kv_cache is not None:
-        cache = group.all_gather(cache_local, q.device)
+        cache = [cache_local] if world_size == 1 else group.all_gather(cache_local, q.device)
     if lens_kv is not None:
         if len(lens_kv) != nb:
             raise ValueError(f"{what}: cu_seqlens_kv names {len(lens_kv)} sequences but cu_seqlens_q {nb}")
@@ -308,6 +281,47 @@ def ring_attention(comm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
             transport.end_call()
     out, lse = state.result(q.dtype)
     return (out, lse) if return_lse else out
+
+
+def _agree(what: str, group, q, k, args, local_error, ring_failure, flags) -> None:
+    """Note [agreed arguments]: all-gathers this rank's header (its arguments' fingerprint, whether
+    its own check passed, whether its ring failed) and raises on every rank for a bad argument on
+    any rank, a failed ring, or ranks that disagree."""
+    mode, layout, causal, pass_q_return, has_cache, has_attn_fn = flags
+    if args is not None:
+        lens_q, lens_kv = args["lens_q"], args["lens_kv"]
+        header = [_MODE_CODES.get(mode, 0), _LAYOUT_CODES[layout], int(causal), _RETURN_CODES[pass_q_return],
+                  len(lens_q), sum(lens_q), _digest(lens_q), _digest(lens_kv) if lens_kv is not None else -1,
+                  q.shape[1], k.shape[1], q.shape[2], _DTYPE_CODES[q.dtype], int(has_cache), int(has_attn_fn)]
+    else:
+        header = [0] * len(_HEADER)
+    header += [_argument_code(local_error), int(ring_failure is not None)]
+    device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+    headers = group.all_gather(header, device)
+    n_fields = len(_HEADER)
+    bad = [(r, h[n_fields]) for r, h in enumerate(headers) if h[n_fields]]
+    if bad:
+        if local_error is not None:
+            raise local_error
+        r, code = bad[0]
+        exc = TypeError if code & 256 else ValueError
+        raise exc(f"{what}: rank {r} rejected its argument {_ARGUMENTS[(code & 255) - 1]} (rank {r}'s error names "
+                  f"the value and the valid set); every rank raises" +
+                  "".join(f"; rank {r2} rejected {_ARGUMENTS[(c & 255) - 1]}" for r2, c in bad[1:]))
+    failed = [r for r, h in enumerate(headers) if h[n_fields + 1]]
+    if failed:
+        from ..errors import CommTimeoutError
+        if ring_failure is not None:
+            raise CommTimeoutError(ring_failure)
+        raise CommTimeoutError(f"{what}: rank {failed[0]}'s copy-engine ring timed out in an earlier call (its "
+                               "error names the peer and the slot); the ring of this communicator is no longer "
+                               "usable (create a new communicator)")
+    for f, name in enumerate(_HEADER):
+        values = [h[f] for h in headers]
+        if len(set(values)) > 1:
+            raise ValueError(f"{what}: ranks disagree on {name}: " +
+                             ", ".join(f"rank {r}: {_describe(name, x)}" for r, x in enumerate(values)) +
+                             "; every rank must pass the same")
 
 
 def _describe(name: str, value: int) -> str:
