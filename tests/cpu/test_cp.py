@@ -425,6 +425,7 @@ def _ring_errors_one_rank(ctx):
 def test_ring_attention_errors_one_rank(ranks):
     assert ranks(1).run(_ring_errors_one_rank) == [True]
 
+
 def test_ring_watchdog_thread():
     """The watchdog thread (Note [cp ring watchdog]) on stand-in events: a call whose events are
     done is dropped without action; a call past its deadline gets _on_timeout with the first

