@@ -305,8 +305,9 @@ def _bad_pdl_knob(ctx):
     import commlib
     dev = torch.device("cuda", ctx.device)
     idx, w = make_routing(ctx.rank, 4, 8, 2, "random", 1)
-    # The knob is read with the communicator's GPU configuration, on its first GPU use (here the
-    # buffer's creation); a failed read is not kept, so every later use raises the same.
+    # The knob is read with the communicator's GPU configuration on its first GPU use (the buffer's
+    # creation, by the code: not yet seen on a GPU, so the dispatch is inside the check too); a failed
+    # read is not kept, so a second attempt raises the same.
     for _ in range(2):
         with pytest.raises(ValueError, match=re.escape("COMMLIB_PDL=2 invalid; valid: 0, 1")):
             buf = commlib.EPBuffer(ctx.comm, 4, 64, 8, 2, torch.bfloat16, device=dev)
