@@ -410,6 +410,21 @@ def test_ep_ag_rs_baseline_and_dist_ddacomm_backend():
     assert r.returncode == 1 and all(row[9] == "1" for row in table_rows(r.stdout)), r.stdout + r.stderr
 
 
+def test_ep_identity_experts():
+    """--ep-experts identity (the EP kernels alone, beside launch_floor): the EPBuffer combines
+    expert_x as dispatched, the baselines run without the expert pass, every result is checked
+    against x * sum(w) in fp64, and a planted wrong element is still counted."""
+    args = ["ep_dispatch_combine", "--tokens", "1,7,33", "--hidden", "40", "--experts", "6", "--topk", "3",
+            "-n", "2", "-w", "1", "-np", "2", "-d", "float,bfloat16", "--ep-experts", "identity"]
+    r = run_cli("commlib.perf", *args, "--backend", "ddacomm", "gloo")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = table_rows(r.stdout)
+    assert len(rows) == 2 * 3 * 2 and all(row[9] == "0" for row in rows), r.stdout
+    assert {row[0] for row in rows} == {"ddacomm", "gloo"}
+    r = run_cli("commlib.perf", *args, "--backend", "ddacomm", "--ep-baseline", "ag-rs", "--corrupt-rank", "1")
+    assert r.returncode == 1 and all(row[9] == "1" for row in table_rows(r.stdout)), r.stdout + r.stderr
+
+
 def test_row_ops_planted_wrong_result_is_reported():
     """One damaged output element per rank-1 result of each new operation, fused and baseline, and
     the sharded residual mode on the way."""

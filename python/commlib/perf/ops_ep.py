@@ -23,6 +23,11 @@ can regenerate every rank's routing), experts that scale their rows by ``scale[e
 * ``--ep-transport`` (``auto``, ``peer``, ``nvshmem``): how ``ddacomm``'s EPBuffer reaches its
   peers; on one node, a run with ``peer`` and one with ``nvshmem`` measure what going through
   NVSHMEM costs (docs/ep.md).
+* ``--ep-experts identity``: every expert returns its rows unchanged (scale 1), and ``ddacomm``
+  combines ``expert_x`` as dispatch wrote it, so its timed call is the two EP kernels alone, the
+  figure that goes beside ``launch_floor`` (Note [ep launch floor]). The default (``scale``) runs
+  the stand-in experts above, an elementwise pass over the whole ``expert_x`` buffer (every local
+  expert's capacity rows, whatever the routing filled).
 
 Flags: ``--experts`` and ``--topk`` (defaults: DeepSeek-V3-like 256 / 8 with ``--hidden`` 7168 on
 GPU; 4 x world size / 2 with hidden 256 on CPU); ``--tokens`` / ``--hidden`` as in
@@ -52,6 +57,7 @@ GPU_DEFAULTS = {"hidden": 7168, "experts": 256, "topk": 8}  # DeepSeek-V3-like
 CPU_DEFAULTS = {"hidden": 256, "experts_per_rank": 4, "topk": 2}
 EP_BASELINES = ("host-sync", "ag-rs")
 EP_TRANSPORTS = ("auto", "peer", "nvshmem")
+EP_EXPERTS = ("scale", "identity")
 
 
 def _add(group: argparse._ArgumentGroup) -> None:
@@ -70,6 +76,10 @@ def _add(group: argparse._ArgumentGroup) -> None:
                        help=f"{NAME}: how ddacomm's EPBuffer reaches the peers: peer memory (one node), NVSHMEM "
                             "(needs nvshmem4py; docs/ep.md), or auto (peer memory on one host, else NVSHMEM); "
                             "run once with each to measure the cost of going through NVSHMEM on one node")
+    group.add_argument("--ep-experts", dest="ep_experts", choices=EP_EXPERTS, default="scale",
+                       help=f"{NAME}: the stand-in experts: scale each row by its expert's factor (default; an "
+                            "elementwise pass over expert_x) or identity (no pass: ddacomm times dispatch + "
+                            "combine alone, the figure beside launch_floor)")
 
 
 def _validate(opts: argparse.Namespace) -> Optional[str]:
@@ -100,9 +110,16 @@ def _shape(options: dict, world_size: int, check_world: bool = True):
     return hidden, experts, topk
 
 
-def expert_scales(num_experts: int, device) -> torch.Tensor:
-    """The stand-in experts: expert e multiplies its rows by 1 + (e % 8) / 8 (exact in every dtype)."""
+def expert_scales(num_experts: int, device, identity: bool = False) -> torch.Tensor:
+    """The stand-in experts: expert e multiplies its rows by 1 + (e % 8) / 8 (exact in every dtype),
+    or by 1 with ``identity`` (``--ep-experts identity``)."""
+    if identity:
+        return torch.ones(num_experts, dtype=torch.float32, device=device)
     return (1 + (torch.arange(num_experts, dtype=torch.float32) % 8) / 8).to(device)
+
+
+def _identity(case: Case) -> bool:
+    return case.options.get("ep_experts") == "identity"
 
 
 @functools.lru_cache(maxsize=64)
@@ -176,7 +193,7 @@ def _setup(case: Case) -> Buffers:
     idx, w = routing(case.rank, tokens, experts, topk, case.salt)
     x = _tokens(case.rank, tokens, hidden, case.dtype, case.salt).to(case.device, copy=True)
     out = registry.poison(torch.empty_like(x))
-    scales = expert_scales(experts, case.device).to(case.dtype)
+    scales = expert_scales(experts, case.device, _identity(case)).to(case.dtype)
     num_local = experts // case.world_size
     extra = {"idx": idx.to(case.device), "w": w.to(case.device), "tokens": tokens, "shape": (hidden, experts, topk),
              "scales": scales, "local_scales": scales[case.rank * num_local:(case.rank + 1) * num_local, None, None]}
@@ -220,7 +237,8 @@ def _run(backend, b: Buffers, case: Case) -> None:
         if buf is None:  # the first (untimed) call of this case
             buf = e["buffer"] = _buffer(backend, case, e["tokens"], hidden, experts, topk)
         res = buf.dispatch(b.inp, e["idx"], e["w"])
-        buf.combine(res.expert_x * e["local_scales"], res.handle, out=b.out)
+        expert_y = res.expert_x if _identity(case) else res.expert_x * e["local_scales"]
+        buf.combine(expert_y, res.handle, out=b.out)
         return
     if case.options.get("ep_baseline") == "ag-rs":
         _all_gather_reduce_scatter(backend, b, case)
@@ -232,7 +250,7 @@ def _run(backend, b: Buffers, case: Case) -> None:
                           "captured in a CUDA graph (-G); compare without -G")
     scales = e["scales"]
     b.out.copy_(host_sync_dispatch_combine(b.inp, e["idx"], e["w"], experts, backend.group,
-                                           lambda r, ids: r * scales[ids][:, None]))
+                                           None if _identity(case) else lambda r, ids: r * scales[ids][:, None]))
 
 
 def _all_gather_reduce_scatter(backend, b: Buffers, case: Case) -> None:
@@ -245,7 +263,7 @@ def _all_gather_reduce_scatter(backend, b: Buffers, case: Case) -> None:
         e["gathered_idx"] = torch.empty(n * tokens, topk, dtype=e["idx"].dtype, device=case.device)
         e["gathered_w"] = torch.empty(n * tokens, topk, dtype=e["w"].dtype, device=case.device)
         e["partials"] = torch.empty(n * tokens, hidden, dtype=case.dtype, device=case.device)
-        e["scales_f32"] = expert_scales(experts, case.device)
+        e["scales_f32"] = expert_scales(experts, case.device, _identity(case))
     backend.all_gather(e["gathered_x"], b.inp)
     backend.all_gather(e["gathered_idx"], e["idx"])
     backend.all_gather(e["gathered_w"], e["w"])
@@ -261,7 +279,7 @@ def _check(b: Buffers, case: Case) -> int:
     hidden, experts, topk = e["shape"]
     idx, w = routing(case.rank, e["tokens"], experts, topk, case.salt)
     x64 = _tokens(case.rank, e["tokens"], hidden, case.dtype, case.salt).double()
-    coef = (w.double() * expert_scales(experts, "cpu").double()[idx]).sum(1, keepdim=True)
+    coef = (w.double() * expert_scales(experts, "cpu", _identity(case)).double()[idx]).sum(1, keepdim=True)
     expected = x64 * coef
     tol = (case.world_size + 3) * registry._EPS[case.dtype] * expected.abs() + 1e-30  # all terms are positive
     registry.plant(b.out, case)
