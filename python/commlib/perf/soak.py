@@ -3,6 +3,7 @@ CUDA-graph replays, each checked against a reference, with what a process holds 
 after (Note [soak]).
 
     python -m commlib.perf.soak --sequences 20000 --world 2,3,4            # CPU, random delays
+    python -m commlib.perf.soak --sequences 2000 --device cuda --world 2,4 # ranks on the GPUs (shared)
     python -m commlib.perf.soak --cycles 10000 --world 2                   # create / use / destroy
     python -m commlib.perf.soak --replays 1000000 --device cuda --world 1  # CUDA-graph replays
     ... --out bench/results/soak.md                                       # rewrites the section it ran
@@ -13,7 +14,10 @@ reduction, reduce_scatter, all_gather, broadcast, all_to_all_v with random split
 around the ring, barrier, the fused all-reduce + RMSNorm), with random sizes (odd ones included)
 and a random sleep of 0-200 µs before one op in eight on a random rank, so the ranks reach each op
 at different times. Every result is compared with the reference computed on every rank from the
-same seeds (bitwise where commlib promises bits: the rank-ordered fp32 reductions). The cycle mode
+same seeds (bitwise where commlib promises bits: the rank-ordered fp32 reductions). With
+``--device cuda`` the tensors live on rank r's GPU r % (GPUs), so more ranks than GPUs share them,
+and the draws keep to what the GPU path serves (all_reduce sum and avg); the references stay on
+the CPU. The cycle mode
 creates a communicator, runs a few ops (shared-memory collectives, send / recv, an EPBuffer; on
 CUDA the GPU state) and closes it, and counts /dev/shm/commlib-* segments, open file descriptors,
 resident memory and (CUDA) allocated GPU memory before and after. The replay mode captures
@@ -39,6 +43,7 @@ from .harness import spawn
 from .report import machine_description, now_utc, software_description, source_commit
 
 REDUCTIONS = ("sum", "avg", "min", "max", "prod")
+CUDA_REDUCTIONS = ("sum", "avg")
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all_v", "send_recv", "barrier",
        "fused")
 
@@ -59,8 +64,9 @@ def _reduce(xs, op: str) -> torch.Tensor:
     return acc.to(xs[0].dtype)
 
 
-def _one_step(comm, rank: int, n: int, step: int, rng: random.Random) -> str:
-    """Runs one randomly drawn op (the same draw on every rank) and checks it; returns its name."""
+def _one_step(comm, rank: int, n: int, step: int, rng: random.Random, device: torch.device) -> str:
+    """Runs one randomly drawn op (the same draw on every rank) with its tensors on ``device`` and
+    checks it against the CPU reference; returns its name."""
     op = rng.choice(OPS)
     dtype = rng.choice((torch.float32, torch.bfloat16, torch.float16))
     count = rng.choice((0, 1, 7, 1023, 4097, 65_537, 300_007))
@@ -68,44 +74,50 @@ def _one_step(comm, rank: int, n: int, step: int, rng: random.Random) -> str:
     delay_s = rng.random() * 200e-6  # drawn on every rank: the draws stay the same everywhere
     if delay_rank == rank:
         time.sleep(delay_s)
+
+    def same(got: torch.Tensor, want: torch.Tensor) -> bool:
+        return torch.equal(got.cpu(), want)
+
+    def nans(*shape) -> torch.Tensor:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
     if op == "all_reduce":
-        red = rng.choice(REDUCTIONS)
+        red = rng.choice(REDUCTIONS if device.type == "cpu" else CUDA_REDUCTIONS)
         algo = rng.choice(("auto", "flat", "tree"))
         xs = [_input(r, step, count, dtype) for r in range(n)]
-        out = comm.all_reduce(xs[rank], red, algo)
-        ok = torch.equal(out, _reduce(xs, red))
+        out = comm.all_reduce(xs[rank].to(device), red, algo)
+        ok = same(out, _reduce(xs, red))
     elif op == "reduce_scatter":
         xs = [_input(r, step, count * n, dtype) for r in range(n)]
-        out = torch.full((count,), float("nan"), dtype=dtype)
-        comm.reduce_scatter(out, xs[rank])
-        ok = torch.equal(out, _reduce(xs, "sum")[rank * count:(rank + 1) * count])
+        out = nans(count)
+        comm.reduce_scatter(out, xs[rank].to(device))
+        ok = same(out, _reduce(xs, "sum")[rank * count:(rank + 1) * count])
     elif op == "all_gather":
         xs = [_input(r, step, count, dtype) for r in range(n)]
-        out = torch.full((count * n,), float("nan"), dtype=dtype)
-        comm.all_gather(out, xs[rank])
-        ok = torch.equal(out, torch.cat(xs))
+        out = nans(count * n)
+        comm.all_gather(out, xs[rank].to(device))
+        ok = same(out, torch.cat(xs))
     elif op == "broadcast":
         root = rng.randrange(n)
-        t = _input(rank, step, count, dtype)
+        t = _input(rank, step, count, dtype).to(device)
         comm.broadcast(t, root)
-        ok = torch.equal(t, _input(root, step, count, dtype))
+        ok = same(t, _input(root, step, count, dtype))
     elif op == "all_to_all_v":
         rows = [[rng.randrange(5) for _ in range(n)] for _ in range(n)]  # rows[s][d]: s sends d
         ins = rows[rank]
         outs = [rows[s][rank] for s in range(n)]
         x = torch.cat([torch.full((ins[d], 3), float(rank * 100 + d), dtype=dtype) for d in range(n)])
-        out = torch.full((sum(outs), 3), float("nan"), dtype=dtype)
-        comm.all_to_all_v(out, x, outs, ins)
-        ok = torch.equal(out, torch.cat([torch.full((outs[s], 3), float(s * 100 + rank), dtype=dtype)
-                                         for s in range(n)]))
+        out = nans(sum(outs), 3)
+        comm.all_to_all_v(out, x.to(device), outs, ins)
+        ok = same(out, torch.cat([torch.full((outs[s], 3), float(s * 100 + rank), dtype=dtype) for s in range(n)]))
     elif op == "send_recv":
         if n == 1:
             return op
-        t = _input(rank, step, count, dtype)
-        got = torch.full((count,), float("nan"), dtype=dtype)
+        t = _input(rank, step, count, dtype).to(device)
+        got = nans(count)
         work = comm.batch_isend_irecv([("send", t, (rank + 1) % n, step % 7), ("recv", got, (rank - 1) % n, step % 7)])
         work.wait()
-        ok = torch.equal(got, _input((rank - 1) % n, step, count, dtype))
+        ok = same(got, _input((rank - 1) % n, step, count, dtype))
     elif op == "barrier":
         comm.barrier()
         ok = True
@@ -117,8 +129,9 @@ def _one_step(comm, rank: int, n: int, step: int, rng: random.Random) -> str:
         ref_res = (residual.float() + _reduce(xs, "sum").float()).to(dtype)
         var = ref_res.float().pow(2).mean(-1, keepdim=True)
         ref = (ref_res.float() * torch.rsqrt(var + 1e-6)).to(dtype) * weight
-        res = residual.clone()
-        out, res = comm.fused_allreduce_rmsnorm(xs[rank], res, weight, 1e-6)
+        res = residual.to(device, copy=True)
+        out, res = comm.fused_allreduce_rmsnorm(xs[rank].to(device), res, weight.to(device), 1e-6)
+        out, res = out.cpu(), res.cpu()
         # The reference rounds the sum before adding the residual; the fused op does not: within rounding.
         ok = torch.allclose(res.float(), ref_res.float(), rtol=2e-2, atol=2e-2) and \
             torch.allclose(out.float(), ref.float(), rtol=4e-2, atol=4e-2)
@@ -128,15 +141,19 @@ def _one_step(comm, rank: int, n: int, step: int, rng: random.Random) -> str:
     return op
 
 
-def _sequences_worker(rank: int, world_size: int, store, steps: int, seed: int):
+def _sequences_worker(rank: int, world_size: int, store, steps: int, seed: int, device_type: str = "cpu"):
     import commlib
+    device = torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
     comm = commlib.Communicator(dist.PrefixStore("soak", store), rank, world_size, "soak",
                                 timeout=timedelta(seconds=120))
     rng = random.Random(seed)
     counts: dict = {}
     start = time.monotonic()
     for step in range(steps):
-        op = _one_step(comm, rank, world_size, step, rng)
+        op = _one_step(comm, rank, world_size, step, rng, device)
         counts[op] = counts.get(op, 0) + 1
     elapsed = time.monotonic() - start
     comm.close()
@@ -338,7 +355,7 @@ def main(argv=None) -> int:
     if args.sequences:
         lines = ["| world | steps | seconds | ops (count) | result |", "| ---: | ---: | ---: | --- | --- |"]
         for n in worlds:
-            r = spawn(_sequences_worker, n, args.sequences, args.seed)
+            r = spawn(_sequences_worker, n, args.sequences, args.seed, args.device)
             ops = ", ".join(f"{k} {v}" for k, v in sorted(r["ops"].items()))
             lines.append(f"| {n} | {r['steps']} | {r['seconds']:.1f} | {ops} | every result checked: bitwise, the fused op within rounding |")
             print(lines[-1], flush=True)
