@@ -26,11 +26,12 @@ Columns, on prefill rank 0, medians over ``-n`` requests after ``-w`` warm-up on
   decode rank; post = host time to build the descriptor lists and post them, complete = until
   NIXL reports the transfer done, then the count of descriptors and the wrong bytes of a checked
   request on fresh data.
-* c/NIXL (CPU, when NIXL imports): commlib.kv itself through NIXL (Note [kv over nixl]): the same
+* c/NIXL (when NIXL imports): commlib.kv itself through NIXL (Note [kv over nixl]): the same
   requests through a second pair of agents whose processes name two hosts; post: the caller's time
   in ``send`` (the transfers are handed to the sending agent's thread), complete: until ``done()``;
-  wrong bytes of a checked request. For a request of several layers a second table: the compute of
-  a prefill (a 384 x 384 fp32 matmul per layer) alone, the request sent alone, and the compute with
+  wrong bytes of a checked request (on CUDA: VRAM to VRAM, as the NIXL column). For a request of
+  several layers a second table: the compute of a prefill (a 384 x 384 fp32 matmul per layer on
+  the CPU, on either device: it stands for work that keeps the calling thread busy) alone, the request sent alone, and the compute with
   each layer sent as it is done (until ``done()``): exposed = both - compute.
 ``llama70b`` is the anchor shape of the issue: 80 layers x 118 blocks x K, V = 18,880 block
 descriptors of 4 KiB (Llama-3-70B at TP 8: one KV head of 128 dims, 16 tokens, bf16).
@@ -181,7 +182,7 @@ def _row_worker(rank: int, world_size: int, store, opts, rows, run_id: str) -> L
             while int(store.add(f"{tag}/finished", 0)) < P + D:
                 time.sleep(0.001)
             agent.close()
-            if _nixl_api() is not None and cpu:  # commlib.kv itself over NIXL: the instances name two hosts
+            if _nixl_api() is not None:  # commlib.kv itself over NIXL: the instances name two hosts
                 layout = src_layout if role == "prefill" else dst_layout
                 out = _over_nixl(store, f"{tag}-x", role, tp_rank, tp, P + D, device, caches, layout, lambda a, t: (
                     dict(_send_rows(a, f"{t}-decode", src_ids, dst_ids, opts, rank, device, caches, canon, store, t,
