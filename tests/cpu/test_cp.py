@@ -173,6 +173,44 @@ def test_merge_attention_states_cpu_reference(dtype, num_states, t, d):
         assert torch.isfinite(out[0, 1:]).all() and torch.isfinite(out[2:]).all()
 
 
+# Merge patterns of a ring's running state: per partial, None (every row) or "half" (a permuted
+# half of the rows, as the balanced layout's "second chunk" calls give).
+LAG_PATTERNS = [(None, None), (None, "half"), (None, "half", None), (None, None, "half", "half"), ("half", None),
+                (None,)]
+
+
+def merge_lag_matches_eager(pattern, dtype, device):
+    """ring attention's state with its owned partials merged one merge late (Note [merge lag]) gives
+    the bits of the same partials merged as they come (an adopted partial's empty rows stay as the
+    attention call left them, on both paths)."""
+    from commlib.cp.merge import _State
+    t, h, d = 37, 3, 64
+    outs, lses = merge_case(len(pattern), t, h, d, dtype, device=device, seed=len(pattern) * 7 + t)
+    g = torch.Generator().manual_seed(11)
+    half = torch.randperm(t, generator=g)[:t // 2].to(device)
+    results = []
+    for owned in (False, True):
+        state = _State(t, h, d, device)
+        for s, sel in enumerate(pattern):
+            rows = None if sel is None else half
+            o, lse = outs[s].clone(), lses[s].clone()
+            if rows is not None:
+                o, lse = o[rows], lse[:, rows].contiguous()
+            # The first partial is always the attention call's own (adopted when it covers every row).
+            state.merge(rows, o, lse, owned=owned or s == 0)
+        results.append(state.result(dtype))
+    (eager, eager_lse), (lagged, lagged_lse) = results
+    assert lagged.dtype == dtype and lagged.shape == (t, h, d)
+    assert torch.equal(lagged.view(torch.uint8), eager.view(torch.uint8)), (lagged - eager).abs().max()
+    assert torch.equal(lagged_lse, eager_lse)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("pattern", LAG_PATTERNS)
+def test_state_merge_lag_keeps_bits(pattern, dtype):
+    merge_lag_matches_eager(pattern, dtype, "cpu")
+
+
 def test_select_mode():
     args = dict(world_size=2, num_q_heads=64, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
                 bw=3.5e11, flops=4.5e14)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cpu"))
-from test_cp import _make_case, merge_case, merge_reference, reference, tol  # noqa: E402
+from test_cp import LAG_PATTERNS, _make_case, merge_case, merge_lag_matches_eager, merge_reference, reference, tol  # noqa: E402,E501
 
 from commlib import cp  # noqa: E402
 
@@ -64,6 +64,16 @@ def test_merge_kernel_matches_fp64(world_size, dtype, num_states, t, h, d):
         out_nan, lse_nan = cp.merge_attention_states(outs, lses, out_dtype=torch.float32)
         assert torch.isnan(out_nan[0, 0]).all() and torch.isnan(lse_nan[0, 0])
         assert torch.equal(out_nan[1:], out32[1:])
+
+
+@pytest.mark.parametrize("world_size", [1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("pattern", LAG_PATTERNS)
+def test_state_merge_lag_keeps_bits(world_size, dtype, pattern):
+    """The ring state's last owned partial merged straight into the result's dtype (out of place for
+    every row, in place into the adopted partial for half of them: Note [merge lag]) gives the bits
+    of the fp32 accumulator path."""
+    merge_lag_matches_eager(pattern, dtype, "cuda")
 
 
 @pytest.mark.parametrize("world_size", [1])

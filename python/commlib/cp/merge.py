@@ -93,13 +93,25 @@ class _State:
     Empty until the first partial arrives; a first partial over every row is adopted as it is (no
     copy, no fill: a world-1 ring returns the attention call's own output), and the first merge
     into an adopted partial writes a new fp32 accumulator in one pass (Note [merge of attention
-    states]). ``result(dtype)`` converts once at the end."""
+    states]). ``result(dtype)`` converts once at the end.
+
+    Note [merge lag]
+    An attention call's own partial (``owned``) is merged one merge late: it waits until the next
+    merge, ``partial()`` or ``result()``. So the last partial of a ring meets ``result(dtype)``,
+    which merges it straight into the result's dtype when the state is still an adopted partial of
+    that dtype (a two-step ring on CUDA): out of place for all rows, or in place into the adopted
+    partial for a subset of them. Either way the arithmetic is the fp32 arithmetic of the
+    accumulator path and the result is rounded once, so the bits are the same; what goes is the
+    fp32 accumulator's traffic (written, read back and converted: 8 + 6 instead of 6 bytes an
+    element for all rows, 6 + 5 + 6 instead of 3 for half of them). Writing into the adopted
+    partial relies on the ``attn_fn`` contract: it returns new tensors (commlib.cp.default_attention)."""
 
     def __init__(self, rows: int, heads: int, head_dim: int, device):
         self.rows, self.heads, self.head_dim, self.device = rows, heads, head_dim, device
         self.out: Optional[torch.Tensor] = None
         self.lse: Optional[torch.Tensor] = None
-        self._adopted = False  # out / lse are a partial's own tensors (never written in place)
+        self._adopted = False  # out / lse are a partial's own tensors (never written in place but by result())
+        self._pending: Optional[tuple] = None  # an owned partial not merged yet: (rows, o, lse)
 
     def _accumulator(self) -> None:
         """Makes out / lse an fp32 accumulator this state owns."""
@@ -113,11 +125,24 @@ class _State:
 
     def merge(self, rows: Optional[torch.Tensor], o: torch.Tensor, lse: torch.Tensor, *, owned: bool = False) -> None:
         """owned: o / lse are new tensors nobody else writes (an attention call's results), so a first
-        full-row partial is kept as it is; otherwise (a transport slot, reused later) it is copied."""
+        full-row partial is kept as it is and a later one may wait (Note [merge lag]); otherwise (a
+        transport slot, reused later) it is merged now."""
         lse = lse.float()
-        if self.out is None and rows is None and o.shape[0] == self.rows and owned:
+        if self.out is None and self._pending is None and rows is None and o.shape[0] == self.rows and owned:
             self.out, self.lse, self._adopted = o, lse, True
             return
+        self._flush()
+        if owned:
+            self._pending = (rows, o, lse)
+            return
+        self._merge_now(rows, o, lse)
+
+    def _flush(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._merge_now(*pending)
+
+    def _merge_now(self, rows: Optional[torch.Tensor], o: torch.Tensor, lse: torch.Tensor) -> None:
         if self._adopted and rows is None and o.dtype == self.out.dtype and _merge_kernel(o):
             # The adopted partial and this one, merged out of place into the new accumulator.
             self.out, self.lse = merge_attention_states([self.out, o], [self.lse, lse], out_dtype=torch.float32)
@@ -126,8 +151,7 @@ class _State:
         self._accumulator()
         if _merge_kernel(o):
             # One fused in-place pass (Note [merge of attention states]); rows index the accumulator.
-            torch.ops.commlib.merge_attention_states_(self.out, self.lse, [o if o.stride(-1) == 1 else o.contiguous()],
-                                                      [lse if lse.stride(-1) == 1 else lse.contiguous()], rows)
+            _merge_into(self.out, self.lse, o, lse, rows)
             return
         if rows is None:
             self.out, self.lse = _merge2(self.out, self.lse, o.float(), lse)
@@ -138,6 +162,7 @@ class _State:
 
     def merge_all(self, outs: List[torch.Tensor], lses: List[torch.Tensor]) -> None:
         """Merges partials over all rows at once (on CUDA one fused pass over all of them)."""
+        self._flush()
         if outs and _merge_kernel(outs[0]):
             self._accumulator()
             torch.ops.commlib.merge_attention_states_(self.out, self.lse, outs, [x.float() for x in lses], None)
@@ -147,11 +172,29 @@ class _State:
 
     def partial(self):
         """(out, lse) as they are (fp32 accumulator or an adopted partial); zeros / -inf when empty."""
+        self._flush()
         if self.out is None:
             self._accumulator()
         return self.out, self.lse
 
     def result(self, dtype: torch.dtype):
-        """(out in ``dtype``, lse fp32): the ring's answer."""
+        """(out in ``dtype``, lse fp32): the ring's answer (Note [merge lag])."""
+        if self._pending is not None and self._adopted and self.out.dtype == dtype:
+            rows, o, lse = self._pending
+            if o.dtype == dtype and _merge_kernel(o) and (rows is None or (self.out.stride(-1) == 1 and
+                                                                          self.lse.stride(-1) == 1)):
+                self._pending, self._adopted = None, False
+                if rows is None:
+                    self.out, self.lse = merge_attention_states([self.out, o], [self.lse, lse], out_dtype=dtype)
+                else:
+                    _merge_into(self.out, self.lse, o, lse, rows)  # into the adopted partial, rows only
+                return self.out, self.lse
         out, lse = self.partial()
         return out.to(dtype), lse
+
+
+def _merge_into(out: torch.Tensor, out_lse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                rows: Optional[torch.Tensor]) -> None:
+    """(out, out_lse) (+)= (o, lse) in place, one fused CUDA pass; rows: out's row of each of o's."""
+    torch.ops.commlib.merge_attention_states_(out, out_lse, [o if o.stride(-1) == 1 else o.contiguous()],
+                                              [lse if lse.stride(-1) == 1 else lse.contiguous()], rows)

@@ -193,7 +193,8 @@ def emulated_step_rows(seqlens: List[int], world_sizes: List[int], device: torch
                        iters: int, shape=None) -> List[dict]:
     """World-1 estimate of a pass-KV ring's step on N ranks: every rank's work of each step (its
     block-pair attention and the merge into its running state, as the ring does it: step 0's
-    partial adopted, step 1 merged into a new fp32 accumulator, later steps in place) timed on this
+    partial adopted, step 1 merged into a new fp32 accumulator, later steps in place, the last
+    step's merge the result's, Note [merge lag]) timed on this
     one device (the step costs the slowest rank's), beside the K/V block's bytes and its transfer
     time at select_mode's BW (tuned or default). ``hidden``: the transfer fits under the step."""
     h, hkv, d = shape or (GPU_SHAPE if device.type == "cuda" else CPU_SHAPE)
@@ -215,7 +216,7 @@ def emulated_step_rows(seqlens: List[int], world_sizes: List[int], device: torch
                     earlier = cp.merge._State(rows_r, h, d, device)  # the state steps < step left
                     if step > 0:
                         earlier.merge(None, torch.randn(rows_r, h, d, device=device).to(dtype),
-                                      torch.randn(h, rows_r, device=device))
+                                      torch.randn(h, rows_r, device=device), owned=True)
                     if step > 1:
                         earlier._accumulator()
 
@@ -224,8 +225,13 @@ def emulated_step_rows(seqlens: List[int], world_sizes: List[int], device: torch
                         if step <= 1:  # steps 0 and 1 start from a fresh (empty / adopted) state
                             state = cp.merge._State(rows_r, h, d, device)
                             if step == 1:
-                                state.merge(None, earlier.out, earlier.lse)
+                                state.merge(None, earlier.out, earlier.lse, owned=True)
                         cp.plan._block_attention(plan, r, src, qr, kb, vb, cp.default_attention, d ** -0.5, state)
+                        # The step's merge (Note [merge lag]): the last step's is the ring's result.
+                        if step == n - 1:
+                            state.result(dtype)
+                        else:
+                            state.partial()
                     worst = max(worst, _time(one, device, iters))
                 rows.append({"seqlen": length, "world": n, "step": step, "attn_ms": worst * 1e3,
                              "block_mib": block_bytes / 2**20, "transfer_ms": block_bytes / bw * 1e3,
