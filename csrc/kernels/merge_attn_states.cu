@@ -18,7 +18,12 @@
 // bytes at head_dim 128 (bf16) and their sectors are shared through L2 by the blocks of the
 // neighbouring tokens. Every load of a row step (each state's LSE and O pack, the accumulator's) is
 // issued before any arithmetic that uses one, so a step waits for memory once, not once per state
-// (an empty partial's O is loaded but never used: it is multiplied by nothing). On one H200 the
+// (an empty partial's O is loaded but never used: it is multiplied by nothing). The packs are
+// plain loads kept as raw words (RawPack) and converted where the arithmetic reads them: with
+// volatile vector loads converted on the spot, the compiled code (cuobjdump -sass, sm_90a) waited
+// for state 0's O before it issued state 1's LSE and O loads, two memory round trips per row step
+// (the kernel measured at 0.61 of torch.add's bandwidth in bench/results/cp.md); the raw form also
+// takes fewer registers (48 instead of 54 for two bf16 states). On one H200 the
 // earlier order (consecutive tokens of one head per warp, one state's O loaded after the other)
 // reached 0.53 of torch.add's bandwidth over the same bytes (bench/results/cp.md). kCap bounds the
 // states held in registers: 2 when a launch has at most two (a ring step's accumulate, a merge of
@@ -31,6 +36,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "commlib/device/dispatch.cuh"
 #include "commlib/device/vec.cuh"
@@ -44,21 +50,39 @@ constexpr int kThreads = 256;
 constexpr int kMaxBlocks = 4096;
 constexpr int kVectorPack = 8;  // elements per thread and step on the 16-byte path
 
+// kPack elements of T as loaded (whole 16-byte vectors, or one element), kept as raw words and
+// converted to fp32 only where the arithmetic uses them, with plain loads the compiler may issue
+// together: a conversion next to its load (or a volatile load) makes the warp wait for that load
+// before it issues the next state's (Note [merge of attention states], loads first).
 template <typename T, int kPack>
-__device__ __forceinline__ void load_pack(const T* src, float (&x)[kPack]) {
-  if constexpr (kPack == 1) {
-    x[0] = device::to_float<T>(*src);
-  } else {
-    constexpr int kPerVec = 16 / static_cast<int>(sizeof(T));
-    static_assert(kPack % kPerVec == 0, "a pack is whole 16-byte vectors");
+struct RawPack {
+  static constexpr int kWords = kPack * static_cast<int>(sizeof(T)) / 4;
+  static_assert(kWords % 4 == 0, "a pack is whole 16-byte vectors");
+  uint4 raw[kWords / 4];
+  __device__ __forceinline__ void load(const T* src) {
 #pragma unroll
-    for (int i = 0; i < kPack / kPerVec; ++i) {
-      const device::Vec<T> v = device::Vec<T>::load(src + i * kPerVec);
-#pragma unroll
-      for (int j = 0; j < kPerVec; ++j) x[i * kPerVec + j] = device::to_float<T>(v.elems[j]);
+    for (int i = 0; i < kWords / 4; ++i) raw[i] = reinterpret_cast<const uint4*>(src)[i];
+  }
+  __device__ __forceinline__ float at(int i) const {
+    const uint4& q = raw[i * static_cast<int>(sizeof(T)) / 16];
+    const int w = (i * static_cast<int>(sizeof(T)) / 4) % 4;
+    const uint32_t word = w == 0 ? q.x : w == 1 ? q.y : w == 2 ? q.z : q.w;
+    if constexpr (sizeof(T) == 4) {
+      return __uint_as_float(word);
+    } else {
+      const auto bits = static_cast<unsigned short>(i % 2 == 0 ? word & 0xffffu : word >> 16);  // little-endian pairs
+      if constexpr (std::is_same_v<T, __half>) return __half2float(__ushort_as_half(bits));
+      else return __bfloat162float(__ushort_as_bfloat16(bits));
     }
   }
-}
+};
+
+template <typename T>
+struct RawPack<T, 1> {
+  T x;
+  __device__ __forceinline__ void load(const T* src) { x = *src; }
+  __device__ __forceinline__ float at(int) const { return device::to_float<T>(x); }
+};
 
 template <typename T, int kPack>
 __device__ __forceinline__ void store_pack(T* dst, const float (&x)[kPack]) {
@@ -102,20 +126,20 @@ __global__ void __launch_bounds__(kThreads) merge_attn_states_kernel(MergeAttnSt
 
     // Every load of the row's first step, before any arithmetic.
     float lse[kCap];
-    float x[kCap][kPack];
-    float acc[kPack];
+    RawPack<TIn, kPack> x[kCap];
+    RawPack<TOut, kPack> acc;
     float acc_lse = -INFINITY;
 #pragma unroll
     for (int s = 0; s < kCap; ++s) {
       lse[s] = (active && s < num_states) ? p.states[s].lse[head * p.states[s].lse_stride_head + token] : -INFINITY;
       if (has && s < num_states) {
-        load_pack<TIn, kPack>(static_cast<const TIn*>(p.states[s].out) + token * p.states[s].out_stride_token +
-                                  head * p.states[s].out_stride_head + d0, x[s]);
+        x[s].load(static_cast<const TIn*>(p.states[s].out) + token * p.states[s].out_stride_token +
+                  head * p.states[s].out_stride_head + d0);
       }
     }
     if constexpr (kAcc) {
       if (active) acc_lse = p.out_lse[head * p.out_lse_stride_head + out_row];
-      if (has) load_pack<TOut, kPack>(out_ptr + d0, acc);
+      if (has) acc.load(out_ptr + d0);
     }
 
     // Weights (Note [merge of attention states]); m == -inf: every partial is empty.
@@ -150,20 +174,20 @@ __global__ void __launch_bounds__(kThreads) merge_attn_states_kernel(MergeAttnSt
 #pragma unroll
         for (int s = 0; s < kCap; ++s) {
           if (s < num_states) {
-            load_pack<TIn, kPack>(static_cast<const TIn*>(p.states[s].out) + token * p.states[s].out_stride_token +
-                                      head * p.states[s].out_stride_head + d, x[s]);
+            x[s].load(static_cast<const TIn*>(p.states[s].out) + token * p.states[s].out_stride_token +
+                      head * p.states[s].out_stride_head + d);
           }
         }
-        if constexpr (kAcc) load_pack<TOut, kPack>(out_ptr + d, acc);
+        if constexpr (kAcc) acc.load(out_ptr + d);
       }
       float r[kPack];
 #pragma unroll
-      for (int i = 0; i < kPack; ++i) r[i] = (kAcc && w_acc != 0.f) ? acc[i] * w_acc : 0.f;
+      for (int i = 0; i < kPack; ++i) r[i] = (kAcc && w_acc != 0.f) ? acc.at(i) * w_acc : 0.f;
 #pragma unroll
       for (int s = 0; s < kCap; ++s) {
         if (s < num_states && w[s] != 0.f) {  // an empty partial's O is never used
 #pragma unroll
-          for (int i = 0; i < kPack; ++i) r[i] = fmaf(w[s], x[s][i], r[i]);
+          for (int i = 0; i < kPack; ++i) r[i] = fmaf(w[s], x[s].at(i), r[i]);
         }
       }
       store_pack<TOut, kPack>(out_ptr + d, r);
