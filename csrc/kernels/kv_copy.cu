@@ -3,6 +3,7 @@
 // csrc/kernels/kv_copy_params.hpp), per-layer completion flags after the data.
 #include <cuda_runtime.h>
 
+#include "commlib/device/fast_div.cuh"
 #include "commlib/device/ptx.cuh"
 #include "kernels/kv_copy_params.hpp"
 #include "kernels/launch.cuh"
@@ -12,20 +13,7 @@ namespace {
 
 constexpr int kUnroll = 8;  // accesses in flight per thread: loads of a batch issue before its stores
 
-// n / d for n < 2^31 by multiply and shift (the divisor is fixed per launch).
-struct FastDiv {
-  uint32_t divisor = 1;
-  uint32_t mul = 1;
-  uint32_t shift = 0;
-  FastDiv() = default;
-  explicit FastDiv(uint32_t d) : divisor(d) {
-    while ((1ull << shift) < d) ++shift;
-    mul = static_cast<uint32_t>(((1ull << 32) * ((1ull << shift) - d)) / d + 1);
-  }
-  __device__ __forceinline__ uint32_t div(uint32_t n) const {
-    return static_cast<uint32_t>((static_cast<uint64_t>(__umulhi(n, mul)) + n) >> shift);
-  }
-};
+using device::FastDiv;
 
 template <int kBytes>
 struct Pack;

@@ -22,8 +22,11 @@
 // plain loads kept as raw words (RawPack) and converted where the arithmetic reads them: with
 // volatile vector loads converted on the spot, the compiled code (cuobjdump -sass, sm_90a) waited
 // for state 0's O before it issued state 1's LSE and O loads, two memory round trips per row step
-// (the kernel measured at 0.61 of torch.add's bandwidth in bench/results/cp.md); the raw form also
-// takes fewer registers (48 instead of 54 for two bf16 states). On one H200 the
+// (the kernel measured at 0.61 of torch.add's bandwidth in bench/results/cp.md). Raw words rather
+// than Vec<T> (whose 16-bit elements the compiler unpacks into a register each as they arrive),
+// and the row's (token, head) by a FastDiv instead of a called 64-bit division: 48 registers
+// instead of 54 for two bf16 states (64 accumulating), five blocks of kThreads per SM instead of
+// four (ptxas -v, sm_90a). On one H200 the
 // earlier order (consecutive tokens of one head per warp, one state's O loaded after the other)
 // reached 0.53 of torch.add's bandwidth over the same bytes (bench/results/cp.md). kCap bounds the
 // states held in registers: 2 when a launch has at most two (a ring step's accumulate, a merge of
@@ -39,6 +42,7 @@
 #include <type_traits>
 
 #include "commlib/device/dispatch.cuh"
+#include "commlib/device/fast_div.cuh"
 #include "commlib/device/vec.cuh"
 #include "kernels/launch.cuh"
 #include "kernels/merge_attn_states_params.hpp"
@@ -101,8 +105,10 @@ __device__ __forceinline__ void store_pack(T* dst, const float (&x)[kPack]) {
 }
 
 template <typename TIn, typename TOut, int kPack, MergeTarget kTarget, int kCap>
-__global__ void __launch_bounds__(kThreads) merge_attn_states_kernel(MergeAttnStatesParams p, int lanes) {
+__global__ void __launch_bounds__(kThreads) merge_attn_states_kernel(MergeAttnStatesParams p, int lanes,
+                                                                       device::FastDiv heads) {
   const int64_t num_rows = p.num_tokens * p.num_heads;
+  const bool narrow = num_rows < (int64_t{1} << 31);  // FastDiv's range (the launcher's `heads`)
   const int rows_per_warp = 32 / lanes;
   const int lane = threadIdx.x % 32;
   const int row_in_warp = lane / lanes;
@@ -117,8 +123,8 @@ __global__ void __launch_bounds__(kThreads) merge_attn_states_kernel(MergeAttnSt
     const int64_t row = base + row_in_warp;
     const bool active = row < num_rows;
     // Token-major rows: O's memory order.
-    const int64_t token = active ? row / p.num_heads : 0;
-    const int64_t head = active ? row % p.num_heads : 0;
+    const int64_t token = !active ? 0 : narrow ? heads.div(static_cast<uint32_t>(row)) : row / p.num_heads;
+    const int64_t head = active ? row - token * p.num_heads : 0;
     const int64_t out_row = (kAcc && p.rows != nullptr && active) ? p.rows[token] : token;
     TOut* out_ptr = static_cast<TOut*>(p.out) + out_row * p.out_stride_token + head * p.out_stride_head;
     const int64_t d0 = static_cast<int64_t>(lane_in_row) * kPack;
@@ -229,14 +235,16 @@ Status launch_typed(const MergeAttnStatesParams& p, Stream stream) {
   shape.grid = dim3(static_cast<unsigned>(std::min<int64_t>((num_rows + rows_per_block - 1) / rows_per_block, kMaxBlocks)));
   shape.block = dim3(kThreads);
   const bool accumulate = p.target == MergeTarget::kAccumulate;
+  // A row index over the head count: a multiply and a shift below 2^31 rows, a 64-bit division above.
+  const device::FastDiv heads(num_rows < (int64_t{1} << 31) ? static_cast<uint32_t>(p.num_heads) : 1u);
   if (p.num_states <= 2) {
     auto kernel = accumulate ? merge_attn_states_kernel<TIn, TOut, kPack, MergeTarget::kAccumulate, 2>
                              : merge_attn_states_kernel<TIn, TOut, kPack, MergeTarget::kOverwrite, 2>;
-    return launch_kernel("merge_attention_states", kernel, shape, stream, LaunchOrder::kStream, p, lanes);
+    return launch_kernel("merge_attention_states", kernel, shape, stream, LaunchOrder::kStream, p, lanes, heads);
   }
   auto kernel = accumulate ? merge_attn_states_kernel<TIn, TOut, kPack, MergeTarget::kAccumulate, kMaxMergeStates>
                            : merge_attn_states_kernel<TIn, TOut, kPack, MergeTarget::kOverwrite, kMaxMergeStates>;
-  return launch_kernel("merge_attention_states", kernel, shape, stream, LaunchOrder::kStream, p, lanes);
+  return launch_kernel("merge_attention_states", kernel, shape, stream, LaunchOrder::kStream, p, lanes, heads);
 }
 
 template <typename TIn>
