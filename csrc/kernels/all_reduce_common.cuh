@@ -50,16 +50,47 @@ __device__ __forceinline__ Pack<T> reduce_loaded(const Pack<T> (&xs)[kWorldSize 
   return device::acc_cast<T>(acc);
 }
 
+// Note [loads before use]
+// A Vec of 16-bit elements is unpacked into one register per element where it is assigned, and a
+// branch between the whole 16-byte load and the element-wise one (load_pack) makes the compiler do
+// that right after the load, before the next rank's load: the compiled code (cuobjdump -sass,
+// sm_90a) waited for rank 0's pack before it loaded rank 1's, one memory round trip per rank. So
+// where every rank's pack is whole, the packs are loaded as raw words first (plain loads, which the
+// compiler may issue together; the barrier before them is a compiler barrier too) and unpacked
+// after: one round trip for all ranks.
+template <typename T, int kWorldSize>
+__device__ __forceinline__ void load_whole_packs(const void* const (&src)[kWorldSize > 0 ? kWorldSize : kMaxDeviceRanks],
+                                                 int world, Pack<T> (&xs)[kWorldSize > 0 ? kWorldSize : kMaxDeviceRanks]) {
+  constexpr int kCap = kWorldSize > 0 ? kWorldSize : kMaxDeviceRanks;
+  uint4 raw[kCap];
+#pragma unroll
+  for (int r = 0; r < kCap; ++r) {
+    if (kWorldSize > 0 || r < world) raw[r] = *static_cast<const uint4*>(src[r]);
+  }
+#pragma unroll
+  for (int r = 0; r < kCap; ++r) {
+    if (kWorldSize > 0 || r < world) xs[r] = *reinterpret_cast<const Pack<T>*>(&raw[r]);
+  }
+}
+
 // Reduces pack v of srcs[0..world) in rank order. All loads are issued before the first add so the
-// peers' latencies overlap.
+// peers' latencies overlap (Note [loads before use]).
 template <typename T, int kWorldSize, ReduceOp kOp>
 __device__ __forceinline__ Pack<T> reduce_pack(const T* const* srcs, int world, size_t v, size_t count,
                                                bool full_width) {
   constexpr int kCap = kWorldSize > 0 ? kWorldSize : kMaxDeviceRanks;
+  constexpr int N = Pack<T>::kNumElems;
   Pack<T> xs[kCap];
+  if (full_width && count - v * N >= static_cast<size_t>(N)) {
+    const void* src[kCap];
 #pragma unroll
-  for (int r = 0; r < kCap; ++r) {
-    if (kWorldSize > 0 || r < world) xs[r] = load_pack(srcs[r], v, count, full_width);
+    for (int r = 0; r < kCap; ++r) src[r] = (kWorldSize > 0 || r < world) ? srcs[r] + v * N : nullptr;
+    load_whole_packs<T, kWorldSize>(src, world, xs);
+  } else {
+#pragma unroll
+    for (int r = 0; r < kCap; ++r) {
+      if (kWorldSize > 0 || r < world) xs[r] = load_pack(srcs[r], v, count, full_width);
+    }
   }
   return reduce_loaded<T, kWorldSize, kOp>(xs, world);
 }

@@ -79,7 +79,7 @@ constexpr int64_t kTreeMaxMinPacksPerBlock = int64_t{1} << 24;
 // barrier: a rank that starts call k + 2 has finished call k + 1, which needed every peer's call
 // k + 1 data, which each peer wrote after finishing its call k reads: so reusing a parity is safe.
 // Every LL kernel (all-reduce, exchange, reduce_scatter, fused, EP) stores and receives lines through
-// include/commlib/device/ll.cuh only (ll_store, ll_receive, ll_wait_all).
+// include/commlib/device/ll.cuh only (ll_store, ll_wait_all).
 struct AllReduceFlatLLParams {
   const void* input = nullptr;
   void* output = nullptr;

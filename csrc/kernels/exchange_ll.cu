@@ -52,15 +52,23 @@ __global__ void __launch_bounds__(kLLThreads) exchange_ll_kernel(ExchangeParams 
   int failed = 0;
   const uint8_t* mine = p.lines.local<uint8_t>() + parity;
   for (size_t v = first; v < num_packs && !failed; v += stride) {
-    for (int i = 1; i < world && !failed; ++i) {
-      const int s = exchange_peer_after(rank, i, world);
-      uint4 raw;
-      if (!device::ll_receive(reinterpret_cast<const uint4*>(mine + s * slot_bytes) + 2 * v, flag, p.barrier, s,
-                              static_cast<int>(Phase::kLLData), call.call, &raw)) {
-        failed = 1;
-        break;
-      }
-      uint8_t* dst = out + s * p.out_stride;
+    // Every source's lines of pack v polled at once (Note [loads before use] in all_reduce_common.cuh).
+    const uint4* src[kMaxDeviceRanks];
+    int peer[kMaxDeviceRanks];
+    uint4 lo[kMaxDeviceRanks], hi[kMaxDeviceRanks];
+#pragma unroll
+    for (int i = 0; i < kMaxDeviceRanks; ++i) {
+      peer[i] = i + 1 < world ? exchange_peer_after(rank, i + 1, world) : -1;
+      src[i] = i + 1 < world ? reinterpret_cast<const uint4*>(mine + peer[i] * slot_bytes) + 2 * v : nullptr;
+    }
+    device::ll_wait_all<kMaxDeviceRanks>(src, peer, lo, hi, flag, p.barrier, static_cast<int>(Phase::kLLData),
+                                         call.call, failed);
+    if (failed) break;
+#pragma unroll
+    for (int i = 0; i < kMaxDeviceRanks; ++i) {
+      if (i + 1 >= world) continue;
+      uint8_t* dst = out + peer[i] * p.out_stride;
+      const uint4 raw = device::ll_payload(lo[i], hi[i]);
       store_bytes(dst, v, c.size, aligned16(dst), *reinterpret_cast<const BytePack*>(&raw));
     }
   }
@@ -100,22 +108,30 @@ __global__ void __launch_bounds__(kLLThreads) reduce_scatter_ll_kernel(ReduceSca
   const bool own_aligned = aligned16(own);
   const uint8_t* mine = p.lines.local<uint8_t>() + parity;
   for (size_t v = first; v < num_packs && !failed; v += stride) {
+    // Every peer's lines of pack v polled at once (Note [loads before use] in all_reduce_common.cuh).
+    const uint4* src[kCap];
+    int peer[kCap];
+    uint4 lo[kCap], hi[kCap];
+#pragma unroll
+    for (int r = 0; r < kCap; ++r) {
+      peer[r] = r;
+      src[r] = ((kWorldSize > 0 || r < world) && r != rank)
+                   ? reinterpret_cast<const uint4*>(mine + r * slot_bytes) + 2 * v
+                   : nullptr;
+    }
+    device::ll_wait_all<kCap>(src, peer, lo, hi, flag, p.barrier, static_cast<int>(Phase::kLLData), call.call, failed);
+    if (failed) break;
     Pack<T> xs[kCap];
 #pragma unroll
     for (int r = 0; r < kCap; ++r) {
       if (kWorldSize == 0 && r >= world) continue;
       if (r == rank) {
         xs[r] = load_pack(own, v, c.size, own_aligned);
-        continue;
+      } else {
+        const uint4 raw = device::ll_payload(lo[r], hi[r]);
+        xs[r] = *reinterpret_cast<const Pack<T>*>(&raw);
       }
-      uint4 raw{};
-      if (!failed && !device::ll_receive(reinterpret_cast<const uint4*>(mine + r * slot_bytes) + 2 * v, flag,
-                                         p.barrier, r, static_cast<int>(Phase::kLLData), call.call, &raw)) {
-        failed = 1;
-      }
-      xs[r] = *reinterpret_cast<const Pack<T>*>(&raw);
     }
-    if (failed) break;
     store_pack(out, v, c.size, out_aligned, reduce_loaded<T, kWorldSize, kOp>(xs, world));
   }
   if (__syncthreads_or(failed)) return;

@@ -55,11 +55,22 @@ __global__ void __launch_bounds__(kExchangeThreads, kExchangeMinBlocksPerSm)
   const bool out_aligned = (reinterpret_cast<uintptr_t>(out) & 15u) == 0;
   for (size_t v = begin + threadIdx.x; v < end; v += blockDim.x) {
     Pack<T> xs[kCap];
+    if (own_aligned && c.count - v * N >= static_cast<size_t>(N)) {  // whole packs: Note [loads before use]
+      const void* src[kCap];
 #pragma unroll
-    for (int r = 0; r < kCap; ++r) {
-      if (kWorldSize > 0 || r < world) {
-        xs[r] = r == rank ? load_pack(own, v, c.count, own_aligned)
-                          : Pack<T>::load(mine + r * c.slot_bytes + v * 16);
+      for (int r = 0; r < kCap; ++r) {
+        src[r] = (kWorldSize > 0 || r < world) ? (r == rank ? static_cast<const void*>(own + v * N)
+                                                            : mine + r * c.slot_bytes + v * 16)
+                                               : nullptr;
+      }
+      load_whole_packs<T, kWorldSize>(src, world, xs);
+    } else {
+#pragma unroll
+      for (int r = 0; r < kCap; ++r) {
+        if (kWorldSize > 0 || r < world) {
+          xs[r] = r == rank ? load_pack(own, v, c.count, own_aligned)
+                            : Pack<T>::load(mine + r * c.slot_bytes + v * 16);
+        }
       }
     }
     store_pack(out, v, c.count, out_aligned, reduce_loaded<T, kWorldSize, kOp>(xs, world));

@@ -25,28 +25,6 @@ __device__ __forceinline__ bool ll_ready(const uint4& lo, const uint4& hi, uint3
 // The payload (a raw pack) of the two lines lo, hi.
 __device__ __forceinline__ uint4 ll_payload(const uint4& lo, const uint4& hi) { return uint4{lo.x, lo.z, hi.x, hi.z}; }
 
-// Waits until the two lines at src carry `flag` and leaves their payload in *payload: the one-source
-// form of ll_wait_all, for kernels that take one peer's pack at a time. On timeout it records
-// (rank, peer, phase) in the error word and returns false (*payload untouched).
-__device__ __forceinline__ bool ll_receive(const uint4* src, uint32_t flag, const BarrierDevice& bar, int peer,
-                                           int phase, uint64_t call, uint4* payload) {
-  uint4 lo = ld_volatile_v4_u32(src), hi = ld_volatile_v4_u32(src + 1);
-  if (!ll_ready(lo, hi, flag)) {
-    const uint64_t start = globaltimer_ns();
-    while (!ll_ready(lo, hi, flag)) {
-      lo = ld_volatile_v4_u32(src);
-      hi = ld_volatile_v4_u32(src + 1);
-      const uint64_t elapsed = globaltimer_ns() - start;
-      if (elapsed > bar.timeout_ns) {
-        record_timeout(bar, peer, phase, elapsed, call);
-        return false;
-      }
-    }
-  }
-  *payload = ll_payload(lo, hi);
-  return true;
-}
-
 // Waits until the two lines at src[u] carry `flag`, for every u with src[u] != nullptr, polling
 // all of them at once (one round trip when they have all landed, not one per pack), and leaves
 // them in lo[u], hi[u] (ll_payload). Entries without a source read as zeros. On timeout it records
