@@ -57,7 +57,9 @@ __device__ __forceinline__ Pack<T> reduce_loaded(const Pack<T> (&xs)[kWorldSize 
 // sm_90a) waited for rank 0's pack before it loaded rank 1's, one memory round trip per rank. So
 // where every rank's pack is whole, the packs are loaded as raw words first (plain loads, which the
 // compiler may issue together; the barrier before them is a compiler barrier too) and unpacked
-// after: one round trip for all ranks.
+// after: one round trip for all ranks. For the same reason the LL kernels poll every peer's lines
+// at once (ll_wait_all in include/commlib/device/ll.cuh), not one peer after another. Measured
+// only as compiled code so far (sm_90a SASS: the loads of every rank issue back to back).
 template <typename T, int kWorldSize>
 __device__ __forceinline__ void load_whole_packs(const void* const (&src)[kWorldSize > 0 ? kWorldSize : kMaxDeviceRanks],
                                                  int world, Pack<T> (&xs)[kWorldSize > 0 ? kWorldSize : kMaxDeviceRanks]) {
