@@ -51,8 +51,8 @@ __device__ __forceinline__ Pack<T> reduce_loaded(const Pack<T> (&xs)[kWorldSize 
 }
 
 // Note [loads before use]
-// A Vec of 16-bit elements is unpacked into one register per element where it is assigned, and a
-// branch between the whole 16-byte load and the element-wise one (load_pack) makes the compiler do
+// A Vec of 16-bit elements is unpacked into one register per element where it is assigned (Note
+// [raw packs] in include/commlib/device/vec.cuh), and a branch between the whole 16-byte load and the element-wise one (load_pack) makes the compiler do
 // that right after the load, before the next rank's load: the compiled code (cuobjdump -sass,
 // sm_90a) waited for rank 0's pack before it loaded rank 1's, one memory round trip per rank. So
 // where every rank's pack is whole, the packs are loaded as raw words first (plain loads, which the

@@ -23,10 +23,10 @@
 // volatile vector loads converted on the spot, the compiled code (cuobjdump -sass, sm_90a) waited
 // for state 0's O before it issued state 1's LSE and O loads, two memory round trips per row step
 // (the kernel measured at 0.61 of torch.add's bandwidth in bench/results/cp.md). Raw words rather
-// than Vec<T> (whose 16-bit elements the compiler unpacks into a register each as they arrive),
-// and the row's (token, head) by a FastDiv instead of a called 64-bit division: 48 registers
-// instead of 54 for two bf16 states (64 accumulating), five blocks of kThreads per SM instead of
-// four (ptxas -v, sm_90a). On one H200 the
+// than Vec<T> (Note [raw packs]),
+// and the row's (token, head) by a FastDiv instead of a called 64-bit division (the 64-bit
+// one stays for 2^31 rows and more): 43 registers instead of 54 for two bf16 states, 48 instead
+// of 64 accumulating (ptxas -v, sm_90a), so five blocks of kThreads fit an SM instead of four. On one H200 the
 // earlier order (consecutive tokens of one head per warp, one state's O loaded after the other)
 // reached 0.53 of torch.add's bandwidth over the same bytes (bench/results/cp.md). kCap bounds the
 // states held in registers: 2 when a launch has at most two (a ring step's accumulate, a merge of
@@ -39,7 +39,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <type_traits>
 
 #include "commlib/device/dispatch.cuh"
 #include "commlib/device/fast_div.cuh"
@@ -55,9 +54,9 @@ constexpr int kMaxBlocks = 4096;
 constexpr int kVectorPack = 8;  // elements per thread and step on the 16-byte path
 
 // kPack elements of T as loaded (whole 16-byte vectors, or one element), kept as raw words and
-// converted to fp32 only where the arithmetic uses them, with plain loads the compiler may issue
-// together: a conversion next to its load (or a volatile load) makes the warp wait for that load
-// before it issues the next state's (Note [merge of attention states], loads first).
+// converted to fp32 only where the arithmetic uses them (Note [raw packs] in
+// include/commlib/device/vec.cuh), with plain loads the compiler may issue together (Note [merge of
+// attention states], loads first).
 template <typename T, int kPack>
 struct RawPack {
   static constexpr int kWords = kPack * static_cast<int>(sizeof(T)) / 4;
@@ -68,15 +67,12 @@ struct RawPack {
     for (int i = 0; i < kWords / 4; ++i) raw[i] = reinterpret_cast<const uint4*>(src)[i];
   }
   __device__ __forceinline__ float at(int i) const {
-    const uint4& q = raw[i * static_cast<int>(sizeof(T)) / 16];
-    const int w = (i * static_cast<int>(sizeof(T)) / 4) % 4;
-    const uint32_t word = w == 0 ? q.x : w == 1 ? q.y : w == 2 ? q.z : q.w;
     if constexpr (sizeof(T) == 4) {
-      return __uint_as_float(word);
+      const uint4& q = raw[i / 4];
+      const int w = i % 4;
+      return __uint_as_float(w == 0 ? q.x : w == 1 ? q.y : w == 2 ? q.z : q.w);
     } else {
-      const auto bits = static_cast<unsigned short>(i % 2 == 0 ? word & 0xffffu : word >> 16);  // little-endian pairs
-      if constexpr (std::is_same_v<T, __half>) return __half2float(__ushort_as_half(bits));
-      else return __bfloat162float(__ushort_as_bfloat16(bits));
+      return device::raw_elem<T>(raw[i / 8], i % 8);
     }
   }
 };

@@ -30,21 +30,7 @@ struct FusedChunk {
   size_t half_bytes;   // bytes of one workspace half (16-byte multiple)
 };
 
-// Note [raw packs]
-// The row kernels keep packs that live across loads, waits and the row reduction as raw uint4 (two
-// 16-bit elements per register) and convert elements on use: a Vec<T, 8> is split by the compiler
-// into eight 16-bit registers, which doubles the register count and makes the kernels spill.
-
-// Element e of a raw pack of T as float (exact: both formats widen to fp32 without rounding).
-template <typename T>
-__device__ __forceinline__ float raw_elem(const uint4& raw, int e) {
-  const uint32_t word = e < 4 ? (e < 2 ? raw.x : raw.y) : (e < 6 ? raw.z : raw.w);
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __uint_as_float((e & 1) ? (word & 0xffff0000u) : (word << 16));
-  } else {
-    return __half2float(__ushort_as_half(static_cast<unsigned short>((e & 1) ? (word >> 16) : (word & 0xffffu))));
-  }
-}
+using device::raw_elem;  // Note [raw packs] (include/commlib/device/vec.cuh)
 
 // round_dtype(v[e]) packed two elements per 32-bit word (round to nearest even, as from_float).
 template <typename T>

@@ -11,6 +11,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "commlib/device/ptx.cuh"
 
@@ -60,6 +61,25 @@ struct alignas(16) Vec {
     }
   }
 };
+
+// Note [raw packs]
+// Kernels that hold packs across loads, waits and a reduction (the fused row kernels, the
+// attention-state merge) keep them as raw uint4 (two 16-bit elements per register) and convert
+// elements on use: a Vec<T, 8> is split by the compiler into eight 16-bit registers where it is
+// assigned, which doubles the register count (the fused kernels spilled) and, right after a load,
+// makes the warp wait for that load before it issues the next (Note [loads before use] in
+// csrc/kernels/all_reduce_common.cuh).
+
+// Element e of a raw pack of T as float (exact: both formats widen to fp32 without rounding).
+template <typename T>
+__device__ __forceinline__ float raw_elem(const uint4& raw, int e) {
+  const uint32_t word = e < 4 ? (e < 2 ? raw.x : raw.y) : (e < 6 ? raw.z : raw.w);
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __uint_as_float((e & 1) ? (word & 0xffff0000u) : (word << 16));
+  } else {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>((e & 1) ? (word >> 16) : (word & 0xffffu))));
+  }
+}
 
 // fp32 accumulator of one Vec's worth of elements.
 template <int N>
