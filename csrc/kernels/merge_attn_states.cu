@@ -23,16 +23,15 @@
 // volatile vector loads converted on the spot, the compiled code (cuobjdump -sass, sm_90a) waited
 // for state 0's O before it issued state 1's LSE and O loads, two memory round trips per row step
 // (the kernel measured at 0.61 of torch.add's bandwidth in bench/results/cp.md). Raw words rather
-// than Vec<T> (Note [raw packs]),
-// and the row's (token, head) by a FastDiv instead of a called 64-bit division (the 64-bit
-// one stays for 2^31 rows and more): 43 registers instead of 54 for two bf16 states, 48 instead
-// of 64 accumulating (ptxas -v, sm_90a), so five blocks of kThreads fit an SM instead of four. On one H200 the
-// earlier order (consecutive tokens of one head per warp, one state's O loaded after the other)
-// reached 0.53 of torch.add's bandwidth over the same bytes (bench/results/cp.md). kCap bounds the
-// states held in registers: 2 when a launch has at most two (a ring step's accumulate, a merge of
-// two), kMaxMergeStates otherwise. In kAccumulate the accumulator's LSE is read by every lane of
-// the row and rewritten by lane 0 after a __syncwarp; the loop over rows is warp-uniform so the
-// __syncwarp is reached by every lane.
+// than Vec<T> (Note [raw packs]), and the row's (token, head) by a FastDiv instead of a called
+// 64-bit division (which stays for 2^31 rows and more): 43 registers instead of 54 for two bf16
+// states, 48 instead of 64 accumulating (ptxas -v, sm_90a), so five blocks of kThreads fit an SM
+// instead of four. On one H200 the earlier order (consecutive tokens of one head per warp, one
+// state's O loaded after the other) reached 0.53 of torch.add's bandwidth over the same bytes
+// (bench/results/cp.md). kCap bounds the states held in registers: 2 when a launch has at most
+// two (a ring step's accumulate, a merge of two), kMaxMergeStates otherwise. In kAccumulate the
+// accumulator's LSE is read by every lane of the row and rewritten by lane 0 after a __syncwarp;
+// the loop over rows is warp-uniform so the __syncwarp is reached by every lane.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
