@@ -1,9 +1,16 @@
 // FastDiv: n / d for 0 <= n < 2^31 by a multiply-high and a shift, the divisor fixed per launch
 // (computed on the host, passed as a kernel argument): a 64-bit division is a called routine of
-// about 70 instructions, a 32-bit one about 20, this about 4.
+// about 70 instructions, a 32-bit one about 20, this about 4. Callable on the host too (the same
+// arithmetic; tests/cpp/fast_div_check.cc checks it against n / d).
 #pragma once
 
 #include <cstdint>
+
+#ifdef __CUDACC__
+#define COMMLIB_FAST_DIV_HD __host__ __device__ __forceinline__
+#else
+#define COMMLIB_FAST_DIV_HD inline
+#endif
 
 namespace commlib::device {
 
@@ -16,11 +23,16 @@ struct FastDiv {
     while ((1ull << shift) < d) ++shift;
     mul = static_cast<uint32_t>(((1ull << 32) * ((1ull << shift) - d)) / d + 1);
   }
-#ifdef __CUDACC__
-  __device__ __forceinline__ uint32_t div(uint32_t n) const {
-    return static_cast<uint32_t>((static_cast<uint64_t>(__umulhi(n, mul)) + n) >> shift);
-  }
+  COMMLIB_FAST_DIV_HD uint32_t div(uint32_t n) const {
+#ifdef __CUDA_ARCH__
+    const uint32_t hi = __umulhi(n, mul);
+#else
+    const uint32_t hi = static_cast<uint32_t>((static_cast<uint64_t>(n) * mul) >> 32);
 #endif
+    return static_cast<uint32_t>((static_cast<uint64_t>(hi) + n) >> shift);
+  }
 };
 
 }  // namespace commlib::device
+
+#undef COMMLIB_FAST_DIV_HD
