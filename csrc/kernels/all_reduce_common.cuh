@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include "commlib/device/ll.cuh"
 #include "commlib/device/vec.cuh"
 #include "kernels/all_reduce_params.hpp"
 #include "kernels/launch.cuh"
@@ -95,6 +96,33 @@ __device__ __forceinline__ Pack<T> reduce_pack(const T* const* srcs, int world, 
     }
   }
   return reduce_loaded<T, kWorldSize, kOp>(xs, world);
+}
+
+// Polls pack v's two lines of every peer r (slot r of `lines`, slot_bytes apart; not this rank's)
+// at once, for an LL reduction (Note [loads before use]); leaves them in lo[r], hi[r]
+// (device::ll_payload). On timeout records it and sets `failed`.
+template <int kWorldSize>
+__device__ __forceinline__ void ll_wait_ranks(const uint8_t* lines, size_t slot_bytes, size_t v, int rank, int world,
+                                              uint32_t flag, const BarrierDevice& bar, uint64_t call, int& failed,
+                                              uint4 (&lo)[kWorldSize > 0 ? kWorldSize : kMaxDeviceRanks],
+                                              uint4 (&hi)[kWorldSize > 0 ? kWorldSize : kMaxDeviceRanks]) {
+  constexpr int kCap = kWorldSize > 0 ? kWorldSize : kMaxDeviceRanks;
+  const uint4* src[kCap];
+  int peer[kCap];
+#pragma unroll
+  for (int r = 0; r < kCap; ++r) {
+    peer[r] = r;
+    src[r] = ((kWorldSize > 0 || r < world) && r != rank) ? reinterpret_cast<const uint4*>(lines + r * slot_bytes) + 2 * v
+                                                          : nullptr;
+  }
+  device::ll_wait_all<kCap>(src, peer, lo, hi, flag, bar, static_cast<int>(Phase::kLLData), call, failed);
+}
+
+// The peer's pack of lines lo, hi (ll_wait_ranks) as a Pack<T>.
+template <typename T>
+__device__ __forceinline__ Pack<T> ll_pack(const uint4& lo, const uint4& hi) {
+  const uint4 raw = device::ll_payload(lo, hi);
+  return *reinterpret_cast<const Pack<T>*>(&raw);
 }
 
 inline bool is_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }

@@ -52,30 +52,15 @@ __global__ void __launch_bounds__(kLLThreads) all_reduce_flat_ll_kernel(AllReduc
 
   int failed = 0;
   for (size_t v = first; v < num_packs && !failed; v += stride) {
-    // Every peer's lines of pack v polled at once: one memory round trip when they have all landed,
-    // not one per peer (Note [loads before use] in all_reduce_common.cuh).
-    const uint4* src[kCap];
-    int peer[kCap];
-    uint4 lo[kCap], hi[kCap];
-#pragma unroll
-    for (int r = 0; r < kCap; ++r) {
-      peer[r] = r;
-      src[r] = ((kWorldSize > 0 || r < world) && r != rank)
-                   ? reinterpret_cast<const uint4*>(p.lines.local<char>() + parity + r * slot_bytes) + 2 * v
-                   : nullptr;
-    }
-    device::ll_wait_all<kCap>(src, peer, lo, hi, flag, p.barrier, static_cast<int>(Phase::kLLData), call.call, failed);
+    uint4 lo[kCap], hi[kCap];  // every peer's lines of pack v, polled at once (Note [loads before use])
+    ll_wait_ranks<kWorldSize>(reinterpret_cast<const uint8_t*>(p.lines.local<char>() + parity), slot_bytes, v, rank,
+                              world, flag, p.barrier, call.call, failed, lo, hi);
     if (failed) break;
     Pack<T> xs[kCap];
 #pragma unroll
     for (int r = 0; r < kCap; ++r) {
       if (kWorldSize == 0 && r >= world) continue;
-      if (r == rank) {
-        xs[r] = own_pack(v);
-      } else {
-        const uint4 raw = device::ll_payload(lo[r], hi[r]);
-        xs[r] = *reinterpret_cast<const Pack<T>*>(&raw);
-      }
+      xs[r] = r == rank ? own_pack(v) : ll_pack<T>(lo[r], hi[r]);
     }
     auto acc = device::acc_init(xs[0]);
 #pragma unroll

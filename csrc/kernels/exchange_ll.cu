@@ -108,29 +108,14 @@ __global__ void __launch_bounds__(kLLThreads) reduce_scatter_ll_kernel(ReduceSca
   const bool own_aligned = aligned16(own);
   const uint8_t* mine = p.lines.local<uint8_t>() + parity;
   for (size_t v = first; v < num_packs && !failed; v += stride) {
-    // Every peer's lines of pack v polled at once (Note [loads before use] in all_reduce_common.cuh).
-    const uint4* src[kCap];
-    int peer[kCap];
-    uint4 lo[kCap], hi[kCap];
-#pragma unroll
-    for (int r = 0; r < kCap; ++r) {
-      peer[r] = r;
-      src[r] = ((kWorldSize > 0 || r < world) && r != rank)
-                   ? reinterpret_cast<const uint4*>(mine + r * slot_bytes) + 2 * v
-                   : nullptr;
-    }
-    device::ll_wait_all<kCap>(src, peer, lo, hi, flag, p.barrier, static_cast<int>(Phase::kLLData), call.call, failed);
+    uint4 lo[kCap], hi[kCap];  // every peer's lines of pack v, polled at once (Note [loads before use])
+    ll_wait_ranks<kWorldSize>(mine, slot_bytes, v, rank, world, flag, p.barrier, call.call, failed, lo, hi);
     if (failed) break;
     Pack<T> xs[kCap];
 #pragma unroll
     for (int r = 0; r < kCap; ++r) {
       if (kWorldSize == 0 && r >= world) continue;
-      if (r == rank) {
-        xs[r] = load_pack(own, v, c.size, own_aligned);
-      } else {
-        const uint4 raw = device::ll_payload(lo[r], hi[r]);
-        xs[r] = *reinterpret_cast<const Pack<T>*>(&raw);
-      }
+      xs[r] = r == rank ? load_pack(own, v, c.size, own_aligned) : ll_pack<T>(lo[r], hi[r]);
     }
     store_pack(out, v, c.size, out_aligned, reduce_loaded<T, kWorldSize, kOp>(xs, world));
   }
