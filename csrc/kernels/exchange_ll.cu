@@ -52,23 +52,14 @@ __global__ void __launch_bounds__(kLLThreads) exchange_ll_kernel(ExchangeParams 
   int failed = 0;
   const uint8_t* mine = p.lines.local<uint8_t>() + parity;
   for (size_t v = first; v < num_packs && !failed; v += stride) {
-    // Every source's lines of pack v polled at once (Note [loads before use] in all_reduce_common.cuh).
-    const uint4* src[kMaxDeviceRanks];
-    int peer[kMaxDeviceRanks];
-    uint4 lo[kMaxDeviceRanks], hi[kMaxDeviceRanks];
-#pragma unroll
-    for (int i = 0; i < kMaxDeviceRanks; ++i) {
-      peer[i] = i + 1 < world ? exchange_peer_after(rank, i + 1, world) : -1;
-      src[i] = i + 1 < world ? reinterpret_cast<const uint4*>(mine + peer[i] * slot_bytes) + 2 * v : nullptr;
-    }
-    device::ll_wait_all<kMaxDeviceRanks>(src, peer, lo, hi, flag, p.barrier, static_cast<int>(Phase::kLLData),
-                                         call.call, failed);
+    uint4 lo[kMaxDeviceRanks], hi[kMaxDeviceRanks];  // every source's lines of pack v, polled at once
+    ll_wait_ranks<0>(mine, slot_bytes, v, rank, world, flag, p.barrier, call.call, failed, lo, hi);
     if (failed) break;
 #pragma unroll
-    for (int i = 0; i < kMaxDeviceRanks; ++i) {
-      if (i + 1 >= world) continue;
-      uint8_t* dst = out + peer[i] * p.out_stride;
-      const uint4 raw = device::ll_payload(lo[i], hi[i]);
+    for (int r = 0; r < kMaxDeviceRanks; ++r) {
+      if (r >= world || r == rank) continue;
+      uint8_t* dst = out + r * p.out_stride;
+      const uint4 raw = device::ll_payload(lo[r], hi[r]);
       store_bytes(dst, v, c.size, aligned16(dst), *reinterpret_cast<const BytePack*>(&raw));
     }
   }

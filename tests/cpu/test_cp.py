@@ -176,7 +176,7 @@ def test_merge_attention_states_cpu_reference(dtype, num_states, t, d):
 # Merge patterns of a ring's running state: per partial, None (every row) or "half" (a permuted
 # half of the rows, as the balanced layout's "second chunk" calls give).
 LAG_PATTERNS = [(None, None), (None, "half"), (None, "half", None), (None, None, "half", "half"), ("half", None),
-                (None,)]
+                ("half", None, "half"), (None,)]
 
 
 def merge_lag_matches_eager(pattern, dtype, device):
