@@ -157,7 +157,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(bits(a.contiguous()), bits(b.contiguous()))
+    # bits first: a bool tensor's contiguous() would turn its byte 2 (a sum of trues) into 1
+    return a.shape == b.shape and torch.equal(bits(a), bits(b))
 
 
 # ---- strategies -----------------------------------------------------------------------------------

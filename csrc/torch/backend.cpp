@@ -134,7 +134,7 @@ at::Tensor cat_flat(const std::vector<at::Tensor>& list) {
 }
 
 void copy_rows(const at::Tensor& rows, std::vector<at::Tensor>& outs) {
-  for (size_t r = 0; r < outs.size(); ++r) outs[r].copy_(rows[static_cast<int64_t>(r)].view(outs[r].sizes()));
+  for (size_t r = 0; r < outs.size(); ++r) copy_bits(outs[r], rows[static_cast<int64_t>(r)].view(outs[r].sizes()));
 }
 }  // namespace backend_detail
 

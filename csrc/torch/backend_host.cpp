@@ -23,7 +23,7 @@ void host_reduce_scatter(Communicator& comm, at::Tensor& out, const at::Tensor& 
   const char* what = "reduce_scatter";
   check_same_dtype(out, in, what);
   check_world_multiple(what, "input", in, "output", out, comm.world_size());
-  const at::Tensor src = in.contiguous();
+  const at::Tensor src = contiguous_bits(in);
   record_host_exchange(comm, CollectiveOp::kReduceScatter, static_cast<size_t>(src.numel()) * src.element_size(), src);
   with_contiguous(out, [&](at::Tensor& c) {
     comm.reduce_scatter_host(c.data_ptr(), src.data_ptr(), static_cast<size_t>(c.numel()), dtype, op);

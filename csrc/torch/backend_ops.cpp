@@ -209,7 +209,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::allgather_coalesced(std::vector<std::
         const at::Tensor& in = inputs[i];
         at::Tensor flat = at::empty({getSize(), in.numel()}, in.options());
         all_gather(*comm_, flat, in);
-        for (int r = 0; r < getSize(); ++r) outputs[r][i].copy_(flat[r].view(outputs[r][i].sizes()));
+        for (int r = 0; r < getSize(); ++r) copy_bits(outputs[r][i], flat[r].view(outputs[r][i].sizes()));
       }
     });
   }
@@ -248,7 +248,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::gather(std::vector<std::vector<at::Te
   if (inputs.size() == 1 && cpu_fast(inputs) && cpu_movable("gather", c10d::OpType::GATHER, inputs)) {
     const int root = static_cast<int>(opts.rootRank);
     TORCH_CHECK_VALUE(root >= 0 && root < getSize(), "gather: dst ", root, " out of range; valid: 0..", getSize() - 1);
-    const at::Tensor in = inputs[0].contiguous();
+    const at::Tensor in = contiguous_bits(inputs[0]);
     const bool is_root = root == getRank();
     if (is_root) {
       TORCH_CHECK_VALUE(outputs.size() == 1, "gather: the root needs one output list; got ", outputs.size());
@@ -424,7 +424,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::alltoall(std::vector<at::Tensor>& out
                        "all_to_all: every input and output must have the same dtype; input 0 is ",
                        dtype_str(inputs[0].scalar_type()), ", input ", r, " is ", dtype_str(inputs[r].scalar_type()),
                        ", output ", r, " is ", dtype_str(outputs[r].scalar_type()));
-      in_bytes.push_back(inputs[r].contiguous().reshape({-1}).view(at::kByte));
+      in_bytes.push_back(bytes_of(inputs[r]).contiguous().reshape({-1}).view(at::kByte));
       in_splits[r] = in_bytes.back().numel();
       out_splits[r] = outputs[r].numel() * outputs[r].element_size();
     }
@@ -437,7 +437,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::alltoall(std::vector<at::Tensor>& out
       int64_t offset = 0;
       for (int r = 0; r < n; ++r) {
         at::Tensor block = packed_out.narrow(0, offset, out_splits[r]).view(outputs[r].scalar_type());
-        outputs[r].copy_(block.view(outputs[r].sizes()));
+        copy_bits(outputs[r], block.view(outputs[r].sizes()));
         offset += out_splits[r];
       }
     });

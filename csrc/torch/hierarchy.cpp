@@ -100,7 +100,7 @@ void Hierarchy::inter_leg(const char* what, at::Tensor& out, const at::Tensor& i
     at::Tensor host_in = in.cpu();
     at::Tensor host_out = out.is_same(in) ? host_in : at::empty(out.sizes(), host_in.options());
     call(*inter_gloo_, host_in, host_out);
-    out.copy_(host_out);
+    copy_bits(out, host_out);
     return;
   }
   call(*inter(in.device(), what), const_cast<at::Tensor&>(in), out);
@@ -126,7 +126,7 @@ void Hierarchy::all_reduce(at::Tensor& tensor, const c10d::ReduceOp& op) {
   // and every reduction is defined on zeros).
   const bool in_place = tensor.is_contiguous() && n % L == 0;
   at::Tensor padded = in_place ? tensor.view({-1}) : at::zeros({shard_numel * L}, tensor.options());
-  if (!in_place) padded.narrow(0, 0, n).copy_(tensor.reshape({-1}));
+  if (!in_place) copy_bits(padded.narrow(0, 0, n), tensor.reshape({-1}));
   at::Tensor shard = L == 1 ? padded : at::empty({shard_numel}, padded.options());
   if (L > 1) {
     auto o = leg_options<c10d::ReduceScatterOptions>(timeout_);
@@ -136,7 +136,7 @@ void Hierarchy::all_reduce(at::Tensor& tensor, const c10d::ReduceOp& op) {
   inter_all_reduce(shard, legs);
   if (op.op_ == c10d::ReduceOp::AVG) shard.div_(layout_.world_size());
   if (L > 1) finish(intra_->_allgather_base(padded, shard, leg_options<c10d::AllgatherOptions>(timeout_)));
-  if (!in_place) tensor.copy_(padded.narrow(0, 0, n).view(tensor.sizes()));
+  if (!in_place) copy_bits(tensor, padded.narrow(0, 0, n).view(tensor.sizes()));
 }
 
 void Hierarchy::reduce_scatter(at::Tensor& output, const at::Tensor& input, const c10d::ReduceOp& op) {
@@ -166,7 +166,7 @@ void Hierarchy::reduce_scatter(at::Tensor& output, const at::Tensor& input, cons
     });
   }
   if (op.op_ == c10d::ReduceOp::AVG) result.div_(W);
-  output.copy_(result.view(output.sizes()));
+  copy_bits(output, result.view(output.sizes()));
 }
 
 void Hierarchy::all_gather(at::Tensor& output, const at::Tensor& input) {
@@ -177,7 +177,7 @@ void Hierarchy::all_gather(at::Tensor& output, const at::Tensor& input) {
   translate_errors([&] { check_world_multiple("all_gather_into_tensor", "output", output, "input", input, W); });
   const int64_t n = input.numel();
   if (n == 0) return;
-  const at::Tensor in = input.contiguous().reshape({-1});
+  const at::Tensor in = contiguous_bits(input).reshape({-1});
   at::Tensor per_host = at::empty({static_cast<int64_t>(H) * n}, in.options());
   inter_leg("all_gather_into_tensor", per_host, in, [&](c10d::Backend& b, at::Tensor& i, at::Tensor& out) {
     finish(b._allgather_base(out, i, leg_options<c10d::AllgatherOptions>(timeout_)));
@@ -186,8 +186,8 @@ void Hierarchy::all_gather(at::Tensor& output, const at::Tensor& input) {
   if (L > 1) finish(intra_->_allgather_base(gathered, per_host, leg_options<c10d::AllgatherOptions>(timeout_)));
   // gathered is in [local index][host] order; the output is in group-rank order.
   at::Tensor ordered = at::empty({W, n}, in.options());
-  ordered.index_copy_(0, local_major_ranks(input.device()), gathered.view({W, n}));
-  output.copy_(ordered.view(output.sizes()));
+  bytes_of(ordered).index_copy_(0, local_major_ranks(input.device()), bytes_of(gathered).view({W, n}));
+  copy_bits(output, ordered.view(output.sizes()));
 }
 
 void Hierarchy::broadcast(at::Tensor& tensor, int root) {
@@ -196,7 +196,7 @@ void Hierarchy::broadcast(at::Tensor& tensor, int root) {
   TORCH_CHECK_VALUE(root >= 0 && root < W, "broadcast: root rank ", root, " out of range; valid: 0..", W - 1);
   const auto at = std::find(layout_.rank_of.begin(), layout_.rank_of.end(), root) - layout_.rank_of.begin();
   const int root_host = static_cast<int>(at / L), root_local = static_cast<int>(at % L);
-  std::vector<at::Tensor> one{tensor.is_contiguous() ? tensor : tensor.contiguous()};
+  std::vector<at::Tensor> one{contiguous_bits(tensor)};
   if (layout_.local_rank == root_local) {
     auto o = leg_options<c10d::BroadcastOptions>(timeout_);
     o.rootRank = root_host;
@@ -210,7 +210,7 @@ void Hierarchy::broadcast(at::Tensor& tensor, int root) {
     o.rootRank = root_local;
     finish(intra_->broadcast(one, o));
   }
-  if (!one[0].is_same(tensor)) tensor.copy_(one[0]);
+  if (!one[0].is_same(tensor)) copy_bits(tensor, one[0]);
 }
 
 void Hierarchy::barrier() {

@@ -33,7 +33,7 @@ void check_p2p_tensor(const at::Tensor& t, const char* what) {
 P2pWork::Item post_send(Communicator& comm, const at::Tensor& tensor, int dst, int64_t tag) {
   check_p2p_tensor(tensor, "send");
   // CUDA tensors travel through host memory (Note [host p2p of cuda tensors]).
-  at::Tensor data = tensor.is_cuda() ? tensor.contiguous().to(at::kCPU) : tensor.contiguous();
+  at::Tensor data = tensor.is_cuda() ? contiguous_bits(tensor).to(at::kCPU) : contiguous_bits(tensor);
   HostP2p::Handle request;
   translate_errors([&] {
     request = comm.host_p2p().isend(data.data_ptr(), static_cast<size_t>(data.numel()) * data.element_size(),
@@ -66,7 +66,7 @@ void P2pWork::finish() {
   if (finished_) return;
   finished_ = true;
   for (Item& item : items_) {
-    if (item.staging.defined()) item.tensor.copy_(item.staging);
+    if (item.staging.defined()) copy_bits(item.tensor, item.staging);
   }
 }
 

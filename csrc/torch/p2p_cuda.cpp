@@ -135,7 +135,7 @@ c10::intrusive_ptr<c10d::Work> post_cuda_p2p(const std::shared_ptr<Communicator>
     if (o.tensor.is_contiguous()) {
       buffers.push_back(o.tensor);
     } else {
-      buffers.push_back(sending ? o.tensor.contiguous() : at::empty(o.tensor.sizes(), o.tensor.options()));
+      buffers.push_back(sending ? contiguous_bits(o.tensor) : at::empty(o.tensor.sizes(), o.tensor.options()));
     }
   }
   StreamEvent start(device);
@@ -158,7 +158,7 @@ c10::intrusive_ptr<c10d::Work> post_cuda_p2p(const std::shared_ptr<Communicator>
         buffer.record_stream(recv_stream);
         if (!buffer.is_same(o.tensor)) {
           c10::cuda::CUDAStreamGuard on_recv(recv_stream);
-          const_cast<at::Tensor&>(o.tensor).copy_(buffer);
+          copy_bits(o.tensor, buffer);
           o.tensor.record_stream(recv_stream);
         }
         source = o.peer;

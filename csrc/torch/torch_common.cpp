@@ -118,12 +118,12 @@ void all_reduce_out(Communicator& comm, at::Tensor& out, const at::Tensor& in, R
   const DataType dtype = reducible_type(in, what);
 #if defined(COMMLIB_TORCH_CUDA)
   if (in.device().is_cuda()) {  // GPU: no native out-of-place path; copy, then reduce in place
-    if (!out.is_same(in)) out.copy_(in);
+    if (!out.is_same(in)) copy_bits(out, in);
     return all_reduce_cuda(comm, out, op, algo);
   }
 #endif
   require_cpu(in, what);
-  const at::Tensor src = in.contiguous();
+  const at::Tensor src = contiguous_bits(in);
   comm.all_reduce_host(src.data_ptr(), out.data_ptr(), static_cast<size_t>(out.numel()), dtype, op, algo);
 }
 
@@ -139,7 +139,7 @@ void reduce_scatter(Communicator& comm, at::Tensor& out, const at::Tensor& in, R
 #endif
   require_cpu(in, what);
   check_world_multiple(what, "input", in, "output", out, comm.world_size());
-  const at::Tensor src = in.contiguous();
+  const at::Tensor src = contiguous_bits(in);
   record_host_exchange(comm, CollectiveOp::kReduceScatter, nbytes(src), src);
   with_contiguous(out, [&](at::Tensor& c) {
     comm.reduce_scatter_host(c.data_ptr(), src.data_ptr(), static_cast<size_t>(c.numel()), dtype, op);
@@ -158,7 +158,7 @@ void all_gather(Communicator& comm, at::Tensor& out, const at::Tensor& in) {
 #endif
   require_cpu(in, what);
   check_world_multiple(what, "output", out, "input", in, comm.world_size());
-  const at::Tensor src = in.contiguous();
+  const at::Tensor src = contiguous_bits(in);
   record_host_exchange(comm, CollectiveOp::kAllGather, nbytes(out), src);
   with_contiguous(out, [&](at::Tensor& c) { comm.all_gather_host(c.data_ptr(), src.data_ptr(), nbytes(src)); });
 }
@@ -237,7 +237,7 @@ void all_to_all_v(Communicator& comm, at::Tensor& out, const at::Tensor& in, con
   }
 #endif
   require_cpu(in, what);
-  const at::Tensor src = in.contiguous();
+  const at::Tensor src = contiguous_bits(in);
   record_host_exchange(comm, CollectiveOp::kAllToAll, nbytes(src), src);
   with_contiguous(out, [&](at::Tensor& c) { comm.all_to_all_v_host(c.data_ptr(), src.data_ptr(), in_bytes, out_bytes); });
 }

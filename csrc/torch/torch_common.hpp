@@ -31,6 +31,22 @@ void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* wha
 void check_world_multiple(const char* what, const char* whole_name, const at::Tensor& whole, const char* part_name,
                           const at::Tensor& part, int world_size);
 
+// Note [bool bytes]
+// A bool sum keeps the sum of the bytes (2 where two trues met), as gloo's and NCCL's do, and
+// commlib's reductions give those bytes on every path. torch's bool copies (copy_, contiguous,
+// clone, index_copy_) turn each nonzero byte into 1, so the torch layer moves a bool tensor's
+// results, and the inputs it stages, as their bytes: a strided or staged path then gives the bytes
+// of the contiguous one.
+
+// A bool tensor as its bytes (uint8, same strides), any other as it is (Note [bool bytes]).
+inline at::Tensor bytes_of(const at::Tensor& t) { return t.scalar_type() == at::kBool ? t.view(at::kByte) : t; }
+// dst.copy_(src) that keeps a bool tensor's bytes (Note [bool bytes]).
+inline void copy_bits(const at::Tensor& dst, const at::Tensor& src) { bytes_of(dst).copy_(bytes_of(src)); }
+// t.contiguous() that keeps a bool tensor's bytes (Note [bool bytes]).
+inline at::Tensor contiguous_bits(const at::Tensor& t) {
+  return t.is_contiguous() || t.scalar_type() != at::kBool ? t.contiguous() : bytes_of(t).contiguous().view(at::kBool);
+}
+
 // Runs `body` on a contiguous view of `t` and copies back when `t` was not contiguous.
 template <typename F>
 void with_contiguous(at::Tensor& t, F&& body) {
@@ -38,9 +54,9 @@ void with_contiguous(at::Tensor& t, F&& body) {
     body(t);
     return;
   }
-  at::Tensor work = t.contiguous();
+  at::Tensor work = contiguous_bits(t);
   body(work);
-  t.copy_(work);
+  copy_bits(t, work);
 }
 
 // The commlib.errors class of a communication error: CommTimeoutError, PeerError or CommError.

@@ -187,6 +187,30 @@ def test_fuzz_backend(ranks, world_size):
     run_cases(lambda: ranks(world_size), _batch, strategy, count, f"backend-valid-{world_size}")
 
 
+# Cases the fuzzing found, shrunk, kept as regular ones; beside each, the views of the same op that
+# take the same path.
+FOUND = [
+    # a strided bool sum came back through torch's bool copy, which turns the byte 2 of two trues
+    # into 1 (Note [bool bytes] in csrc/torch/torch_common.hpp)
+    {"op": "all_reduce", "dtype": "bool", "reduce": "SUM", "shape": (2,), "in_layout": "strided",
+     "out_layout": "contiguous", "root": 0, "salt": 0},
+    {"op": "all_reduce", "dtype": "bool", "reduce": "SUM", "shape": (5, 7), "in_layout": "transposed",
+     "out_layout": "contiguous", "root": 0, "salt": 3},
+    {"op": "reduce_scatter_tensor", "dtype": "bool", "reduce": "SUM", "shape": (9,), "in_layout": "strided",
+     "out_layout": "padded", "root": 0, "salt": 5},
+    {"op": "reduce_scatter_tensor", "dtype": "bool", "reduce": "SUM", "shape": (4, 3), "in_layout": "offset",
+     "out_layout": "transposed", "root": 0, "salt": 6},
+    {"op": "reduce", "dtype": "bool", "reduce": "SUM", "shape": (11,), "in_layout": "strided",
+     "out_layout": "contiguous", "root": 1, "salt": 7},
+]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_found_cases(ranks, world_size):
+    per_rank = ranks(world_size).run(_batch, FOUND)
+    assert per_rank == [[]] * world_size, per_rank
+
+
 # ---- bad arguments ---------------------------------------------------------------------------------
 def bad_cases(n):
     return st.one_of(
