@@ -201,7 +201,13 @@ def merge_lag_matches_eager(pattern, dtype, device):
         results.append(state.result(dtype))
     (eager, eager_lse), (lagged, lagged_lse) = results
     assert lagged.dtype == dtype and lagged.shape == (t, h, d)
-    assert torch.equal(lagged.view(torch.uint8), eager.view(torch.uint8)), (lagged - eager).abs().max()
+    # Bit for bit, a NaN's payload aside: the poisoned empty rows of the adopted partial that no later
+    # partial covers stay as they are on the lagged path, while the eager one converts them to fp32
+    # and back, which on CUDA gives the canonical NaN.
+    nan = torch.isnan(lagged)
+    assert torch.equal(nan, torch.isnan(eager)), "NaN rows differ"
+    assert torch.equal(lagged[~nan].view(torch.uint8), eager[~nan].view(torch.uint8)), \
+        (lagged[~nan] - eager[~nan]).abs().max()
     assert torch.equal(lagged_lse, eager_lse)
 
 
