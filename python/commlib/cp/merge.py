@@ -31,16 +31,25 @@ def _merge2(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: to
 
 
 _merge_op: dict = {}
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _merge_kernel(t: torch.Tensor) -> bool:
     """Whether the fused CUDA merge (torch.ops.commlib.merge_attention_states[_]) takes ``t``."""
-    if not t.is_cuda or t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if not t.is_cuda or t.dtype not in _KERNEL_DTYPES:
         return False
     if "ok" not in _merge_op:
         from .. import _C  # noqa: F401 - loading the extension registers torch.ops.commlib
         _merge_op["ok"] = hasattr(torch.ops.commlib, "merge_attention_states_")
     return _merge_op["ok"]
+
+
+def _kernel_ready(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor], out_dtype) -> bool:
+    """Whether the fused op takes these states as they are (outs[0] is a kernel dtype on CUDA)."""
+    dt = outs[0].dtype
+    return ((out_dtype is None or out_dtype in _KERNEL_DTYPES)
+            and all(o.dtype == dt and o.dim() == 3 and o.stride(-1) == 1 for o in outs)
+            and all(x.dtype == torch.float32 and x.dim() == 2 and x.stride(-1) == 1 for x in lses))
 
 
 def merge_attention_states(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor], *,
@@ -54,6 +63,10 @@ def merge_attention_states(outs: Sequence[torch.Tensor], lses: Sequence[torch.Te
     fused kernel (``torch.ops.commlib.merge_attention_states``; Note [merge of attention states]),
     CPU tensors the same arithmetic in torch ops. Used by ring attention and usable for cascade /
     paged attention."""
+    if outs and len(outs) == len(lses) and _merge_kernel(outs[0]) and _kernel_ready(outs, lses, out_dtype):
+        # As they are (one kernel dtype, fp32 LSEs, contiguous last dims): the op checks shapes and
+        # devices with the errors below, and the call costs one launch, no Python staging.
+        return torch.ops.commlib.merge_attention_states(list(outs), list(lses), out_dtype or outs[0].dtype)
     if len(outs) == 0 or len(outs) != len(lses):
         raise ValueError(f"merge_attention_states: need as many outs as lses, at least one; got {len(outs)} "
                          f"outs and {len(lses)} lses")
