@@ -129,8 +129,9 @@ bool cuda_reducible(const c10d::ReduceOp& reduce_op, at::ScalarType type) {
 at::Tensor cat_flat(const std::vector<at::Tensor>& list) {
   std::vector<at::Tensor> flat;
   flat.reserve(list.size());
-  for (const auto& t : list) flat.push_back(t.reshape({-1}));
-  return at::cat(flat);
+  for (const auto& t : list) flat.push_back(bytes_of(t).reshape({-1}));  // Note [bool bytes]
+  at::Tensor out = at::cat(flat);
+  return list.empty() ? out : out.view(list[0].scalar_type());
 }
 
 void copy_rows(const at::Tensor& rows, std::vector<at::Tensor>& outs) {

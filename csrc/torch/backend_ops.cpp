@@ -278,9 +278,7 @@ c10::intrusive_ptr<c10d::Work> DdaBackend::scatter(std::vector<at::Tensor>& outp
       TORCH_CHECK_VALUE(inputs.size() == 1, "scatter: the root needs one input list; got ", inputs.size());
       TORCH_CHECK_TYPE(cpu_fast(inputs[0]), "scatter: the root's input list must hold dense cpu tensors");
       check_gather_list("scatter", inputs[0], out);
-      std::vector<at::Tensor> flat;
-      for (const auto& t : inputs[0]) flat.push_back(t.reshape({-1}));
-      packed = at::cat(flat);
+      packed = cat_flat(inputs[0]);
     }
     const size_t bytes = static_cast<size_t>(out.numel()) * out.element_size();
     return run_host(c10d::OpType::SCATTER, "scatter", outputs, is_root ? inputs[0] : std::vector<at::Tensor>{}, [&] {

@@ -126,7 +126,7 @@ void Hierarchy::all_reduce(at::Tensor& tensor, const c10d::ReduceOp& op) {
   // and every reduction is defined on zeros).
   const bool in_place = tensor.is_contiguous() && n % L == 0;
   at::Tensor padded = in_place ? tensor.view({-1}) : at::zeros({shard_numel * L}, tensor.options());
-  if (!in_place) copy_bits(padded.narrow(0, 0, n), tensor.reshape({-1}));
+  if (!in_place) copy_bits(padded.narrow(0, 0, n).view(tensor.sizes()), tensor);
   at::Tensor shard = L == 1 ? padded : at::empty({shard_numel}, padded.options());
   if (L > 1) {
     auto o = leg_options<c10d::ReduceScatterOptions>(timeout_);
@@ -150,7 +150,8 @@ void Hierarchy::reduce_scatter(at::Tensor& output, const at::Tensor& input, cons
   const c10d::ReduceOp legs = leg_op(op);
   // Blocks in [local index][host] order: the intra leg hands local index l the blocks of the ranks
   // with local index l, one per host, in host order (the inter leg's rank order).
-  at::Tensor arranged = input.reshape({W, n}).index_select(0, local_major_ranks(input.device())).reshape({-1});
+  at::Tensor arranged = bytes_of(input).reshape({W, n}).index_select(0, local_major_ranks(input.device()))
+                           .reshape({-1}).view(input.scalar_type());  // Note [bool bytes]
   at::Tensor mine = L == 1 ? arranged : at::empty({static_cast<int64_t>(H) * n}, arranged.options());
   if (L > 1) {
     auto o = leg_options<c10d::ReduceScatterOptions>(timeout_);

@@ -123,3 +123,59 @@ def test_cross_rank_mismatch_raises_on_every_rank(ranks):
     a dtype bound for gloo vs one for commlib: DistBackendError "ranks disagree" on every rank, group
     usable afterwards."""
     ranks(2).run(_mismatches)
+
+
+def _bool_bytes(ctx, count):
+    import torch.distributed as dist
+    n, me = ctx.world_size, ctx.rank
+
+    def of(rank, salt=0):  # bytes 0, 1 and 2 (a bool sum's true + true)
+        return torch.tensor([(rank + salt + i) % 3 for i in range(count)], dtype=torch.uint8).view(torch.bool)
+
+    def strided(fill=None):  # a view with gaps, poisoned around
+        storage = torch.full((2 * count + 1,), 7, dtype=torch.uint8).view(torch.bool)
+        view = storage[1::2]
+        if fill is not None:
+            view.view(torch.uint8).copy_(fill.view(torch.uint8))
+        return view
+
+    def same(a, b):
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+    def cat(xs):  # torch.cat of bool tensors would turn a 2 into 1
+        return torch.cat([x.view(torch.uint8) for x in xs]).view(torch.bool)
+
+    with ddacomm_world(ctx) as (world, _):
+        out = torch.empty(n * count, dtype=torch.bool)
+        dist.all_gather_into_tensor(out, strided(of(me)))
+        assert same(out, cat([of(r) for r in range(n)])), "all_gather_into_tensor"
+        outs = [strided() for _ in range(n)]
+        dist.all_gather(outs, strided(of(me)))
+        assert all(same(outs[r], of(r)) for r in range(n)), "all_gather (list)"
+        x = strided(of(me))
+        dist.broadcast(x, src=n - 1)
+        assert same(x, of(n - 1)), "broadcast"
+        x = strided()
+        dist.scatter(x, [strided(of(r, 1)) for r in range(n)] if me == 0 else None, src=0)
+        assert same(x, of(me, 1)), "scatter"
+        outs = [strided() for _ in range(n)] if me == 0 else None
+        dist.gather(strided(of(me, 2)), outs, dst=0)
+        assert me != 0 or all(same(outs[r], of(r, 2)) for r in range(n)), "gather"
+        out = torch.empty(n * count, dtype=torch.bool)
+        dist.all_to_all_single(out, cat([of(me, 3 + r) for r in range(n)]))
+        assert same(out, cat([of(r, 3 + me) for r in range(n)])), "all_to_all_single"
+        x = strided()
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, strided(of(me, 4)), (me + 1) % n),
+                                        dist.P2POp(dist.irecv, x, (me - 1) % n)])
+        for w in works:
+            w.wait()
+        assert same(x, of((me - 1) % n, 4)), "send / recv"
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bool_bytes_move_as_bytes(ranks, world_size):
+    """A bool tensor holding 2s (what a bool sum gives, as gloo's) keeps its bytes through every
+    data movement, from and into strided views (Note [bool bytes]): one round and several."""
+    for count in (5, 70001):
+        ranks(world_size).run(_bool_bytes, count)
