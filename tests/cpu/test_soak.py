@@ -63,3 +63,17 @@ def test_cycles_cpu_leave_nothing():
 def test_random_sequences_cuda(world_size):
     r = run_soak("--sequences", "60", "--world", str(world_size), "--device", "cuda", "--seed", "3", timeout=600)
     check_sequences(r, [world_size], 60)
+
+
+def test_results_sections_rewritten_in_place(tmp_path):
+    """--out rewrites its own section of the results file and keeps the others, each section set off
+    by a blank line (a rewritten first section once ran into the next header)."""
+    from commlib.perf.soak import _write_section
+    path = str(tmp_path / "soak.md")
+    _write_section(path, "A", "## A\n\nfirst\n")
+    _write_section(path, "B", "## B\n\nsecond\n")
+    _write_section(path, "A", "## A\n\nfirst, again\n")
+    text = open(path).read()
+    assert text.endswith("## A\n\nfirst, again\n\n## B\n\nsecond\n"), text
+    _write_section(path, "B", "## B\n\nsecond, again\n")
+    assert open(path).read().endswith("## A\n\nfirst, again\n\n## B\n\nsecond, again\n")

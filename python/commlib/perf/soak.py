@@ -332,7 +332,7 @@ def _write_section(path: str, title: str, body: str) -> None:
     if marker in text:
         before, rest = text.split(marker, 1)
         after = rest[rest.find("\n## "):] if "\n## " in rest else ""
-        head = before + body + after.lstrip("\n")
+        head = before + body.rstrip("\n") + ("\n\n" + after.lstrip("\n") if after else "\n")
     else:
         head = text.rstrip("\n") + "\n\n" + body
     with open(path, "w") as f:
