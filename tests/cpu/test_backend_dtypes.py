@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fuzz_cases import same_bits
 from test_backend import (ALL_DTYPES, ALL_OPS, any_values, assert_close, backend_of, ddacomm_world, exact_reference,
                           poison, refused_by_gloo)
 
@@ -139,37 +140,34 @@ def _bool_bytes(ctx, count):
             view.view(torch.uint8).copy_(fill.view(torch.uint8))
         return view
 
-    def same(a, b):
-        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-
     def cat(xs):  # torch.cat of bool tensors would turn a 2 into 1
         return torch.cat([x.view(torch.uint8) for x in xs]).view(torch.bool)
 
     with ddacomm_world(ctx) as (world, _):
         out = torch.empty(n * count, dtype=torch.bool)
         dist.all_gather_into_tensor(out, strided(of(me)))
-        assert same(out, cat([of(r) for r in range(n)])), "all_gather_into_tensor"
+        assert same_bits(out, cat([of(r) for r in range(n)])), "all_gather_into_tensor"
         outs = [strided() for _ in range(n)]
         dist.all_gather(outs, strided(of(me)))
-        assert all(same(outs[r], of(r)) for r in range(n)), "all_gather (list)"
+        assert all(same_bits(outs[r], of(r)) for r in range(n)), "all_gather (list)"
         x = strided(of(me))
         dist.broadcast(x, src=n - 1)
-        assert same(x, of(n - 1)), "broadcast"
+        assert same_bits(x, of(n - 1)), "broadcast"
         x = strided()
         dist.scatter(x, [strided(of(r, 1)) for r in range(n)] if me == 0 else None, src=0)
-        assert same(x, of(me, 1)), "scatter"
+        assert same_bits(x, of(me, 1)), "scatter"
         outs = [strided() for _ in range(n)] if me == 0 else None
         dist.gather(strided(of(me, 2)), outs, dst=0)
-        assert me != 0 or all(same(outs[r], of(r, 2)) for r in range(n)), "gather"
+        assert me != 0 or all(same_bits(outs[r], of(r, 2)) for r in range(n)), "gather"
         out = torch.empty(n * count, dtype=torch.bool)
         dist.all_to_all_single(out, cat([of(me, 3 + r) for r in range(n)]))
-        assert same(out, cat([of(r, 3 + me) for r in range(n)])), "all_to_all_single"
+        assert same_bits(out, cat([of(r, 3 + me) for r in range(n)])), "all_to_all_single"
         x = strided()
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, strided(of(me, 4)), (me + 1) % n),
                                         dist.P2POp(dist.irecv, x, (me - 1) % n)])
         for w in works:
             w.wait()
-        assert same(x, of((me - 1) % n, 4)), "send / recv"
+        assert same_bits(x, of((me - 1) % n, 4)), "send / recv"
     return True
 
 
