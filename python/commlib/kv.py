@@ -430,7 +430,7 @@ class KVAgent:
         return self._begin(peer, request_id, src_blocks, dst_blocks, layers, num_tokens, announce=True)
 
     def _begin(self, peer: str, request_id: str, src_blocks, dst_blocks, layers, num_tokens: Optional[int],
-               announce: bool) -> KVSend:
+               announce: bool, stream: Optional[int] = None) -> KVSend:
         """begin(); announce=False: the caller sends every layer at once (send), so a NIXL peer learns
         of the request from its first transfer's notification (Note [kv over nixl])."""
         if layers is None:
@@ -448,15 +448,16 @@ class KVAgent:
                                     _block_ids("dst_blocks", dst_blocks), num_tokens, layer_list, announce)
         handle = self._native.begin(str(peer), str(request_id), _block_ids("src_blocks", src_blocks),
                                     _block_ids("dst_blocks", dst_blocks), -1 if num_tokens is None else int(num_tokens),
-                                    layer_list, self._stream())
+                                    layer_list, self._stream() if stream is None else stream)
         return KVSend(self, handle, str(request_id), layer_list or list(range(self.num_layers)))
 
     def send(self, peer: str, request_id: str, src_blocks, dst_blocks, layers=None,
              num_tokens: Optional[int] = None) -> KVSend:
         """``begin`` and send every announced layer at once (one launch per run of layers)."""
-        x = self._begin(peer, request_id, src_blocks, dst_blocks, layers, num_tokens, announce=False)
+        stream = self._stream()  # one query for both calls (a few us each)
+        x = self._begin(peer, request_id, src_blocks, dst_blocks, layers, num_tokens, announce=False, stream=stream)
         if layers is None and not isinstance(x, _NixlKVSend):
-            self._native.send_layers(x._handle, 0, self.num_layers, self._stream())  # one launch
+            self._native.send_layers(x._handle, 0, self.num_layers, stream)  # one launch
         else:
             x.send_layers(x.layers)
         return x
