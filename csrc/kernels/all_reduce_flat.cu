@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(kFlatThreads) all_reduce_flat_kernel(AllReduce
   for (size_t v = begin + threadIdx.x; v < end; v += blockDim.x) {
     load_pack(in, v, p.count, in_aligned).store(mine + v * N);
   }
-  if (!device::barrier_block(p.barrier, call.call, static_cast<int>(Phase::kInputsReady))) return;
+  if (!device::barrier_block<Phase::kInputsReady>(p.barrier, call.call)) return;
   // The workspace always holds whole packs, so the reads are full width even in the tail.
   for (size_t v = begin + threadIdx.x; v < end; v += blockDim.x) {
     const Pack<T> x = reduce_pack<T, kWorldSize, kOp>(srcs, world, v, num_packs * N, true);

@@ -230,8 +230,7 @@ __device__ __forceinline__ bool tree_symmetric(const AllReduceTreeParams& p, uin
   const Chunk<T> c = chunk_at(static_cast<const T*>(p.input), static_cast<T*>(p.output), p.count, 0, p.count, world);
   // Every rank's tensor holds its input (with this, the peers'). The inputs were written by earlier
   // work, not by this kernel, so the arrival may be relaxed (Note [tree barriers]).
-  if (!device::barrier_block(p.barrier, call, static_cast<int>(Phase::kInputsReady),
-                             device::BarrierArrival::kRelaxed)) {
+  if (!device::barrier_block<Phase::kInputsReady>(p.barrier, call, device::BarrierArrival::kRelaxed)) {
     return false;
   }
   // The tensors are 16-byte aligned (checked by the launcher); the tail pack is element-exact.
@@ -242,7 +241,7 @@ __device__ __forceinline__ bool tree_symmetric(const AllReduceTreeParams& p, uin
         for (int i = 0; i < world; ++i) store_user(path, p.source.peer<T>(peer_after(rank, i, world)), v, c.count, true, x);
       });
   // The peers' reduced slices are in this tensor, and the peers are done reading it.
-  return device::barrier_block(p.barrier, call, static_cast<int>(Phase::kPeersDone));
+  return device::barrier_block<Phase::kPeersDone>(p.barrier, call);
 }
 
 template <typename T, int kWorldSize, ReduceOp kOp>
@@ -287,7 +286,7 @@ __device__ __forceinline__ bool tree_workspace(const AllReduceTreeParams& p, uin
           [&](auto, size_t v, const Pack<T>& x) { x.store(slot + (v - slice_begin) * N); });
     }
     if (c > 0) copy_out(prev, c - 1);
-    if (!device::barrier_block(p.barrier, call_c, static_cast<int>(Phase::kInputsReady))) return false;
+    if (!device::barrier_block<Phase::kInputsReady>(p.barrier, call_c)) return false;
 
     const T* mine = half_of(rank, c);
     const size_t slice_begin = static_cast<size_t>(rank) * cur.slice_packs;
@@ -304,7 +303,7 @@ __device__ __forceinline__ bool tree_workspace(const AllReduceTreeParams& p, uin
             x.store(half_of(q, c) + rank * slot_elems + (v - slice_begin) * N);  // rank q's AG slot `rank`
           }
         });
-    if (!device::barrier_block(p.barrier, call_c, static_cast<int>(Phase::kSlicesReduced))) return false;
+    if (!device::barrier_block<Phase::kSlicesReduced>(p.barrier, call_c)) return false;
     prev = cur;
   }
   copy_out(prev, g.num_chunks - 1);

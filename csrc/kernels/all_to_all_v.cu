@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(kThreads) all_to_all_v_kernel(AllToAllVParams 
     slot->offset = splits_ok ? out_off[d] : -1;
     slot->rows = splits_ok ? out_rows[d] : 0;
   }
-  if (!device::barrier_block(p.barrier, call.call, static_cast<int>(Phase::kAllToAllOffsetsPublished))) return;
+  if (!device::barrier_block<Phase::kAllToAllOffsetsPublished>(p.barrier, call.call)) return;
 
   // Phase B: this block's slice of the rows for every peer, straight into the peer's buffer.
   const size_t half = (call.call & 1) * half_bytes;
@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kThreads) all_to_all_v_kernel(AllToAllVParams 
     copy_bytes(dst + (slot.offset + lo) * p.row_bytes,
                static_cast<const char*>(p.input) + (in_off[d] + lo) * p.row_bytes, (hi - lo) * p.row_bytes);
   }
-  if (!device::barrier_block(p.barrier, call.call, static_cast<int>(Phase::kAllToAllRowsLanded))) return;
+  if (!device::barrier_block<Phase::kAllToAllRowsLanded>(p.barrier, call.call)) return;
 
   if (p.target == AllToAllVTarget::kWorkspace && splits_ok) {
     for (int s = 0; s < world; ++s) {

@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(kExchangeThreads, kExchangeMinBlocksPerSm)
     }
   }
   // The pushes of every peer's block b into this half have landed (release/acquire, system scope).
-  if (!device::barrier_block(p.barrier, call.call, static_cast<int>(Phase::kInputsReady))) return;
+  if (!device::barrier_block<Phase::kInputsReady>(p.barrier, call.call)) return;
   const uint8_t* mine = p.workspace.peer<uint8_t>(rank) + half;
   for (int i = 1; i < world; ++i) {
     const int s = exchange_peer_after(rank, i, world);

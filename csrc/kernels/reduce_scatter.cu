@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kExchangeThreads, kExchangeMinBlocksPerSm)
         [&](size_t v, const BytePack& x) { x.store(slot + v * 16); });
   }
   // Every peer's slice of block b's packs has landed in this half (release/acquire, system scope).
-  if (!device::barrier_block(p.barrier, call.call, static_cast<int>(Phase::kInputsReady))) return;
+  if (!device::barrier_block<Phase::kInputsReady>(p.barrier, call.call)) return;
   const uint8_t* mine = p.workspace.peer<uint8_t>(rank) + half;
   const T* own = in + rank * p.count;
   const bool own_aligned = (reinterpret_cast<uintptr_t>(own) & 15u) == 0;

@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   // The unicast copy-in, ordered before multicast reads of the same bytes (Note [multimem proxy fences]).
   fence_proxy_alias();
   // Publishes this block's copy-in to the peers' block b (whose multimem loads read it).
-  if (!device::barrier_block(p.barrier, call.call, static_cast<int>(Phase::kInputsReady))) return;
+  if (!device::barrier_block<Phase::kInputsReady>(p.barrier, call.call)) return;
   // The peers' copy-ins, acquired through the unicast flags, ordered before the multicast loads.
   fence_proxy_alias();
 
@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   // accesses to the same bytes (Note [multimem proxy fences]).
   fence_proxy_alias();
   device::fence_acq_rel_sys();
-  if (!device::barrier_block(p.barrier, call.call, static_cast<int>(Phase::kRowsPushed))) return;
+  if (!device::barrier_block<Phase::kRowsPushed>(p.barrier, call.call)) return;
   // What the peers' multimem stores wrote, ordered before this rank's unicast reads of it.
   fence_proxy_alias();
 

@@ -529,10 +529,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     // The previous chunk's gather runs while this chunk's pushes are in flight (other half).
     if (k > 0) phase_c(chunk_at(k - 1), half_of(call_k - 1));
     // Publishes this block's pushes to the peers' block b; acquires the rows they pushed here.
-    if (!device::barrier_block(p.barrier, call_k, static_cast<int>(Phase::kInputsReady))) return;
+    if (!device::barrier_block<Phase::kInputsReady>(p.barrier, call_k)) return;
     phase_b(cur, half_of(call_k));
     // Publishes this block's pushed rows to the peers' block b; acquires the rows they pushed here.
-    if (!device::barrier_block(p.barrier, call_k, static_cast<int>(Phase::kRowsPushed))) return;
+    if (!device::barrier_block<Phase::kRowsPushed>(p.barrier, call_k)) return;
   }
   const int last = sched.num_chunks - 1;
   phase_c(chunk_at(last), half_of(call.call + static_cast<uint64_t>(last)));

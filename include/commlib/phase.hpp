@@ -7,11 +7,15 @@
 namespace commlib {
 
 enum class Phase : int {
-  // Barrier phases (all-reduce, fused all-reduce + RMSNorm barrier and multimem kernels).
+  // Barrier phases (all-reduce, reduce_scatter, the push exchange, all_to_all_v, fused all-reduce +
+  // RMSNorm barrier and multimem kernels): below kBarrierPhasesPerCall (device::barrier_block
+  // checks at compile time).
   kInputsReady = 0,     // inputs copied in or pushed to the peers
   kSlicesReduced = 1,   // tree: reduced slices written, before the gather
   kRowsPushed = 1,      // fused: normalised (or residual) rows pushed, before the gather
   kPeersDone = 2,       // peers done reading (end of a call)
+  kAllToAllOffsetsPublished = 6,  // all_to_all_v: receive offsets written into the peers
+  kAllToAllRowsLanded = 7,        // all_to_all_v: rows pushed
   // Line and flag waits.
   kLLData = 3,          // LL all-reduce: data lines from the peer
   kFusedLLInputs = 4,   // fused LL: x rows from the peer (the owner waits)
@@ -19,8 +23,6 @@ enum class Phase : int {
   kDispatchLanded = 16, // EP dispatch: tokens landed
   kCombineLanded = 17,  // EP combine: partials landed
   kDispatchMeta = 18,   // EP dispatch: routing counts landed
-  kAllToAllOffsetsPublished = 20,
-  kAllToAllRowsLanded = 21,
 };
 
 inline const char* phase_name(int phase) {

@@ -389,6 +389,45 @@ def test_device_wait_times_out_with_a_clear_error(ranks, which, kernels):
     assert all(ranks(2, env=KERNELS[kernels]).run(_timeout, which, timeout=120))
 
 
+def _after_all_to_all_v(ctx, late_rank):
+    """all_to_all_v (host splits, through the workspace), then barrier kernels of every kind, with
+    one rank arriving late at each: every call's barrier must wait for that rank's pushes, not take
+    a flag value left by all_to_all_v (whose phases once lay beyond the next calls' values, so the
+    next all_gather read the late peer's block before it was pushed)."""
+    import time
+    dev = torch.device("cuda", ctx.device)
+    comm, n, r = ctx.comm, ctx.world_size, ctx.rank
+    count = 300_007  # above the LL limit: the push exchange and the flat kernels, through the workspace
+    for i in range(3):
+        rows = [(s + d + i) % 4 + 1 for d in range(n) for s in range(n)]  # rows[s * n + d]: s sends d
+        ins, outs = [rows[r * n + d] for d in range(n)], [rows[s * n + r] for s in range(n)]
+        x = torch.cat([torch.full((ins[d], 3), float(r * 100 + d), device=dev) for d in range(n)])
+        out = torch.full((sum(outs), 3), float("nan"), device=dev)
+        comm.all_to_all_v(out, x, outs, ins)
+        same_bytes(out, torch.cat([torch.full((outs[s], 3), float(s * 100 + r)) for s in range(n)]),
+                   f"all_to_all_v {i}")
+        for which in ("all_gather", "reduce_scatter", "all_reduce_flat", "all_reduce_tree"):
+            salt = 97 * i + len(which)
+            if r == late_rank:
+                torch.cuda.synchronize()
+                time.sleep(0.05)  # the peers' kernels reach the barrier first
+            if which == "all_gather":
+                _all_gather_case(ctx, comm, count, torch.float16, pad=1, salt=salt)
+            elif which == "reduce_scatter":
+                _reduce_scatter_case(ctx, comm, count, torch.bfloat16, "sum", pad=1, salt=salt)
+            else:
+                inputs = [rank_input(q, count, torch.bfloat16, salt) for q in range(n)]
+                got = comm.all_reduce(inputs[r].to(dev), "sum", which.split("_")[-1])
+                same_bytes(got, ordered_reference(inputs, "sum", n), f"{which} after all_to_all_v")
+            comm.all_to_all_v(out, x, outs, ins)  # before every call: its flags are the newest
+    return True
+
+
+@pytest.mark.parametrize("late_rank", [0, 1])
+def test_barrier_calls_after_all_to_all_v(ranks, late_rank):
+    assert all(ranks(2).run(_after_all_to_all_v, late_rank))
+
+
 def _few_sizes(ctx):
     for dtype in FLOATS.values():
         for count in (1, 9, 4097, 60_001):

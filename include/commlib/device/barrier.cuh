@@ -28,6 +28,7 @@
 #include <cstdint>
 
 #include "commlib/device/ptx.cuh"
+#include "commlib/phase.hpp"
 #include "commlib/symmetric_buffer.hpp"
 
 namespace commlib::device {
@@ -113,10 +114,19 @@ enum class BarrierArrival {
              // side still acquires, so what the peer published before its arrival stays ordered)
 };
 
-// Block-wide barrier with the same block index on every peer (Note [flag barrier]).
-// Returns false on every thread of the block if a wait timed out (the caller must return).
-__device__ __forceinline__ bool barrier_block(const BarrierDevice& bar, uint64_t call, int phase,
+// Block-wide barrier with the same block index on every peer (Note [flag barrier]), at phase
+// kPhase of the call. Returns false on every thread of the block if a wait timed out (the caller
+// must return).
+template <Phase kPhase>
+__device__ __forceinline__ bool barrier_block(const BarrierDevice& bar, uint64_t call,
                                               BarrierArrival arrival = BarrierArrival::kRelease) {
+  // The flag carries call * kBarrierPhasesPerCall + phase + 1: a phase at or above
+  // kBarrierPhasesPerCall would store a value of a later call, whose wait it would then satisfy
+  // before that call's peers arrive (all_to_all_v's phases once did: the next all_gather read a
+  // peer's workspace before the peer pushed).
+  static_assert(static_cast<int>(kPhase) >= 0 && static_cast<int>(kPhase) < kBarrierPhasesPerCall,
+                "a barrier phase must be below kBarrierPhasesPerCall (Note [flag barrier])");
+  constexpr int phase = static_cast<int>(kPhase);
   // This block's writes happen-before the release below (CTA scope, then cumulative). A relaxed
   // arrival publishes nothing, so its thread need not wait for the rest of the block.
   if (arrival == BarrierArrival::kRelease) __syncthreads();
