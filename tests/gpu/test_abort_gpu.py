@@ -15,17 +15,17 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-def _device_wait_aborted(ctx):
+def _device_wait_aborted(ctx, count):
     import commlib
     torch.cuda.set_device(ctx.device)
     dev = torch.device("cuda", ctx.device)
     comm = ctx.new_comm("gpu-abort", timeout=timedelta(seconds=60))
-    x = torch.randn(1 << 16, dtype=torch.bfloat16, device=dev)
+    x = torch.randn(count, dtype=torch.bfloat16, device=dev)
     comm.all_reduce_(x)  # GPU state set up on every rank
     torch.cuda.synchronize()
     comm.barrier()
     if ctx.rank == 1:  # never joins the next all-reduce
-        ctx.store.wait(["gpu-abort-done"], timedelta(seconds=120))
+        ctx.store.wait([f"gpu-abort-done-{count}"], timedelta(seconds=120))
         comm.close()
         return None
     comm.all_reduce_(x)  # enqueued: its kernel waits on the device for rank 1
@@ -44,13 +44,15 @@ def _device_wait_aborted(ctx):
     with pytest.raises(commlib.PeerError, match="aborted"):
         comm.all_reduce_(x)
     comm.close()
-    ctx.store.set("gpu-abort-done", "1")
+    ctx.store.set(f"gpu-abort-done-{count}", "1")
     return state, freed - aborted_at["t"]
 
 
+# 128 KiB: the LL kernel's line waits (ll_wait_all); 4 MiB: a flag barrier (wait_flag).
+@pytest.mark.parametrize("count", [1 << 16, 1 << 21])
 @pytest.mark.parametrize("world_size", [2])
-def test_abort_ends_a_device_wait(ranks, world_size):
-    state, latency = ranks(world_size).run(_device_wait_aborted, timeout=180)[0]
+def test_abort_ends_a_device_wait(ranks, world_size, count):
+    state, latency = ranks(world_size).run(_device_wait_aborted, count, timeout=180)[0]
     # The device wait ended because of the abort, long before the 60 s timeout.
     assert state == "aborted" and latency < 30, (state, latency)
 

@@ -28,8 +28,9 @@ __device__ __forceinline__ uint4 ll_payload(const uint4& lo, const uint4& hi) { 
 // Waits until the two lines at src[u] carry `flag`, for every u with src[u] != nullptr, polling
 // all of them at once (one round trip when they have all landed, not one per pack), and leaves
 // them in lo[u], hi[u] (ll_payload). Entries without a source read as zeros. On timeout it records
-// (rank, the peer of a missing entry, phase) in the error word and sets `failed`; a thread that has
-// failed does not wait again (its lines are then garbage, never pushed).
+// (rank, the peer of a missing entry, phase) in the error word and sets `failed`; so it does when
+// the state is poisoned meanwhile (another wait's timeout, or abort()), without a record. A thread
+// that has failed does not wait again (its lines are then garbage, never pushed).
 template <int kN>
 __device__ __forceinline__ void ll_wait_all(const uint4* const (&src)[kN], const int (&peer)[kN], uint4 (&lo)[kN],
                                             uint4 (&hi)[kN], uint32_t flag, const BarrierDevice& bar, int phase,
@@ -49,6 +50,7 @@ __device__ __forceinline__ void ll_wait_all(const uint4* const (&src)[kN], const
   }
   if (pending == 0) return;
   const uint64_t start = globaltimer_ns();
+  uint32_t spins = 0;
   while (true) {
 #pragma unroll
     for (int u = 0; u < kN; ++u) {
@@ -62,6 +64,12 @@ __device__ __forceinline__ void ll_wait_all(const uint4* const (&src)[kN], const
       if (((pending >> u) & 1u) && ll_ready(lo[u], hi[u], flag)) pending &= ~(1u << u);
     }
     if (pending == 0) return;
+    // Another wait of this rank failed, or abort() poisoned the state: give up at once, as
+    // wait_flag does (Note [flag barrier]), instead of polling until this wait's own timeout.
+    if ((++spins & 63u) == 0u && ld_volatile_u32(&bar.state->poisoned) != 0) {
+      failed = 1;
+      return;
+    }
     const uint64_t elapsed = globaltimer_ns() - start;
     if (elapsed > bar.timeout_ns) {
       int who = -1;
