@@ -6,7 +6,7 @@
 // b reads calls[b] at kernel start with call_begin and advances it with call_end, block 0 also
 // advancing the counts of the indices the grid does not use, so every count is the same again when
 // the kernel ends: no atomic, no fence, nothing shared between the blocks) and up to
-// kBarrierPhasesPerCall barrier phases. At phase p, block b of rank r stores
+// kBarrierPhasesPerCall barrier phases (0 .. kBarrierPhasesPerCall - 1). At phase p, block b of rank r stores
 // call * kBarrierPhasesPerCall + p + 1 into flags[b][r] of every peer (release, system scope:
 // publishes every write this block made before the barrier), then waits until its own
 // flags[b][q] reaches that value for every peer q (acquire, system scope: makes the peers'
@@ -122,8 +122,7 @@ __device__ __forceinline__ bool barrier_block(const BarrierDevice& bar, uint64_t
                                               BarrierArrival arrival = BarrierArrival::kRelease) {
   // The flag carries call * kBarrierPhasesPerCall + phase + 1: a phase at or above
   // kBarrierPhasesPerCall would store a value of a later call, whose wait it would then satisfy
-  // before that call's peers arrive (all_to_all_v's phases once did: the next all_gather read a
-  // peer's workspace before the peer pushed).
+  // before that call's peers arrive (the next kernel would read a peer's data before it was pushed).
   static_assert(static_cast<int>(kPhase) >= 0 && static_cast<int>(kPhase) < kBarrierPhasesPerCall,
                 "a barrier phase must be below kBarrierPhasesPerCall (Note [flag barrier])");
   constexpr int phase = static_cast<int>(kPhase);
