@@ -199,6 +199,8 @@ def _row_worker(rank: int, world_size: int, store, opts, rows, run_id: str) -> L
             result.update(case=case, block_bytes=block_bytes, blocks=blocks, layers=layers, ctas=ctas,
                           bytes=blocks * block_bytes * 2 * layers)
             results.append(result)
+            # Each row as it is measured (the table follows at the end): a run cut short keeps what it measured.
+            print("# measured:" + _table([result], cpu)[1], flush=True)
         store.add(f"{tag}/row", 1)
         while int(store.add(f"{tag}/row", 0)) < world_size:
             time.sleep(0.001)
