@@ -402,10 +402,10 @@ def _after_all_to_all_v(ctx, late_rank):
         rows = [(s + d + i) % 4 + 1 for d in range(n) for s in range(n)]  # rows[s * n + d]: s sends d
         ins, outs = [rows[r * n + d] for d in range(n)], [rows[s * n + r] for s in range(n)]
         x = torch.cat([torch.full((ins[d], 3), float(r * 100 + d), device=dev) for d in range(n)])
+        want = torch.cat([torch.full((outs[s], 3), float(s * 100 + r)) for s in range(n)])
         out = torch.full((sum(outs), 3), float("nan"), device=dev)
         comm.all_to_all_v(out, x, outs, ins)
-        same_bytes(out, torch.cat([torch.full((outs[s], 3), float(s * 100 + r)) for s in range(n)]),
-                   f"all_to_all_v {i}")
+        same_bytes(out, want, f"all_to_all_v {i}")
         for which in ("all_gather", "reduce_scatter", "all_reduce_flat", "all_reduce_tree"):
             salt = 97 * i + len(which)
             if r == late_rank:
@@ -419,7 +419,9 @@ def _after_all_to_all_v(ctx, late_rank):
                 inputs = [rank_input(q, count, torch.bfloat16, salt) for q in range(n)]
                 got = comm.all_reduce(inputs[r].to(dev), "sum", which.split("_")[-1])
                 same_bytes(got, ordered_reference(inputs, "sum", n), f"{which} after all_to_all_v")
-            comm.all_to_all_v(out, x, outs, ins)  # before every call: its flags are the newest
+            out.fill_(float("nan"))
+            comm.all_to_all_v(out, x, outs, ins)  # so the next barrier call follows one too
+            same_bytes(out, want, f"all_to_all_v after {which}")
     return True
 
 
