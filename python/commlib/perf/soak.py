@@ -123,6 +123,8 @@ def _one_step(comm, rank: int, n: int, step: int, rng: random.Random, device: to
         ok = True
     else:  # fused all-reduce + residual + RMSNorm, replicated residual
         tokens, hidden = rng.choice(((1, 64), (3, 96), (17, 128)))
+        if device.type == "cuda" and dtype == torch.float32:
+            dtype = torch.bfloat16  # the CUDA fused kernels take bf16 / fp16 (no new draw: ranks stay in step)
         xs = [_input(r, step, tokens * hidden, dtype).view(tokens, hidden) for r in range(n)]
         residual = _input(n + 1, step, tokens * hidden, dtype).view(tokens, hidden)
         weight = _input(n + 2, step, hidden, dtype)
@@ -359,9 +361,9 @@ def main(argv=None) -> int:
             ops = ", ".join(f"{k} {v}" for k, v in sorted(r["ops"].items()))
             lines.append(f"| {n} | {r['steps']} | {r['seconds']:.1f} | {ops} | every result checked: bitwise, the fused op within rounding |")
             print(lines[-1], flush=True)
-        if args.out:
-            _write_section(args.out, f"Random op sequences ({args.device})", _section(
-                f"Random op sequences ({args.device})", command, lines))
+            if args.out:  # after each world size: a run stopped by a time limit keeps what it measured
+                _write_section(args.out, f"Random op sequences ({args.device})", _section(
+                    f"Random op sequences ({args.device})", command, lines))
     if args.cycles:
         lines = ["| world | cycles | seconds | /dev/shm segments | fds | RSS KiB | GPU bytes |",
                  "| ---: | ---: | ---: | --- | --- | --- | --- |"]
@@ -374,9 +376,9 @@ def main(argv=None) -> int:
             lines.append(f"| {n} | {r['cycles']} | {r['seconds']:.1f} | {b['shm']} → {a['shm']} | {b['fds']} → "
                          f"{a['fds']} | {b['rss_kib']} → {a['rss_kib']} | {g0} → {g1} |")
             print(lines[-1], flush=True)
-        if args.out:
-            _write_section(args.out, f"Create / use / destroy cycles ({args.device})", _section(
-                f"Create / use / destroy cycles ({args.device})", command, lines))
+            if args.out:
+                _write_section(args.out, f"Create / use / destroy cycles ({args.device})", _section(
+                    f"Create / use / destroy cycles ({args.device})", command, lines))
         if leaked:
             print("soak: something grew over the cycles (table above)", file=sys.stderr)
             return 1
@@ -388,8 +390,8 @@ def main(argv=None) -> int:
             for name, done, secs in spawn(_replays_worker, n, args.replays, args.check_every):
                 lines.append(f"| {n} | {name} | {done} | {secs:.1f} |")
                 print(lines[-1], flush=True)
-        if args.out:
-            _write_section(args.out, "CUDA-graph replays", _section("CUDA-graph replays", command, lines))
+            if args.out:
+                _write_section(args.out, "CUDA-graph replays", _section("CUDA-graph replays", command, lines))
     return 0
 
 
