@@ -16,7 +16,7 @@ Check: against the default attention call on the whole sequence computed on this
 1-GPU result), |difference| <= 16 eps of the dtype (both round partial outputs differently).
 
 ``python -m commlib.perf.ops_cp [--seqlens 8192,32768] [--modes pass_kv,pass_q,pass_q_a2a]
-[--iters N] [--emulate 2,4,8]`` (under torchrun, or alone for world 1) prints rows: sequence length,
+[--iters N] [--emulate 2,4,8] [--out bench/results/cp.md]`` (under torchrun, or alone for world 1) prints rows: sequence length,
 mode, time, the 1-GPU baseline (the fastest attention PyTorch offers here on the whole sequence
 on one device, ``best_attention``: cuDNN, FlashAttention or efficient attention on CUDA) and the
 scaling efficiency baseline / (N x time); at world 1 the difference between time and baseline is
@@ -31,12 +31,15 @@ a P-token cache, round-robin) in pass-KV, pass-Q (streamed return) and pass-Q (p
 all-to-all), and prints which mode ``select_mode`` picks, which was fastest, and how often the pick
 was the fastest (the issue's criterion: >= 90 % of the grid). ``--merge T1,T2`` times
 merge_attention_states of two partials: the fused CUDA kernel against the same arithmetic in torch
-ops, with the bytes it moves per second.
+ops, with the bytes it moves per second. ``--out FILE`` rewrites FILE with what rank 0 printed,
+under the machine, commit, date and command of the run.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import io
 import os
 import sys
 import time
@@ -48,6 +51,7 @@ import torch.distributed as dist
 from .. import cp
 from . import registry
 from .registry import Buffers, Case, Collective, Unsupported
+from .report import machine_description, now_utc, software_description, source_commit
 from .rows import _int_list
 
 NAME = "ring_attention"
@@ -406,7 +410,48 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--emulate", type=_int_list, default=None, metavar="N1,N2,...",
                    help="world 1: per-step cost of a pass-KV ring on N ranks (attention per step vs the "
                         "K/V block's transfer at the tuned BW)")
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="rewrite FILE (e.g. bench/results/cp.md) with the tables rank 0 prints")
     opts = p.parse_args(argv)
+    if not opts.out:
+        return _run(opts, p)
+    printed = _Tee(sys.stdout)
+    with contextlib.redirect_stdout(printed):
+        rc = _run(opts, p)
+    if int(os.environ.get("RANK", 0)) == 0:
+        device_type = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        command = "python -m commlib.perf.ops_cp " + " ".join(argv if argv is not None else sys.argv[1:])
+        text = "\n".join([
+            "# ring_attention: context-parallel causal prefill (commlib.perf.ops_cp)", "",
+            f"- machine: {machine_description(device_type)}; {software_description(device_type)}",
+            f"- commit: {source_commit()}", f"- date: {now_utc()}", f"- command: `{command}`",
+            "- columns: the module docstring of commlib/perf/ops_cp.py; the 1-GPU baseline is the fastest "
+            "causal attention PyTorch offers on the machine (`best_attention`)", "",
+            "Regenerate: run the command above (it rewrites this file).", "", "```",
+            printed.getvalue().rstrip("\n"), "```", ""])
+        os.makedirs(os.path.dirname(os.path.abspath(opts.out)), exist_ok=True)
+        with open(opts.out, "w") as f:
+            f.write(text)
+        print(f"# wrote {opts.out}", flush=True)
+    return rc
+
+
+class _Tee(io.StringIO):
+    """Keeps what is printed and passes it on (a long run shows its rows as they come)."""
+
+    def __init__(self, through):
+        super().__init__()
+        self._through = through
+
+    def write(self, text: str) -> int:
+        self._through.write(text)
+        return super().write(text)
+
+    def flush(self) -> None:
+        self._through.flush()
+
+
+def _run(opts, p: argparse.ArgumentParser) -> int:
     modes = [m for m in opts.modes.split(",") if m]
     for m in modes:
         if m not in CP_MODES:
