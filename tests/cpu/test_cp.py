@@ -585,9 +585,32 @@ def test_perf_grid_and_scaling_rows(ranks, world_size):
     assert all(r["time_ms"] > 0 and r["efficiency"] > 0 for r in scaling)
 
 
-def test_perf_ops_cp_cli_world1():
-    """python -m commlib.perf.ops_cp at world 1 on CPU with the grid and the PyTorch baseline: the
-    tables print; the baseline reports why it does not run where it does not (CPU SDPA has no CP)."""
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_emulated_ring_is_the_ring(n):
+    """ops_cp --emulate runs each rank's real ring steps on one device: rank r's result after its N
+    steps is the fp64 causal attention of r's query rows over the whole sequence, for every rank."""
+    from commlib.perf import ops_cp
+    length, (h, hkv, d) = 8 * n + 5, (4, 2, 16)
+    q, k, v = ops_cp._sequence(length, h, hkv, d, torch.float32, 3)
+    dev = torch.device("cpu")
+    plan = cp.plan._plan([length], [[0]] * n, n, "balanced", True, dev)
+    shards = [cp.shard([0, length], n, r) for r in range(n)]
+    blocks = [(q[s.index], k[s.index], v[s.index]) for s in shards]
+    want, want_lse = reference(q, k, v, [length], [k[:0]], [v[:0]], True, d ** -0.5)
+    marks = []
+    for r in range(n):
+        out, lse = ops_cp.emulated_ring(plan, blocks, r, lambda: marks.append(r))
+        assert torch.allclose(out.double(), want[shards[r].index], atol=tol(torch.float32)), r
+        assert torch.allclose(lse.double(), want_lse[:, shards[r].index], atol=tol(torch.float32)), r
+    assert marks == [r for r in range(n) for _ in range(n)]  # one mark per step
+    rows = ops_cp.emulated_step_rows([length], [n], dev, torch.float32, 1, shape=(h, hkv, d))
+    assert [r["step"] for r in rows] == list(range(n)) and all(r["attn_ms"] > 0 for r in rows)
+
+
+def test_perf_ops_cp_cli_world1(tmp_path):
+    """python -m commlib.perf.ops_cp at world 1 on CPU with the grid, the PyTorch baseline and the
+    emulated steps: the tables print and --out writes them under the run's commit and command; the
+    baseline reports why it does not run where it does not (CPU SDPA has no CP)."""
     import os
     import subprocess
     import sys
@@ -595,9 +618,13 @@ def test_perf_ops_cp_cli_world1():
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=str(root / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-m", "commlib.perf.ops_cp", "--device", "cpu", "--seqlens", "48", "--modes",
-                        "pass_kv", "--iters", "1", "--torch-cp", "--grid", "--grid-cached", "64", "--merge", "16"],
+                        "pass_kv", "--iters", "1", "--torch-cp", "--grid", "--grid-cached", "64", "--merge", "16",
+                        "--emulate", "2", "--out", str(tmp_path / "cp.md")],
                        capture_output=True, text=True, env=env, cwd=root, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
+    written = (tmp_path / "cp.md").read_text()
+    assert "- command: `python -m commlib.perf.ops_cp --device cpu" in written and "- commit: " in written, written
+    assert "# per seqlen and N: the steps' sum against the ideal" in written, written
     assert "pass_kv" in r.stdout and "torch_cp" in r.stdout, r.stdout
     assert "select_mode picked the fastest mode in" in r.stdout and "(T, P) grid" in r.stdout, r.stdout
     rows = [line.split() for line in r.stdout.splitlines() if line.startswith("  ") and line.split()[0] in

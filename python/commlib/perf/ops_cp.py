@@ -193,14 +193,59 @@ def scaling_rows(comm, seqlens: List[int], modes: List[str], device: torch.devic
     return rows
 
 
+def _time_steps(run, steps: int, device, iters: int) -> List[float]:
+    """Per-step times (s, medians over ``iters``) of ``run(mark)``, which calls ``mark()`` after each
+    of its ``steps`` steps. On CUDA the steps are issued back to back, as a ring issues them, and
+    timed by events between the marks: a step's time is the GPU's, including any wait for the
+    host to launch it (a step whose host work outlasts its GPU work shows that), with no
+    synchronize between steps."""
+    cuda = device.type == "cuda"
+    run(lambda: None)
+    if cuda:
+        torch.cuda.synchronize(device)
+    per_step = []
+    for _ in range(iters):
+        if cuda:
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+            torch.cuda.synchronize(device)
+            marks[0].record()
+            done = iter(marks[1:])
+            run(lambda: next(done).record())
+            torch.cuda.synchronize(device)
+            per_step.append([marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(steps)])
+        else:
+            stamps = [time.perf_counter()]
+            run(lambda: stamps.append(time.perf_counter()))
+            per_step.append([stamps[i + 1] - stamps[i] for i in range(steps)])
+    return [sorted(t[i] for t in per_step)[len(per_step) // 2] for i in range(steps)]
+
+
+def emulated_ring(plan, blocks, r: int, mark=lambda: None):
+    """Rank r's steps of a pass-KV ring over ``blocks`` (every rank's (q, k, v) shard) on this one
+    device: step s attends r's queries to the block of rank (r - s) mod N, merged into one running
+    state as the ring merges them (Note [merge lag]); ``mark()`` after each step. Returns r's
+    (out, lse): the ring's result for r's queries."""
+    q = blocks[r][0]
+    n, d = len(blocks), q.shape[-1]
+    state = cp.merge._State(q.shape[0], q.shape[1], d, q.device)
+    for step in range(n):
+        src = (r - step) % n
+        cp.plan._block_attention(plan, r, src, q, blocks[src][1], blocks[src][2], cp.default_attention, d ** -0.5,
+                                 state)
+        result = state.result(q.dtype) if step == n - 1 else None
+        mark()
+    return result
+
+
 def emulated_step_rows(seqlens: List[int], world_sizes: List[int], device: torch.device, dtype: torch.dtype,
                        iters: int, shape=None) -> List[dict]:
-    """World-1 estimate of a pass-KV ring's step on N ranks: every rank's work of each step (its
-    block-pair attention and the merge into its running state, as the ring does it: step 0's
-    partial adopted, step 1 merged into a new fp32 accumulator, later steps in place, the last
-    step's merge the result's, Note [merge lag]) timed on this
-    one device (the step costs the slowest rank's), beside the K/V block's bytes and its transfer
-    time at select_mode's BW (tuned or default). ``hidden``: the transfer fits under the step."""
+    """World-1 estimate of a pass-KV ring's steps on N ranks: each rank's steps (its block-pair
+    attention against the block the ring brings at that step, merged into one running state as
+    the ring merges them, Note [merge lag], the last one into the result) issued back to back on
+    this one device as the ring issues them and timed per step (``_time_steps``); a step costs the
+    slowest rank's, beside the K/V block's bytes and its transfer time at select_mode's BW (tuned
+    or default). ``hidden``: the transfer fits under the step. The ring's own host work per step
+    (posting and waiting for the transfer) is not in it."""
     h, hkv, d = shape or (GPU_SHAPE if device.type == "cuda" else CPU_SHAPE)
     bw, _ = cp.machine_constants(device.type, 2)
     rows = []
@@ -211,32 +256,11 @@ def emulated_step_rows(seqlens: List[int], world_sizes: List[int], device: torch
             shards = [cp.shard([0, length], n, r) for r in range(n)]
             blocks = [(q[s.index.to(device)], k[s.index.to(device)], v[s.index.to(device)]) for s in shards]
             block_bytes = 2 * max(plan.kv_rows) * hkv * d * torch.tensor([], dtype=dtype).element_size()
-            for step in range(n):
-                worst = 0.0
-                for r in range(n):
-                    src = (r - step) % n
-                    qr, kb, vb = blocks[r][0], blocks[src][1], blocks[src][2]
-                    rows_r = qr.shape[0]
-                    earlier = cp.merge._State(rows_r, h, d, device)  # the state steps < step left
-                    if step > 0:
-                        earlier.merge(None, torch.randn(rows_r, h, d, device=device).to(dtype),
-                                      torch.randn(h, rows_r, device=device), owned=True)
-                    if step > 1:
-                        earlier._accumulator()
 
-                    def one():
-                        state = earlier
-                        if step <= 1:  # steps 0 and 1 start from a fresh (empty / adopted) state
-                            state = cp.merge._State(rows_r, h, d, device)
-                            if step == 1:
-                                state.merge(None, earlier.out, earlier.lse, owned=True)
-                        cp.plan._block_attention(plan, r, src, qr, kb, vb, cp.default_attention, d ** -0.5, state)
-                        # The step's merge (Note [merge lag]): the last step's is the ring's result.
-                        if step == n - 1:
-                            state.result(dtype)
-                        else:
-                            state.partial()
-                    worst = max(worst, _time(one, device, iters))
+            per_rank = [_time_steps(functools.partial(emulated_ring, plan, blocks, r), n, device, iters)
+                        for r in range(n)]
+            for step in range(n):
+                worst = max(t[step] for t in per_rank)
                 rows.append({"seqlen": length, "world": n, "step": step, "attn_ms": worst * 1e3,
                              "block_mib": block_bytes / 2**20, "transfer_ms": block_bytes / bw * 1e3,
                              "hidden": block_bytes / bw <= worst})
