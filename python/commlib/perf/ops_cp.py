@@ -21,7 +21,8 @@ mode, time, the 1-GPU baseline (the fastest attention PyTorch offers here on the
 on one device, ``best_attention``: cuDNN, FlashAttention or efficient attention on CUDA) and the
 scaling efficiency baseline / (N x time); at world 1 the difference between time and baseline is
 the ring's own per-call cost (packing, merges, the plan). ``--emulate`` adds, at world 1, each step
-of a pass-KV ring on N ranks: the slowest rank's block-pair attention and merge, timed here, beside
+of a pass-KV ring on N ranks: the slowest rank's block-pair attention and merge, timed here with
+each rank's steps issued back to back as the ring issues them (``_time_steps``), beside
 the K/V block's size and its transfer time at select_mode's BW, and per N the steps' sum against
 the ideal (the baseline / N). ``--torch-cp`` adds, per sequence length,
 PyTorch's ``torch.distributed.tensor.experimental.context_parallel`` (ring SDPA on DTensor) on the
