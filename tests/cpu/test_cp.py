@@ -585,6 +585,48 @@ def test_perf_grid_and_scaling_rows(ranks, world_size):
     assert all(r["time_ms"] > 0 and r["efficiency"] > 0 for r in scaling)
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_block_pairs_read_views_of_one_range(n):
+    """A block pair whose query or key rows are one range (one sequence) hands the attention call a
+    view of the block, not a gathered copy, and gives the same bits as the gathered rows."""
+    import dataclasses
+    length, h, hkv, d = 16 * n, 4, 2, 16
+    g = torch.Generator().manual_seed(n)
+    q, k, v = (torch.randn(length, x, d, generator=g) for x in (h, hkv, hkv))
+    plan = cp.plan._plan([length], [[0]] * n, n, "balanced", True, torch.device("cpu"))
+    shards = [cp.shard([0, length], n, r) for r in range(n)]
+    blocks = [(q[s.index], k[s.index], v[s.index]) for s in shards]
+    seen = []
+
+    def attn(qc, kc, vc, *args):
+        seen.append((qc.data_ptr(), kc.data_ptr()))
+        return cp.default_attention(qc, kc, vc, *args)
+
+    for j in range(n):
+        for i in range(n):
+            if i == j:
+                continue
+            (call,) = plan.calls(j, i)
+            assert (call.q_rows is None) != (call.k_rows is None)  # one side whole, the other one range
+            qb, kb, vb = blocks[j][0], blocks[i][1], blocks[i][2]
+            views, gathered = cp.merge._State(qb.shape[0], h, d, qb.device), cp.merge._State(qb.shape[0], h, d,
+                                                                                          qb.device)
+            seen.clear()
+            cp.plan._block_attention(plan, j, i, qb, kb, vb, attn, d ** -0.5, views)
+            rows, span = (call.q_rows, call.q_span) if call.q_rows is not None else (call.k_rows, call.k_span)
+            block = qb if call.q_rows is not None else kb
+            want_ptr = block.data_ptr() + span[0] * block.stride(0) * block.element_size()
+            assert want_ptr in seen[0], (j, i, span)
+            plan._calls[(j, i)] = [dataclasses.replace(call, q_span=None, k_span=None)]
+            try:
+                cp.plan._block_attention(plan, j, i, qb, kb, vb, attn, d ** -0.5, gathered)
+            finally:
+                plan._calls[(j, i)] = [call]
+            assert want_ptr not in seen[1]  # the gathered copy
+            for a, b in zip(views.partial(), gathered.partial()):
+                assert torch.equal(a, b), (j, i)
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_emulated_ring_is_the_ring(n):
     """ops_cp --emulate runs each rank's real ring steps on one device: rank r's result after its N

@@ -26,7 +26,9 @@ from .merge import _State
 @dataclass
 class _Call:
     """One attention call of a block pair: query rows (None: the whole block, else an index),
-    packed key rows (None: the whole block), their cu_seqlens and maxima, and the mask."""
+    packed key rows (None: the whole block), their cu_seqlens and maxima, and the mask. q_span /
+    k_span: the rows as one range (start, stop) where the index is one (a single sequence's
+    chunk), so the call reads a view of the block instead of a gathered copy."""
     q_rows: Optional[torch.Tensor]
     k_rows: Optional[torch.Tensor]
     cu_q: torch.Tensor
@@ -34,6 +36,24 @@ class _Call:
     max_q: int
     max_k: int
     causal: bool
+    q_span: Optional[tuple] = None
+    k_span: Optional[tuple] = None
+
+
+def _span(idx: List[int]) -> Optional[tuple]:
+    """(start, stop) when ``idx`` is one ascending run of rows, else None."""
+    return (idx[0], idx[-1] + 1) if idx and idx[-1] - idx[0] + 1 == len(idx) and idx == sorted(idx) else None
+
+
+def _rows(block: torch.Tensor, rows: Optional[torch.Tensor], span: Optional[tuple]) -> torch.Tensor:
+    """The rows of ``block`` one call reads: the block, a view of a range of it (when its first
+    row lies 16-byte aligned, as the attention kernels' vector loads want), or a gathered copy."""
+    if rows is None:
+        return block
+    if span is not None and block.is_contiguous() and (block.data_ptr() + span[0] * block.stride(0) *
+                                                       block.element_size()) % 16 == 0:
+        return block[span[0]:span[1]]
+    return block.index_select(0, rows)
 
 
 class _Plan:
@@ -108,7 +128,7 @@ class _Plan:
                 None if whole_q else torch.tensor(q_idx, dtype=torch.int64, device=dev),
                 None if whole_k else torch.tensor(k_idx, dtype=torch.int64, device=dev),
                 torch.tensor(cu_q, dtype=torch.int32, device=dev), torch.tensor(cu_k, dtype=torch.int32, device=dev),
-                max_q, max_k, causal))
+                max_q, max_k, causal, None if whole_q else _span(q_idx), None if whole_k else _span(k_idx)))
         return calls
 
 
@@ -134,10 +154,7 @@ def _plan(lens_q, cache, world_size, layout, causal, device) -> _Plan:
 def _block_attention(plan: _Plan, j: int, i: int, q_block, k_block, v_block, attn_fn, scale, state: _State):
     """Rank j's queries (q_block) against rank i's keys, merged into ``state``."""
     for c in plan.calls(j, i):
-        q = q_block if c.q_rows is None else q_block.index_select(0, c.q_rows)
-        if c.k_rows is None:
-            k, v = k_block, v_block
-        else:
-            k, v = k_block.index_select(0, c.k_rows), v_block.index_select(0, c.k_rows)
+        q = _rows(q_block, c.q_rows, c.q_span)
+        k, v = _rows(k_block, c.k_rows, c.k_span), _rows(v_block, c.k_rows, c.k_span)
         o, lse = attn_fn(q, k, v, c.cu_q, c.cu_k, c.max_q, c.max_k, c.causal, scale)
         state.merge(c.q_rows, o, lse, owned=True)
