@@ -646,7 +646,8 @@ def test_emulated_ring_is_the_ring(n):
         assert torch.allclose(lse.double(), want_lse[:, shards[r].index], atol=tol(torch.float32)), r
     assert marks == [r for r in range(n) for _ in range(n)]  # one mark per step
     rows = ops_cp.emulated_step_rows([length], [n], dev, torch.float32, 1, shape=(h, hkv, d))
-    assert [r["step"] for r in rows] == list(range(n)) and all(r["attn_ms"] > 0 for r in rows)
+    assert [r["step"] for r in rows] == list(range(n)) and all(r["attn_ms"] > 0 and r["attn_only_ms"] > 0
+                                                               for r in rows)
 
 
 def test_perf_ops_cp_cli_world1(tmp_path):

@@ -238,6 +238,26 @@ def emulated_ring(plan, blocks, r: int, mark=lambda: None):
     return result
 
 
+def emulated_attention(plan, blocks, r: int):
+    """The attention calls alone of rank r's ring steps, inputs gathered beforehand: returns
+    ``run(mark)`` for ``_time_steps``: the floor the attention library sets under each step."""
+    n = len(blocks)
+    q = blocks[r][0]
+    scale = q.shape[-1] ** -0.5
+    steps = []
+    for step in range(n):
+        _, kb, vb = blocks[(r - step) % n]
+        steps.append([(cp.plan._rows(q, c.q_rows, c.q_span).contiguous(), cp.plan._rows(kb, c.k_rows, c.k_span),
+                       cp.plan._rows(vb, c.k_rows, c.k_span), c) for c in plan.calls(r, (r - step) % n)])
+
+    def run(mark):
+        for calls in steps:
+            for qc, kc, vc, c in calls:
+                cp.default_attention(qc, kc, vc, c.cu_q, c.cu_k, c.max_q, c.max_k, c.causal, scale)
+            mark()
+    return run
+
+
 def emulated_step_rows(seqlens: List[int], world_sizes: List[int], device: torch.device, dtype: torch.dtype,
                        iters: int, shape=None) -> List[dict]:
     """World-1 estimate of a pass-KV ring's steps on N ranks: each rank's steps (its block-pair
@@ -246,7 +266,9 @@ def emulated_step_rows(seqlens: List[int], world_sizes: List[int], device: torch
     this one device as the ring issues them and timed per step (``_time_steps``); a step costs the
     slowest rank's, beside the K/V block's bytes and its transfer time at select_mode's BW (tuned
     or default). ``hidden``: the transfer fits under the step. The ring's own host work per step
-    (posting and waiting for the transfer) is not in it."""
+    (posting and waiting for the transfer) is not in it. ``attn_only_ms``: the same steps' attention
+    calls alone on inputs gathered beforehand (``emulated_attention``), the floor the attention
+    library sets: what the ring adds is the step time over it."""
     h, hkv, d = shape or (GPU_SHAPE if device.type == "cuda" else CPU_SHAPE)
     bw, _ = cp.machine_constants(device.type, 2)
     rows = []
@@ -260,9 +282,11 @@ def emulated_step_rows(seqlens: List[int], world_sizes: List[int], device: torch
 
             per_rank = [_time_steps(functools.partial(emulated_ring, plan, blocks, r), n, device, iters)
                         for r in range(n)]
+            floor = [_time_steps(emulated_attention(plan, blocks, r), n, device, iters) for r in range(n)]
             for step in range(n):
                 worst = max(t[step] for t in per_rank)
                 rows.append({"seqlen": length, "world": n, "step": step, "attn_ms": worst * 1e3,
+                             "attn_only_ms": max(t[step] for t in floor) * 1e3,
                              "block_mib": block_bytes / 2**20, "transfer_ms": block_bytes / bw * 1e3,
                              "hidden": block_bytes / bw <= worst})
     return rows
@@ -506,14 +530,16 @@ def _run(opts, p: argparse.ArgumentParser) -> int:
     if opts.emulate and rank == 0:
         print(f"# emulated pass-KV steps on one device ({dtype}); transfer at BW "
               f"{cp.machine_constants(device_type, 2)[0] / 1e9:.0f} GB/s")
-        print(f"# {'seqlen':>8} {'N':>3} {'step':>4} {'attn ms':>10} {'block MiB':>10} {'xfer ms':>10} hidden")
+        print(f"# {'seqlen':>8} {'N':>3} {'step':>4} {'step ms':>10} {'attn only':>10} {'block MiB':>10} "
+              f"{'xfer ms':>10} hidden")
         steps = emulated_step_rows(seqlens, opts.emulate, device, dtype, opts.iters)
         for r in steps:
-            print(f"  {r['seqlen']:>8d} {r['world']:>3d} {r['step']:>4d} {r['attn_ms']:>10.3f} {r['block_mib']:>10.2f} "
-                  f"{r['transfer_ms']:>10.3f} {'yes' if r['hidden'] else 'no'}")
+            print(f"  {r['seqlen']:>8d} {r['world']:>3d} {r['step']:>4d} {r['attn_ms']:>10.3f} {r['attn_only_ms']:>10.3f} "
+                  f"{r['block_mib']:>10.2f} {r['transfer_ms']:>10.3f} {'yes' if r['hidden'] else 'no'}")
         h_, hkv_, d_ = GPU_SHAPE if device_type == "cuda" else CPU_SHAPE
-        print("# per seqlen and N: the steps' sum against the ideal (the best 1-GPU attention / N)")
-        print(f"# {'seqlen':>8} {'N':>3} {'steps ms':>10} {'ideal ms':>10} {'ratio':>6} 1-GPU")
+        print("# per seqlen and N: the steps' sum against the ideal (the best 1-GPU attention / N); 'attn' = the "
+              "attention calls alone over the ideal, 'ring' = the steps over the attention calls alone")
+        print(f"# {'seqlen':>8} {'N':>3} {'steps ms':>10} {'ideal ms':>10} {'ratio':>6} {'attn':>6} {'ring':>6} 1-GPU")
         measured = {r["seqlen"]: (r["baseline_ms"], r["baseline"]) for r in rows}  # same shape and data
         for length in seqlens:
             if length in measured:
@@ -523,8 +549,9 @@ def _run(opts, p: argparse.ArgumentParser) -> int:
                 base_ms, base_name = best_attention(q1, k1, v1, length, device, opts.iters)
             for n in opts.emulate:
                 total = sum(r["attn_ms"] for r in steps if r["seqlen"] == length and r["world"] == n)
+                alone = sum(r["attn_only_ms"] for r in steps if r["seqlen"] == length and r["world"] == n)
                 print(f"  {length:>8d} {n:>3d} {total:>10.3f} {base_ms / n:>10.3f} {total * n / base_ms:>6.3f} "
-                      f"{base_name} {base_ms:.3f} ms")
+                      f"{alone * n / base_ms:>6.3f} {total / alone:>6.3f} {base_name} {base_ms:.3f} ms")
     merges = merge_rows(opts.merge, device, dtype, opts.iters) if opts.merge and rank == 0 else []
     if rank == 0:
         name = torch.cuda.get_device_name(device) if device_type == "cuda" else "cpu"
