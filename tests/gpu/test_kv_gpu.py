@@ -134,3 +134,25 @@ def test_killed_producer(ranks, world_size):
     ok, kind, message = pool.store.get(f"{case['tag']}/outcome").decode().split("|", 2)
     assert ok == "done" and kind == "PeerError", message
     assert "'partial'" in message and "exited before layer 1 landed" in message, message
+
+
+def test_benchmark_on_cuda():
+    """commlib-perf kv_transfer on CUDA, small: the requests land bit-exact (the benchmark checks one
+    on fresh data on the decode ranks and exits 1 on any wrong byte), and the GPU-time column comes
+    from the requests timed with their stream held (its own column, a positive time; not asserted
+    against anything)."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    result = subprocess.run([sys.executable, "-m", "commlib.perf", "kv_transfer", "--device", "cuda", "--kv-blocks",
+                             "16,200", "--kv-block-bytes", "4K", "--kv-cases", "nhd,tp1:2", "-n", "2", "-w", "1"],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [line.split() for line in result.stdout.splitlines()
+            if line.split() and line.split()[0] in ("nhd", "tp1:2")]
+    assert [(r[0], r[2]) for r in rows] == [("nhd", "16"), ("nhd", "200"), ("tp1:2", "16"), ("tp1:2", "200")], \
+        result.stdout
+    for cells in rows:
+        gpu_us, d2d = float(cells[8]), float(cells[10])
+        assert gpu_us > 0 and d2d > 0 and cells[12] == "0", cells

@@ -12,9 +12,12 @@ A request moves blocks x 2 planes (K, V) x layers.
 Columns, on prefill rank 0, medians over ``-n`` requests after ``-w`` warm-up ones:
 * post: host time of ``agent.send`` (checks, block-id staging, record writes, the launch);
 * complete: from the start of ``send`` until the sender sees every layer's flag (host polling);
-* GPU: CUDA-event time of the request's stream work (block-id upload + copy kernel);
+* GPU: CUDA-event time of the request's stream work (block-id upload + copy kernel), timed on
+  ``-n`` more requests whose stream a spin kernel holds until the host has issued them, so it is
+  the GPU's work alone (timed from before ``send``, a 1,000-block request would count its post,
+  about as long as its copy, as GPU time);
 * GB/s: request bytes / GPU time (CPU: / completion time); D2D: the same bytes as one contiguous ``cudaMemcpyAsync``
-  device-to-device on this GPU, and the ratio (the issue's target: >= 70 % at 16 KiB blocks, >= 50 %
+  device-to-device on this GPU (timed the same way), and the ratio (the issue's target: >= 70 % at 16 KiB blocks, >= 50 %
   at 4 KiB, transforms included);
 * wrong: bytes of one more request on fresh data that differ from the reference (indexing), read
   on the decode ranks;
@@ -67,6 +70,7 @@ CASES = {
 }
 HEAD_DIM = 128
 NIXL_ONE_REQUEST_DESCS = 200_000  # above: the NIXL column times one request (it takes seconds)
+GPU_HOLD_CYCLES = 4_000_000  # a spin of about 2 ms holds the stream while the host issues a request
 
 
 def _sizes(text: str) -> List[int]:
@@ -189,11 +193,11 @@ def _row_worker(rank: int, world_size: int, store, opts, rows, run_id: str) -> L
                 layout = src_layout if role == "prefill" else dst_layout
                 out = _over_nixl(store, f"{tag}-x", role, tp_rank, tp, P + D, device, caches, layout, lambda a, t: (
                     dict(_send_rows(a, f"{t}-decode", src_ids, dst_ids, opts, rank, device, caches, canon, store, t,
-                                    D), **(_layerwise(a, f"{t}-decode", src_ids, dst_ids, layers, opts)
-                                           if layers > 1 else {}))
+                                    D, gpu_requests=False),
+                         **(_layerwise(a, f"{t}-decode", src_ids, dst_ids, layers, opts) if layers > 1 else {}))
                     if role == "prefill" else
                     _receive(a, store, t, src_ids, dst_ids, canon, rank - P, P, D, bs, dst_bs, heads, head_dim, layers,
-                             src_layout, blocks, device, opts)))
+                             src_layout, blocks, device, opts, gpu_requests=False)))
                 if role == "prefill":
                     result.update(cx_post_us=out["post_us"], cx_complete_us=out["complete_us"],
                                   cx_wrong=out.get("wrong", 0),
@@ -265,28 +269,41 @@ def _over_nixl(store, tag, role, tp_rank, tp, ranks, device, caches, layout, run
             os.environ["COMMLIB_TEST_HOST_ID"] = old
 
 
-def _send_rows(agent, peer, src_ids, dst_ids, opts, rank, device, caches, canon, store, tag, D) -> dict:
+def _gpu_time_us(device, enqueue) -> tuple:
+    """(CUDA-event time in us, result) of the stream work ``enqueue()`` issues, the stream held by a spin
+    kernel (GPU_HOLD_CYCLES) until the host has issued it all: the GPU's work alone, not the host's
+    time to issue it (a 1,000-block request's post takes about as long as its copy)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(GPU_HOLD_CYCLES)
+    start.record()
+    out = enqueue()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3, out
+
+
+def _send_rows(agent, peer, src_ids, dst_ids, opts, rank, device, caches, canon, store, tag, D,
+               gpu_requests: bool = True) -> dict:
+    """Prefill rank: the timed requests (post and completion, host clocks), then on CUDA with
+    ``gpu_requests`` as many again timed on the GPU alone (``_gpu_time_us``; the decode side waits
+    for those too), then a checked request on fresh data."""
     cuda = device.type == "cuda"
     posts, completes, gpu = [], [], []
     agent.connect(peer)
     for i in range(opts.warmup + opts.iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
         t0 = time.perf_counter()
         x = agent.send(peer, f"r{i}", src_ids, dst_ids)
         t1 = time.perf_counter()
-        if cuda:
-            end.record()
         while not x.done():
             pass
         t2 = time.perf_counter()
         if i >= opts.warmup:
             posts.append((t1 - t0) * 1e6)
             completes.append((t2 - t0) * 1e6)
-            if cuda:
-                end.synchronize()
-                gpu.append(start.elapsed_time(end) * 1e3)
+    for i in range(opts.iters if cuda and gpu_requests else 0):
+        us, x = _gpu_time_us(device, lambda: agent.send(peer, f"g{i}", src_ids, dst_ids))
+        x.wait()
+        gpu.append(us)
     # The check: fresh source data, one more request, compared on the decode ranks.
     _fill_cache(caches, 7 + rank)
     agent.send(peer, "check", src_ids, dst_ids).wait()
@@ -304,23 +321,17 @@ def _d2d_us(canon, src_ids, opts, device) -> float:
     nbytes = sum(p[src_ids.long()].numel() * p.element_size() for layer in canon for p in layer)
     a = torch.empty(nbytes, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
-    times = []
-    for i in range(opts.warmup + opts.iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        b.copy_(a)
-        end.record()
-        end.synchronize()
-        if i >= opts.warmup:
-            times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    times = [_gpu_time_us(device, lambda: b.copy_(a))[0] for _ in range(opts.warmup + opts.iters)]
+    return statistics.median(times[opts.warmup:])
 
 
 def _receive(agent, store, tag, src_ids, dst_ids, canon, d_rank, P, D, bs, dst_bs, heads, head_dim, layers,
-             src_layout, blocks, device, opts) -> Optional[dict]:
+             src_layout, blocks, device, opts, gpu_requests: bool = True) -> Optional[dict]:
     """Decode rank: keeps reporting requests (freeing their records), then checks the last one."""
-    for i in range(opts.warmup + opts.iters):
-        agent.wait(f"r{i}")
+    names = [f"r{i}" for i in range(opts.warmup + opts.iters)]
+    names += [f"g{i}" for i in range(opts.iters if device.type == "cuda" and gpu_requests else 0)]
+    for name in names:
+        agent.wait(name)
     agent.wait("check")
     wrong = _wrong_bytes(canon, src_ids, dst_ids, d_rank, P, D, bs, dst_bs, heads, head_dim, layers, src_layout,
                          blocks, device, seed=7)
