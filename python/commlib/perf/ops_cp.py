@@ -149,6 +149,25 @@ def _time(fn, device, iters: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _time_interleaved(fns, device, iters: int) -> List[float]:
+    """Medians (s) of each of ``fns``, timed as ``_time`` does but in turn within every iteration,
+    so a drift of the machine (clocks, another process) over the run reaches them all alike."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for fn in fns:
+        fn()
+    sync()
+    times = [[] for _ in fns]
+    for _ in range(iters):
+        for fn, out in zip(fns, times):
+            if dist.is_initialized():
+                dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            out.append(time.perf_counter() - t0)
+    return [sorted(t)[len(t) // 2] for t in times]
+
+
 def best_attention(q, k, v, length: int, device, iters: int):
     """(ms, backend) of the fastest single-sequence causal attention PyTorch offers here: every
     backend of ``cp.default_attention`` that runs this call (on CUDA cuDNN, FlashAttention and
@@ -175,22 +194,29 @@ def best_attention(q, k, v, length: int, device, iters: int):
 def scaling_rows(comm, seqlens: List[int], modes: List[str], device: torch.device, dtype: torch.dtype,
                  iters: int, shape=None) -> List[dict]:
     """One row per (sequence length, mode): median time of ring_attention, the 1-GPU baseline (the
-    fastest attention PyTorch offers here, ``best_attention``) and the scaling efficiency.
-    ``comm``: a commlib.Communicator (rank and world from it)."""
+    fastest attention PyTorch offers here, ``best_attention``, timed in turn with the ring in the
+    same iterations: each row's own) and the scaling efficiency. ``comm``: a commlib.Communicator
+    (rank and world from it)."""
     h, hkv, d = shape or (GPU_SHAPE if device.type == "cuda" else CPU_SHAPE)
     n, rank = comm.world_size, comm.rank
     rows = []
     for length in seqlens:
         q, k, v = (t.to(device) for t in _sequence(length, h, hkv, d, dtype, 0))
-        base_ms, base_name = best_attention(q, k, v, length, device, iters)
+        _, base_name = best_attention(q, k, v, length, device, iters)
+        cu = torch.tensor([0, length], dtype=torch.int32, device=device)
+
+        def baseline():
+            cp.default_attention(q, k, v, cu, cu, length, length, True, d ** -0.5, backend=base_name)
+
         sh = cp.shard([0, length], n, rank)
         qs, ks, vs = (t[sh.index.to(device)] for t in (q, k, v))
         for name in modes:
             mode, ret = CP_MODES[name]
-            t = _time(lambda: cp.ring_attention(comm, qs, ks, vs, cu_seqlens_q=[0, length], mode=mode,
-                                                pass_q_return=ret), device, iters)
-            rows.append({"seqlen": length, "mode": name, "time_ms": t * 1e3, "baseline_ms": base_ms,
-                         "baseline": base_name, "efficiency": base_ms / (n * t * 1e3)})
+            # The baseline timed in turn with the ring, in the same iterations: the row's 1-GPU time.
+            b, t = _time_interleaved([baseline, lambda: cp.ring_attention(
+                comm, qs, ks, vs, cu_seqlens_q=[0, length], mode=mode, pass_q_return=ret)], device, iters)
+            rows.append({"seqlen": length, "mode": name, "time_ms": t * 1e3, "baseline_ms": b * 1e3,
+                         "baseline": base_name, "efficiency": b / (n * t)})
     return rows
 
 
