@@ -135,23 +135,14 @@ registry.register(Collective(name=NAME, count=lambda nbytes, esize, n: nbytes //
 # ---- the scaling table: time, 1-GPU baseline, efficiency ----
 
 def _time(fn, device, iters: int) -> float:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()
-    sync()
-    times = []
-    for _ in range(iters):
-        if dist.is_initialized():
-            dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    """Median (s) of ``iters`` calls of ``fn``, each followed by a synchronize (after a barrier of
+    the process group, if any), after one untimed call."""
+    return _time_interleaved([fn], device, iters)[0]
 
 
 def _time_interleaved(fns, device, iters: int) -> List[float]:
-    """Medians (s) of each of ``fns``, timed as ``_time`` does but in turn within every iteration,
-    so a drift of the machine (clocks, another process) over the run reaches them all alike."""
+    """Medians (s) of each of ``fns``, timed as ``_time`` times one but in turn within every
+    iteration, so a drift of the machine (clocks, another process) over the run reaches them all alike."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for fn in fns:
         fn()
