@@ -44,6 +44,7 @@ def test_random_sequences_cpu(tmp_path):
     text = out.read_text()
     assert "## Kept section\n\nuntouched" in text and "## Random op sequences (cpu)" in text
     assert "--sequences 40 --world 2,3 --seed 5" in text
+    assert text.count("| 2 | 40 |") == 1 and text.count("| 3 | 40 |") == 1, text  # rewritten per world, not appended
 
 
 def test_cycles_cpu_leave_nothing():
