@@ -207,8 +207,10 @@ class CudaKvEngine final : public KvEngine {
     DeviceGuard guard(device_);
     params.tile_counters = counters_ + static_cast<size_t>(next_context_) * kernels::kKvMaxLayers;
     next_context_ = (next_context_ + 1) % kContexts;
-    // Enough CTAs of 512 threads for 8 accesses each (the kernel's unroll), at most the budget.
-    const int64_t units = static_cast<int64_t>(params.num_dests) * params.num_planes * params.num_dst_blocks;
+    // Enough CTAs of 512 threads for 8 accesses each (the kernel's unroll), at most the budget; the
+    // launch's layers share the CTAs (Note [kv copy geometry]).
+    const int64_t units =
+        static_cast<int64_t>(params.num_dests) * params.num_planes * params.num_dst_blocks * params.num_layers;
     const int64_t vectors =
         units * params.dst.block_size * params.num_heads * (params.row_bytes / params.vector_bytes);
     params.num_ctas = static_cast<int32_t>(std::clamp<int64_t>((vectors + 4095) / 4096, 1, std::min<int64_t>(params.num_ctas, units)));

@@ -3,6 +3,8 @@
 // csrc/kernels/kv_copy_params.hpp), per-layer completion flags after the data.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "commlib/device/fast_div.cuh"
 #include "commlib/device/ptx.cuh"
 #include "kernels/kv_copy_params.hpp"
@@ -43,13 +45,17 @@ __global__ void __launch_bounds__(512) kv_copy_kernel(const KvCopyParams p, cons
   const uint32_t vecs = div.vecs_per_row.divisor;
   const uint32_t unit_vectors = div.unit.divisor;
   const bool head_major = p.dst.head_stride > p.dst.token_stride;  // HND destination: heads outer
-  // Each CTA owns a contiguous span of the layer's vectors, across units, so every thread has
-  // kUnroll accesses in flight whatever the block size (small blocks are small units).
-  const int64_t units = static_cast<int64_t>(p.num_dests) * p.num_planes * p.num_dst_blocks;
-  const int64_t first_unit = units * blockIdx.x / gridDim.x;
-  const uint32_t span = static_cast<uint32_t>((units * (blockIdx.x + 1) / gridDim.x - first_unit) * unit_vectors);
-  for (int li = 0; li < p.num_layers; ++li) {
+  // Each CTA owns a contiguous span of the launch's units, layer after layer, so every thread has
+  // kUnroll accesses in flight whatever the block size (small blocks are small units), and the
+  // layers of a many-layer request run side by side on different CTAs, not one after the other
+  // on all of them.
+  const int64_t units = static_cast<int64_t>(p.num_dests) * p.num_planes * p.num_dst_blocks;  // per layer
+  for (int li = kv_cta_first_layer(units, p.num_layers, blockIdx.x, gridDim.x); li < p.num_layers; ++li) {
+    const KvCtaLayer part = kv_cta_layer(units, p.num_layers, blockIdx.x, gridDim.x, li);
+    if (part.first >= part.last) break;
     const int layer = p.layer_begin + li;
+    const int64_t first_unit = part.first;
+    const uint32_t span = static_cast<uint32_t>((part.last - part.first) * unit_vectors);
     for (uint32_t base = threadIdx.x; base < span; base += blockDim.x * kUnroll) {
       T values[kUnroll];
       char* dst_at[kUnroll];
@@ -96,14 +102,15 @@ __global__ void __launch_bounds__(512) kv_copy_kernel(const KvCopyParams p, cons
     __syncthreads();  // every thread's stores of this layer issued before thread 0 publishes
     if (threadIdx.x == 0) {
       // Makes this CTA's stores (every thread's, ordered before by the barrier) visible at system
-      // scope before its count; the last CTA's fence after the count orders every counted CTA's
-      // stores before its flag stores (cumulativity).
+      // scope before its count of the layer's units; the CTA whose count completes the layer
+      // fences again, which orders every counted CTA's stores before its flag stores (cumulativity).
       device::fence_acq_rel_sys();
-      const uint32_t done = atomicAdd(p.tile_counters + li, 1u) + 1u;
-      if (done == gridDim.x) {
+      const uint32_t mine = static_cast<uint32_t>(part.last - part.first);
+      const uint32_t done = atomicAdd(p.tile_counters + li, mine) + mine;
+      if (done == static_cast<uint32_t>(units)) {
         device::fence_acq_rel_sys();
         for (int d = 0; d < p.num_dests; ++d) device::st_release_sys_u32(p.flags[d] + layer, p.flag_value[d]);
-        p.tile_counters[li] = 0u;  // every CTA has counted: the next launch finds it zero
+        p.tile_counters[li] = 0u;  // every unit is counted: the next launch finds it zero
       }
     }
   }
@@ -132,8 +139,9 @@ Status launch_kv_copy(const KvCopyParams& p, Stream stream) {
   const uint64_t unit_vectors =
       static_cast<uint64_t>(p.dst.block_size) * p.num_heads * static_cast<uint64_t>(p.row_bytes / vector_bytes);
   const uint64_t units = static_cast<uint64_t>(p.num_dests) * p.num_planes * p.num_dst_blocks;
-  // Indices are 32-bit: a CTA's span, and every unit and token index, below 2^31.
-  if ((units / static_cast<uint64_t>(p.num_ctas) + 1) * unit_vectors >= (1ull << 31) || units >= (1ull << 31) ||
+  const uint64_t span_units = std::min<uint64_t>(units, units * p.num_layers / static_cast<uint64_t>(p.num_ctas) + 1);
+  // Indices are 32-bit: a CTA's span within a layer, and every unit and token index, below 2^31.
+  if (span_units * unit_vectors >= (1ull << 31) || units >= (1ull << 31) ||
       static_cast<uint64_t>(p.num_tokens) >= (1ull << 31)) {
     return Status(StatusCode::kInvalidArgument,
                   detail::concat("kv copy: ", units, " units of ", unit_vectors, " vectors over ", p.num_ctas,

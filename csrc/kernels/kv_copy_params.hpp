@@ -12,12 +12,14 @@
 // this index only. Heads: destination j receives `num_heads` heads, source head src_head0[j] + h
 // into destination head dst_head0[j] + h (the TP slice; Note [kv tensor parallelism] in
 // csrc/core/kv_agent.hpp). The copy is bitwise: dtype matters only through row_bytes.
-// Work is cut into units, one per (destination, plane, destination block) of a layer; layers are
-// done in order, each layer's units split evenly over the CTAs. Completion (Note [kv protocol]):
-// after its last unit of a layer each CTA makes its stores visible at system scope and counts
-// itself in tile_counters[layer]; the last CTA of the layer stores flag_value[j] into
-// flags[j][layer] with release semantics (system scope: the consumer is another process, on the
-// host or another GPU) for every destination j, and resets the counter for the next launch.
+// Work is cut into units, one per (destination, plane, destination block) of a layer; the units of
+// every layer of the launch, layer after layer, are split evenly over the CTAs, so a CTA does part
+// of one layer or of a few neighbouring ones (an 80-layer request runs its layers side by side).
+// Completion (Note [kv protocol]): after its last unit of a layer each CTA makes its stores visible
+// at system scope and adds its count of that layer's units to tile_counters[layer]; the CTA whose
+// count completes the layer stores flag_value[j] into flags[j][layer] with release semantics
+// (system scope: the consumer is another process, on the host or another GPU) for every
+// destination j, and resets the counter for the next launch.
 #pragma once
 
 #include <cstddef>
@@ -78,6 +80,33 @@ inline int kv_vector_bytes(uint64_t gcd_bytes) {
   int v = 16;
   while (v > 1 && gcd_bytes % static_cast<uint64_t>(v) != 0) v /= 2;
   return v;
+}
+
+#if defined(__CUDACC__)
+#define COMMLIB_KV_HD __host__ __device__ __forceinline__
+#else
+#define COMMLIB_KV_HD inline
+#endif
+
+// Note [kv copy geometry]'s split of a launch: CTA `cta` of `ctas` owns the units
+// [units * layers * cta / ctas, units * layers * (cta + 1) / ctas) of the launch, counted layer
+// after layer; KvCtaLayer is its part of one layer: units [first, last) of layer `li` (empty when
+// first >= last). A CTA's layers run from kv_cta_first_layer up to the first empty part.
+struct KvCtaLayer {
+  int64_t first;
+  int64_t last;
+};
+
+COMMLIB_KV_HD int kv_cta_first_layer(int64_t units, int layers, int64_t cta, int64_t ctas) {
+  return static_cast<int>(units * layers * cta / ctas / units);
+}
+
+COMMLIB_KV_HD KvCtaLayer kv_cta_layer(int64_t units, int layers, int64_t cta, int64_t ctas, int li) {
+  const int64_t begin = units * layers * cta / ctas;
+  const int64_t end = units * layers * (cta + 1) / ctas;
+  const int64_t lo = li * units;
+  const int64_t hi = lo + units;
+  return {(begin > lo ? begin : lo) - lo, (end < hi ? end : hi) - lo};
 }
 
 // Launches the copy of `p` on `stream` (one kernel). The pointers are device pointers (flags may be
