@@ -404,3 +404,24 @@ def test_benchmark_moves_the_same_requests_through_nixl():
         # the random block order merge); head rows otherwise
         whole = {"nhd": 32, "llama70b": 80 * 118 * 2}
         assert (1 <= descs <= whole[case]) if case in whole else descs > 32 * 16, (case, descs)
+
+
+def test_benchmark_out_rewrites_its_device_section(tmp_path):
+    """commlib-perf kv_transfer --out rewrites the section of its device and keeps the others (the
+    CUDA table and the CPU one share bench/results/kv_transfer.md)."""
+    import subprocess
+    import sys
+    out = tmp_path / "kv_transfer.md"
+    out.write_text("# kv_transfer\n\n## CUDA: commlib-perf kv_transfer\n\ncuda rows, kept\n\n"
+                   "## CPU: commlib-perf kv_transfer\n\nan older CPU table\n")
+    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    for _ in range(2):  # the second run replaces the first one's section
+        result = subprocess.run([sys.executable, "-m", "commlib.perf", "kv_transfer", "--device", "cpu", "--kv-blocks",
+                                 "4", "--kv-block-bytes", "4K", "--kv-cases", "nhd", "-n", "1", "-w", "0", "--out",
+                                 str(out)], env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    text = out.read_text()
+    assert "## CUDA: commlib-perf kv_transfer\n\ncuda rows, kept\n\n## CPU: commlib-perf kv_transfer\n" in text, text
+    assert "an older CPU table" not in text and text.count("## CPU: commlib-perf kv_transfer") == 1, text
+    assert "- command: `commlib-perf kv_transfer --device cpu" in text and "- commit: " in text, text
+    assert [line.split()[0] for line in text.splitlines() if line.startswith("      nhd")] == ["nhd"], text

@@ -55,7 +55,7 @@ from typing import List, Optional
 import torch
 
 from . import harness, registry
-from .report import machine_description, software_description, source_commit, now_utc
+from .report import machine_description, now_utc, software_description, source_commit, write_section
 from .rows import _int_list
 
 NAME = "kv_transfer"
@@ -498,15 +498,16 @@ def main_kv(opts) -> int:
         print(line, flush=True)
     wrong = sum(r["wrong"] + r.get("nixl_wrong", 0) + r.get("cx_wrong", 0) for r in results)
     if opts.out:
-        meta = [f"# {NAME}: commlib.kv, {opts.device.upper()}, prefill and decode instances on one machine", "",
+        title = f"{opts.device.upper()}: commlib-perf kv_transfer"
+        body = [f"## {title}", "",
                 f"- machine: {machine_description(opts.device)}; {software_description(opts.device)}",
                 f"- commit: {source_commit()}", f"- date: {now_utc()}", f"- command: `{opts.command_line}`",
                 f"- timing: medians of {opts.iters} requests after {opts.warmup} warm-up ones, on prefill rank 0; "
                 "three processes share the device (module docstring of commlib/perf/ops_kv.py)", "",
-                "Regenerate: run the command above (it rewrites this file).", "", "```"] + lines + ["```", ""]
-        os.makedirs(os.path.dirname(os.path.abspath(opts.out)), exist_ok=True)
-        with open(opts.out, "w") as f:
-            f.write("\n".join(meta))
+                "```"] + lines + ["```", ""]
+        write_section(opts.out, title, "\n".join(body), f"# {NAME}: commlib.kv, prefill and decode instances on one "
+                      "machine\n\nEach section is rewritten by the command it names (`--out` rewrites the section "
+                      "of its device and keeps the others).\n\n")
         print(f"# wrote {opts.out}", flush=True)
     return 1 if wrong else 0
 

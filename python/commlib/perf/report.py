@@ -16,6 +16,23 @@ MODES = ("oop", "ip")
 PLOT_BESIDE_OUT = "<beside --out>"  # a bare --plot: the results file's name with .png
 
 
+def write_section(path: str, title: str, body: str, preamble: str) -> None:
+    """Replaces the section ``## title`` of the results file at ``path`` with ``body`` (which starts
+    with that heading), or appends it, keeping the other sections; a new file starts with
+    ``preamble``. Sections are set off by one blank line."""
+    text = open(path).read() if os.path.exists(path) else preamble
+    marker = f"## {title}\n"
+    if marker in text:
+        before, rest = text.split(marker, 1)
+        after = rest[rest.find("\n## "):] if "\n## " in rest else ""
+        text = before + body.rstrip("\n") + ("\n\n" + after.lstrip("\n") if after else "\n")
+    else:
+        text = text.rstrip("\n") + "\n\n" + body
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text.rstrip("\n") + "\n")
+
+
 def machine_description(device_type: str) -> str:
     if device_type == "cuda":
         import torch

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .harness import spawn
-from .report import machine_description, now_utc, software_description, source_commit
+from .report import machine_description, now_utc, software_description, source_commit, write_section
 
 REDUCTIONS = ("sum", "avg", "min", "max", "prod")
 CUDA_REDUCTIONS = ("sum", "avg")
@@ -328,17 +328,8 @@ def _section(title: str, command: str, lines: list) -> str:
 
 def _write_section(path: str, title: str, body: str) -> None:
     """Replaces the section `title` of the results file (or appends it), keeping the others."""
-    text = open(path).read() if os.path.exists(path) else "# Soak and leak checks\n\nSections are rewritten by " \
-        "`python -m commlib.perf.soak ... --out bench/results/soak.md` (Note [soak]).\n\n"
-    head, marker = text, f"## {title}\n"
-    if marker in text:
-        before, rest = text.split(marker, 1)
-        after = rest[rest.find("\n## "):] if "\n## " in rest else ""
-        head = before + body.rstrip("\n") + ("\n\n" + after.lstrip("\n") if after else "\n")
-    else:
-        head = text.rstrip("\n") + "\n\n" + body
-    with open(path, "w") as f:
-        f.write(head.rstrip("\n") + "\n")
+    write_section(path, title, body, "# Soak and leak checks\n\nSections are rewritten by "
+                  "`python -m commlib.perf.soak ... --out bench/results/soak.md` (Note [soak]).\n\n")
 
 
 def main(argv=None) -> int:
