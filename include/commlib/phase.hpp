@@ -1,7 +1,7 @@
 // The phase ids a GPU kernel records in DeviceErrorWord::phase when a bounded wait expires, and
 // their names in the host's Timeout message. One enum for every kernel (docs/architecture.md, Conventions). The
 // barrier phases (Note [flag barrier]) are < kBarrierPhasesPerCall, because the flag value carries
-// them; the flag- and line-based waits have ids of their own above. Host-compilable; no CUDA.
+// them; the flag- and line-based waits have ids of their own, distinct from theirs. Host-compilable; no CUDA.
 #pragma once
 
 namespace commlib {

@@ -42,7 +42,7 @@ class _Call:
 
 def _span(idx: List[int]) -> Optional[tuple]:
     """(start, stop) when ``idx`` is one ascending run of rows, else None."""
-    return (idx[0], idx[-1] + 1) if idx and idx[-1] - idx[0] + 1 == len(idx) and idx == sorted(idx) else None
+    return (idx[0], idx[0] + len(idx)) if idx and idx == list(range(idx[0], idx[0] + len(idx))) else None
 
 
 def _rows(block: torch.Tensor, rows: Optional[torch.Tensor], span: Optional[tuple]) -> torch.Tensor:

@@ -264,7 +264,7 @@ def emulated_attention(plan, blocks, r: int):
     steps = []
     for step in range(n):
         _, kb, vb = blocks[(r - step) % n]
-        steps.append([(cp.plan._rows(q, c.q_rows, c.q_span).contiguous(), cp.plan._rows(kb, c.k_rows, c.k_span),
+        steps.append([(cp.plan._rows(q, c.q_rows, c.q_span), cp.plan._rows(kb, c.k_rows, c.k_span),
                        cp.plan._rows(vb, c.k_rows, c.k_span), c) for c in plan.calls(r, (r - step) % n)])
 
     def run(mark):

@@ -454,14 +454,15 @@ def _nixl_sender(caches, canon, src_ids, dst_ids, store, tag, p, P, D, bs, dst_b
 
     descs = sum(len(local) for _, local, _ in posts)
     # A request of a million head_dim rows takes NIXL seconds to post: one timed request, no warm-up.
-    warmup, iters = (0, 1) if descs > NIXL_ONE_REQUEST_DESCS else (opts.warmup, opts.iters)
+    single = descs > NIXL_ONE_REQUEST_DESCS
+    warmup, iters = (0, 1) if single else (opts.warmup, opts.iters)
     times = [request(f"n{i}".encode()) for i in range(warmup + iters)][warmup:]
     _fill_cache(caches, 9 + p)  # fresh data for the checked request
     request(b"check")
     store.set(f"{tag}/nixl/sent/{p}", b"1")
     out = {"nixl_post_us": statistics.median(t[0] for t in times),
            "nixl_complete_us": statistics.median(t[1] for t in times),
-           "nixl_descs": descs, "nixl_iters": iters}
+           "nixl_descs": descs, "nixl_single": single}
     if p == 0:
         out["nixl_wrong"] = sum(int(store.get(f"{tag}/nixl/wrong/{d}")) for d in range(D))
     store.set(f"{tag}/nixl/done/{p}", b"1")
@@ -554,7 +555,7 @@ def _over_nixl_cells(r: dict) -> str:
 def _nixl_cells(r: dict) -> str:
     if "nixl_post_us" not in r:
         return f"{'n/a (NIXL not installed)':>45}"
-    one = "1" if r.get("nixl_iters", 0) == 1 else " "
+    one = "1" if r.get("nixl_single") else " "
     return (f"{r['nixl_post_us']:>12.1f} {r['nixl_complete_us']:>11.1f} {r['nixl_descs']:>6} {r['nixl_wrong']:>5} "
             f"{r['nixl_complete_us'] / r['complete_us']:>6.1f}x{one}")
 
