@@ -458,6 +458,8 @@ def _nixl_sender(caches, canon, src_ids, dst_ids, store, tag, p, P, D, bs, dst_b
     warmup, iters = (0, 1) if single else (opts.warmup, opts.iters)
     times = [request(f"n{i}".encode()) for i in range(warmup + iters)][warmup:]
     _fill_cache(caches, 9 + p)  # fresh data for the checked request
+    if device.type == "cuda":  # NIXL reads memory, not a stream: the fill must have landed
+        torch.cuda.synchronize(device)
     request(b"check")
     store.set(f"{tag}/nixl/sent/{p}", b"1")
     out = {"nixl_post_us": statistics.median(t[0] for t in times),
