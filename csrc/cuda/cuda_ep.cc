@@ -20,6 +20,7 @@ namespace commlib {
 struct EPBufferGpu::Impl {
   Communicator* comm = nullptr;
   CudaComm* cuda = nullptr;
+  int device = -1;  // kept apart from cuda: the communicator may be closed before the buffer
   EPConfig config{};
   std::shared_ptr<SymmetricBuffer> sym;
   EPTransport transport = EPTransport::kPeerMemory;
@@ -155,6 +156,7 @@ EPBufferGpu::EPBufferGpu(Communicator& comm, const EPConfig& config_in, int devi
   Impl& s = *impl_;
   s.comm = &comm;
   s.cuda = &cuda;
+  s.device = cuda.device();
   s.config = config;
   s.plan = plan;
   s.transport = transport;
@@ -182,7 +184,15 @@ EPBufferGpu::EPBufferGpu(Communicator& comm, const EPConfig& config_in, int devi
   p.barrier = cuda.barrier_handle();
 }
 
-EPBufferGpu::~EPBufferGpu() = default;
+EPBufferGpu::~EPBufferGpu() {
+  // A buffer dropped right after its combine is enqueued: its kernels still use the mappings
+  // released below (every wait is bounded, so this returns). As CudaComm's destructor.
+  if (impl_ != nullptr && impl_->device >= 0) {
+    DeviceGuard guard(impl_->device);
+    cudaDeviceSynchronize();
+    cudaGetLastError();
+  }
+}
 
 void EPBufferGpu::set_local(void* expert_x, int32_t* expert_counts, int32_t* recv_pos) {
   impl_->params.expert_x = expert_x;

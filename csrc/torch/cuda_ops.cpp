@@ -136,9 +136,24 @@ at::Tensor symmetric_empty(Communicator& comm, const std::vector<int64_t>& shape
   const size_t bytes = std::max<size_t>(1, static_cast<size_t>(numel) * c10::elementSize(dtype));
   std::shared_ptr<SymmetricBuffer> buffer = cuda.allocate_symmetric(bytes);
   void* data = buffer->local();
-  // The tensor keeps the mapping alive; freeing it is local (peers keep their own mappings).
+  // The tensor keeps the mapping alive; freeing it is local (peers keep their own mappings). A
+  // tensor dropped right after a call on it is enqueued: the call's kernels finish before the
+  // mapping goes. Not while this thread's stream captures a graph (the wait is illegal there; a
+  // captured graph must keep its tensors alive, as with any tensor it reads).
+  const c10::DeviceIndex index = dev.index();
   return at::from_blob(
-      data, shape, [buffer](void*) mutable { buffer.reset(); }, at::TensorOptions().dtype(dtype).device(dev));
+      data, shape,
+      [buffer, index](void*) mutable {
+        c10::cuda::CUDAGuard guard(index);
+        cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+        if (cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(index).stream(), &status) == cudaSuccess &&
+            status == cudaStreamCaptureStatusNone) {
+          cudaDeviceSynchronize();
+        }
+        cudaGetLastError();
+        buffer.reset();
+      },
+      at::TensorOptions().dtype(dtype).device(dev));
 }
 
 // Adds a method to the Communicator class that module.cpp defined (binding files stay independent).

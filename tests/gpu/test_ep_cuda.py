@@ -291,6 +291,39 @@ def test_more_ranks(ranks, world_size):
     ranks(world_size, env=LL).run(_dispatch_combine, "basic")
 
 
+def _freed_in_flight(ctx):
+    """A buffer dropped right after its combine is enqueued (no synchronisation, as a serving loop
+    that rebuilds its buffers does): its kernels still finish on the memory it mapped. Every
+    round's output matches the one of a buffer kept alive, bit for bit; then a new buffer and an
+    all_reduce work."""
+    import commlib
+    dev = f"cuda:{ctx.device}"
+    E, K, H, T = 16, 4, 7168, 512  # long enough a combine that the drop races it
+    x = make_tokens(ctx.rank, T, H, torch.bfloat16, seed=5).to(dev)
+    idx, w = (t.to(dev) for t in make_routing(ctx.rank, T, E, K, "random", seed=5))
+    kept = commlib.EPBuffer(ctx.comm, T, H, E, K, torch.bfloat16, device=dev)
+    res = kept.dispatch(x, idx, w)
+    want = kept.combine(res.expert_x, res.handle).clone()
+    outs = []
+    for _ in range(6):
+        buf = commlib.EPBuffer(ctx.comm, T, H, E, K, torch.bfloat16, device=dev)
+        res = buf.dispatch(x, idx, w)
+        outs.append(buf.combine(res.expert_x, res.handle, out=torch.empty_like(x)))
+        del buf, res
+    torch.cuda.synchronize()
+    for out in outs:
+        assert torch.equal(out, want)
+    y = torch.full((4097,), float(ctx.rank + 1), device=dev)
+    ctx.comm.all_reduce_(y)
+    assert torch.equal(y, torch.full_like(y, ctx.world_size * (ctx.world_size + 1) / 2))
+    return True
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_buffer_dropped_while_its_kernels_run(ranks, world_size):
+    assert all(ranks(world_size).run(_freed_in_flight))
+
+
 def _ll_dead_peer(ctx):
     return check_dead_peer_times_out(ctx, "ep-ll-timeout") == "ll"
 
