@@ -57,6 +57,20 @@ def test_cycles_cpu_leave_nothing():
     assert before == after, row
     before, after = fds.split(" → ")
     assert before == after, row
+    assert len(row[5].split(" → ")) == 3 and row[7] == "-", row  # RSS at start, half, end; no device on CPU
+
+
+@pytest.mark.gpu
+def test_cycles_cuda_leave_nothing():
+    """Communicators with an EPBuffer made, used, dropped and closed on the GPU (the buffer dropped
+    right after its combine is enqueued): nothing faults, and shared memory, descriptors, torch's
+    GPU bytes and the device's used memory (the soak's rc) come back."""
+    r = run_soak("--cycles", "30", "--world", "2", "--device", "cuda", timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (row,) = table(r.stdout)
+    assert row[:2] == ["2", "30"], row
+    before, after = row[6].split(" → ")
+    assert before == after, row
 
 
 @pytest.mark.gpu

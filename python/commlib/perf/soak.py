@@ -20,7 +20,10 @@ and the draws keep to what the GPU path serves (all_reduce sum and avg); the ref
 the CPU. The cycle mode
 creates a communicator, runs a few ops (shared-memory collectives, send / recv, an EPBuffer; on
 CUDA the GPU state) and closes it, and counts /dev/shm/commlib-* segments, open file descriptors,
-resident memory and (CUDA) allocated GPU memory before and after. The replay mode captures
+resident memory (also at half the cycles: growth that levels off is a cache filling, growth that
+does not is a leak) and, on CUDA, torch's allocated bytes and the device's used memory as the
+driver counts it (commlib's own allocations included), every rank at the same point, before and
+after. The replay mode captures
 all_reduce (each variant), the fused op and EP dispatch + combine into CUDA graphs and replays
 them, checking the outputs every ``--check-every`` replays. A failure ends the run with a message
 naming the step, the op and the seed.
@@ -162,6 +165,11 @@ def _sequences_worker(rank: int, world_size: int, store, steps: int, seed: int, 
     return {"steps": steps, "seconds": elapsed, "ops": counts}
 
 
+# Device memory the cycles may gain without counting as a leak: the driver's own pools move by a
+# page or two of 2 MiB; a leak of one communicator's buffers a cycle is megabytes a cycle.
+DEVICE_GROWTH_BYTES = 8 << 20
+
+
 def _held() -> dict:
     """What this process holds: shared-memory segments of commlib, file descriptors, resident KiB."""
     with open("/proc/self/status") as f:
@@ -191,22 +199,37 @@ def _cycles_worker(rank: int, world_size: int, store, cycles: int, device: str):
         del buf, res
         comm.close()
 
+    def count(tag: str):
+        """What the process holds, with every rank at the same point: the device's used memory
+        (the driver's count: commlib's own allocations too, of every process on the GPU) is read
+        after every rank gave torch's cached blocks back and before any rank goes on."""
+        gc.collect()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        store.set(f"{tag}/{rank}", "1")
+        store.wait([f"{tag}/{r}" for r in range(world_size)])
+        held = _held()
+        held["gpu_allocated"] = torch.cuda.memory_allocated() if cuda else 0
+        if cuda:
+            free, total = torch.cuda.mem_get_info()
+            held["device_used"] = total - free
+        store.set(f"{tag}-read/{rank}", "1")
+        store.wait([f"{tag}-read/{r}" for r in range(world_size)])
+        return held
+
     for i in range(3):  # first-use allocations (torch's caching allocator, lazy libraries) settle
         one(-1 - i)
-    gc.collect()
-    store.set(f"settled/{rank}", "1")
-    store.wait([f"settled/{r}" for r in range(world_size)])
-    before = _held()
-    gpu_before = torch.cuda.memory_allocated() if cuda else 0
+    before = count("settled")
     start = time.monotonic()
+    half_rss = before["rss_kib"]
     for i in range(cycles):
         one(i)
+        if i + 1 == cycles // 2:
+            half_rss = _held()["rss_kib"]
     elapsed = time.monotonic() - start
-    gc.collect()
-    after = _held()
-    gpu_after = torch.cuda.memory_allocated() if cuda else 0
-    return {"cycles": cycles, "seconds": elapsed, "before": before, "after": after,
-            "gpu_bytes": (gpu_before, gpu_after)}
+    after = count("finished")
+    return {"cycles": cycles, "seconds": elapsed, "before": before, "after": after, "half_rss_kib": half_rss}
 
 
 def _replays_worker(rank: int, world_size: int, store, replays: int, check_every: int):
@@ -356,16 +379,19 @@ def main(argv=None) -> int:
                 _write_section(args.out, f"Random op sequences ({args.device})", _section(
                     f"Random op sequences ({args.device})", command, lines))
     if args.cycles:
-        lines = ["| world | cycles | seconds | /dev/shm segments | fds | RSS KiB | GPU bytes |",
-                 "| ---: | ---: | ---: | --- | --- | --- | --- |"]
+        lines = ["| world | cycles | seconds | /dev/shm segments | fds | RSS KiB (start → half → end) | "
+                 "torch GPU bytes | device used MiB |", "| ---: | ---: | ---: | --- | --- | --- | --- | --- |"]
         leaked = False
         for n in worlds:
             r = spawn(_cycles_worker, n, args.cycles, args.device)
             b, a = r["before"], r["after"]
-            g0, g1 = r["gpu_bytes"]
-            leaked |= a["shm"] != b["shm"] or a["fds"] != b["fds"] or g1 != g0
+            used = (f"{b['device_used'] / 2**20:.0f} → {a['device_used'] / 2**20:.0f}" if "device_used" in b
+                    else "-")
+            leaked |= (a["shm"] != b["shm"] or a["fds"] != b["fds"] or a["gpu_allocated"] != b["gpu_allocated"]
+                       or a.get("device_used", 0) - b.get("device_used", 0) > DEVICE_GROWTH_BYTES)
             lines.append(f"| {n} | {r['cycles']} | {r['seconds']:.1f} | {b['shm']} → {a['shm']} | {b['fds']} → "
-                         f"{a['fds']} | {b['rss_kib']} → {a['rss_kib']} | {g0} → {g1} |")
+                         f"{a['fds']} | {b['rss_kib']} → {r['half_rss_kib']} → {a['rss_kib']} | "
+                         f"{b['gpu_allocated']} → {a['gpu_allocated']} | {used} |")
             print(lines[-1], flush=True)
             if args.out:
                 _write_section(args.out, f"Create / use / destroy cycles ({args.device})", _section(
