@@ -305,6 +305,21 @@ def _symmetric_zero_copy(ctx):
         t.fill_(float(ctx.rank + 1 + i))
         ctx.comm.all_reduce_(t, algo="tree")
         assert torch.equal(t, torch.full_like(t, float(sum(r + 1 + i for r in range(ctx.world_size)))))
+    # Dropped right after the calls on it are enqueued (no synchronisation): the tensor's release
+    # waits for them before it unmaps (docs/architecture.md, Memory and synchronisation).
+    count = (1 << 22) + 3
+    inputs = [rank_input(r, count, torch.float32, salt=12) for r in range(ctx.world_size)]
+    want = bits(ordered_reference(inputs, "sum", ctx.world_size))
+    outs = []
+    for _ in range(6):
+        t = ctx.comm.symmetric_empty((count,), torch.float32, dev)
+        t.copy_(inputs[ctx.rank])
+        ctx.comm.all_reduce_(t, algo="tree")
+        outs.append(t.clone())
+        del t
+    torch.cuda.synchronize(dev)
+    for out in outs:
+        assert torch.equal(bits(out.cpu()), want)
     return True
 
 
