@@ -144,13 +144,16 @@ at::Tensor symmetric_empty(Communicator& comm, const std::vector<int64_t>& shape
   return at::from_blob(
       data, shape,
       [buffer, index](void*) mutable {
-        c10::cuda::CUDAGuard guard(index);
-        cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-        if (cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(index).stream(), &status) == cudaSuccess &&
-            status == cudaStreamCaptureStatusNone) {
-          cudaDeviceSynchronize();
+        try {  // a deleter never throws (late at exit the CUDA runtime may be gone): it releases anyway
+          DeviceGuard guard(index);
+          cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+          if (cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(index).stream(), &status) == cudaSuccess &&
+              status == cudaStreamCaptureStatusNone) {
+            cudaDeviceSynchronize();
+          }
+          cudaGetLastError();
+        } catch (...) {
         }
-        cudaGetLastError();
         buffer.reset();
       },
       at::TensorOptions().dtype(dtype).device(dev));
