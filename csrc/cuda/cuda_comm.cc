@@ -97,10 +97,15 @@ CudaComm::CudaComm(Communicator& comm, int device)
   cuda_check(cudaDeviceSynchronize(), what, "cudaDeviceSynchronize");
 }
 
-CudaComm::~CudaComm() {
-  DeviceGuard guard(device_);
-  // In-flight kernels may still use the mappings; every wait is bounded, so this returns.
+void wait_device_before_release(int device) noexcept {
+  DeviceGuard guard(device);
   cudaDeviceSynchronize();
+  cudaGetLastError();
+}
+
+CudaComm::~CudaComm() {
+  wait_device_before_release(device_);
+  DeviceGuard guard(device_);
   p2p_.reset();
   user_buffers_.clear();
   a2a_control_.reset();

@@ -156,6 +156,11 @@ class DeviceGuard {
   bool changed_ = false;
 };
 
+// Waits for every piece of `device`'s work before what it uses is released (docs/architecture.md,
+// Memory and synchronisation): kernels still in flight may use the mappings; every device wait is
+// bounded, so this returns. Never throws; leaves no sticky error for the next CUDA call.
+void wait_device_before_release(int device) noexcept;
+
 void cuda_check(cudaError_t err, const char* what, const char* call);
 
 }  // namespace commlib

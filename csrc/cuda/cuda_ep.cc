@@ -186,12 +186,8 @@ EPBufferGpu::EPBufferGpu(Communicator& comm, const EPConfig& config_in, int devi
 
 EPBufferGpu::~EPBufferGpu() {
   // A buffer dropped right after its combine is enqueued: its kernels still use the mappings
-  // released below (every wait is bounded, so this returns). As CudaComm's destructor.
-  if (impl_ != nullptr && impl_->device >= 0) {
-    DeviceGuard guard(impl_->device);
-    cudaDeviceSynchronize();
-    cudaGetLastError();
-  }
+  // released below.
+  if (impl_ != nullptr && impl_->device >= 0) wait_device_before_release(impl_->device);
 }
 
 void EPBufferGpu::set_local(void* expert_x, int32_t* expert_counts, int32_t* recv_pos) {

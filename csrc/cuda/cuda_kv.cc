@@ -60,8 +60,8 @@ class CudaKvEngine final : public KvEngine {
   }
 
   ~CudaKvEngine() override {
+    wait_device_before_release(device_);  // no copy of ours may still use what is released below
     DeviceGuard guard(device_);
-    cudaDeviceSynchronize();  // no copy of ours may still use what is released below
     for (auto& e : ring_) {
       if (e.event != nullptr) cudaEventDestroy(e.event);
     }

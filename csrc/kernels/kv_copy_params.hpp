@@ -25,6 +25,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "commlib/device/host_device.hpp"
 #include "commlib/errors.hpp"
 
 struct CUstream_st;
@@ -82,12 +83,6 @@ inline int kv_vector_bytes(uint64_t gcd_bytes) {
   return v;
 }
 
-#if defined(__CUDACC__)
-#define COMMLIB_KV_HD __host__ __device__ __forceinline__
-#else
-#define COMMLIB_KV_HD inline
-#endif
-
 // Note [kv copy geometry]'s split of a launch: CTA `cta` of `ctas` owns the units
 // [units * layers * cta / ctas, units * layers * (cta + 1) / ctas) of the launch, counted layer
 // after layer; KvCtaLayer is its part of one layer: units [first, last) of layer `li` (empty when
@@ -97,11 +92,11 @@ struct KvCtaLayer {
   int64_t last;
 };
 
-COMMLIB_KV_HD int kv_cta_first_layer(int64_t units, int layers, int64_t cta, int64_t ctas) {
+COMMLIB_HD int kv_cta_first_layer(int64_t units, int layers, int64_t cta, int64_t ctas) {
   return static_cast<int>(units * layers * cta / ctas / units);
 }
 
-COMMLIB_KV_HD KvCtaLayer kv_cta_layer(int64_t units, int layers, int64_t cta, int64_t ctas, int li) {
+COMMLIB_HD KvCtaLayer kv_cta_layer(int64_t units, int layers, int64_t cta, int64_t ctas, int li) {
   const int64_t begin = units * layers * cta / ctas;
   const int64_t end = units * layers * (cta + 1) / ctas;
   const int64_t lo = li * units;

@@ -145,13 +145,11 @@ at::Tensor symmetric_empty(Communicator& comm, const std::vector<int64_t>& shape
       data, shape,
       [buffer, index](void*) mutable {
         try {  // a deleter never throws (late at exit the CUDA runtime may be gone): it releases anyway
-          DeviceGuard guard(index);
           cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
           if (cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(index).stream(), &status) == cudaSuccess &&
               status == cudaStreamCaptureStatusNone) {
-            cudaDeviceSynchronize();
+            wait_device_before_release(index);
           }
-          cudaGetLastError();
         } catch (...) {
         }
         buffer.reset();

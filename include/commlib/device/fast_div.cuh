@@ -6,11 +6,7 @@
 
 #include <cstdint>
 
-#ifdef __CUDACC__
-#define COMMLIB_FAST_DIV_HD __host__ __device__ __forceinline__
-#else
-#define COMMLIB_FAST_DIV_HD inline
-#endif
+#include "commlib/device/host_device.hpp"
 
 namespace commlib::device {
 
@@ -23,7 +19,7 @@ struct FastDiv {
     while ((1ull << shift) < d) ++shift;
     mul = static_cast<uint32_t>(((1ull << 32) * ((1ull << shift) - d)) / d + 1);
   }
-  COMMLIB_FAST_DIV_HD uint32_t div(uint32_t n) const {
+  COMMLIB_HD uint32_t div(uint32_t n) const {
 #ifdef __CUDA_ARCH__
     const uint32_t hi = __umulhi(n, mul);
 #else
@@ -34,5 +30,3 @@ struct FastDiv {
 };
 
 }  // namespace commlib::device
-
-#undef COMMLIB_FAST_DIV_HD

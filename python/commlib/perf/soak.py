@@ -209,11 +209,10 @@ def _cycles_worker(rank: int, world_size: int, store, cycles: int, device: str):
             torch.cuda.empty_cache()
         store.set(f"{tag}/{rank}", "1")
         store.wait([f"{tag}/{r}" for r in range(world_size)])
-        held = _held()
-        held["gpu_allocated"] = torch.cuda.memory_allocated() if cuda else 0
+        held = dict(_held(), gpu_allocated=0)
         if cuda:
             free, total = torch.cuda.mem_get_info()
-            held["device_used"] = total - free
+            held.update(gpu_allocated=torch.cuda.memory_allocated(), device_used=total - free)
         store.set(f"{tag}-read/{rank}", "1")
         store.wait([f"{tag}-read/{r}" for r in range(world_size)])
         return held
